@@ -1,0 +1,90 @@
+"""The training-time-test (TTT) objective of EAGLE-3.
+
+Alignment (one convention for the whole project; see Eagle3Draft.ttt_forward):
+- target row j of `probs` is the target's next-token distribution after x_0..x_j, i.e. the
+  distribution of x_{j+1}, restricted to the draft vocab and renormalised (soft labels);
+- step k's logits at position t predict x_{t+k+2}, so their label is row t+k+1, and the
+  position counts when x_{t+k+2} is a generated token (loss_mask) and the target's own
+  argmax at row t+k+1 lies in the draft vocab (otherwise the draft cannot match it).
+Loss = sum_k w^k * CE_k, each CE_k a mean over its valid positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.no_grad()
+def target_probs(
+    last_hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    t2d: torch.Tensor,
+    chunk_size: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Soft labels from the target's final hidden states, one chunk of rows at a time.
+
+    last_hidden (B, T, H), lm_head_weight (V, H), t2d bool (V,) ->
+    probs float32 (B, T, Vd), in_vocab bool (B, T). Full-vocab logits exist only for one
+    chunk of rows (chunk_size x V), so a 163840-token vocab never sits in memory per step.
+    """
+    B, T, H = last_hidden.shape
+    draft_ids = t2d.nonzero().squeeze(-1)  # ascending, matches d2t order
+    flat = last_hidden.reshape(B * T, H)
+    weight = lm_head_weight.to(device=flat.device, dtype=flat.dtype)
+    probs = torch.empty(B * T, draft_ids.numel(), dtype=torch.float32, device=flat.device)
+    in_vocab = torch.empty(B * T, dtype=torch.bool, device=flat.device)
+    t2d = t2d.to(flat.device)
+    for start in range(0, B * T, chunk_size):
+        logits = (flat[start : start + chunk_size] @ weight.T).float()  # (chunk, V)
+        in_vocab[start : start + chunk_size] = t2d[logits.argmax(-1)]
+        probs[start : start + chunk_size] = logits[:, draft_ids].softmax(-1)
+    return probs.view(B, T, -1), in_vocab.view(B, T)
+
+
+def ttt_loss(
+    step_logits: list[torch.Tensor],
+    probs: torch.Tensor,
+    in_vocab: torch.Tensor,
+    loss_mask: torch.Tensor,
+    step_weight: float = 0.8,
+    denominators: list[float] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weighted sum of per-step soft cross-entropies -> (loss, metrics).
+
+    metrics holds loss_k, acc_k (draft argmax == target argmax on valid positions) and
+    count_k / correct_k for exact aggregation across batches and ranks. `denominators`
+    replaces the local valid-position counts (e.g. counts all-reduced over data-parallel
+    ranks, divided by world size) so N ranks reproduce one rank with an N-times batch.
+    """
+    T = probs.shape[1]
+    total = probs.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, float] = {}
+    for k, logits in enumerate(step_logits):
+        n = T - k - 2  # positions t with a label row t+k+1 and a target token x_{t+k+2}
+        if n <= 0:
+            metrics.update({f"loss_{k}": 0.0, f"acc_{k}": 0.0, f"count_{k}": 0, f"correct_{k}": 0})
+            continue
+        p = probs[:, k + 1 : k + 1 + n]  # (B, n, Vd)
+        valid = loss_mask[:, k + 2 : k + 2 + n].bool() & in_vocab[:, k + 1 : k + 1 + n]
+        logp = F.log_softmax(logits[:, :n].float(), dim=-1)
+        ce = -(p * logp).sum(-1)  # (B, n)
+        count = int(valid.sum())
+        denom = denominators[k] if denominators is not None else max(count, 1)
+        loss_k = (ce * valid).sum() / max(denom, 1e-8)
+        total = total + (step_weight**k) * loss_k
+        correct = int(((logits[:, :n].argmax(-1) == p.argmax(-1)) & valid).sum())
+        metrics[f"loss_{k}"] = float((ce.detach() * valid).sum()) / max(count, 1)
+        metrics[f"acc_{k}"] = correct / max(count, 1)
+        metrics[f"count_{k}"] = count
+        metrics[f"correct_{k}"] = correct
+    return total, metrics
+
+
+def simulated_acceptance(accs: list[float]) -> float:
+    """Expected accepted tokens + 1 for a chain if step k is right with probability acc_k."""
+    tau, run = 1.0, 1.0
+    for acc in accs:
+        run *= acc
+        tau += run
+    return tau

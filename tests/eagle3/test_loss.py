@@ -1,0 +1,60 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle3.loss import simulated_acceptance, ttt_loss
+
+
+def one_hot_probs(labels, vocab):
+    return F.one_hot(labels, vocab).float()
+
+
+def test_alignment_step_k_predicts_token_k_plus_2():
+    """A draft that outputs exactly row t+k+1 of the labels at step k is perfect."""
+    torch.manual_seed(0)
+    T, V = 8, 6
+    labels = torch.randint(0, V, (1, T))
+    probs = one_hot_probs(labels, V)
+    in_vocab = torch.ones(1, T, dtype=torch.bool)
+    mask = torch.ones(1, T, dtype=torch.long)
+    steps = []
+    for k in range(3):
+        shifted = torch.roll(labels, -(k + 1), dims=1)  # position t -> label row t+k+1
+        steps.append(F.one_hot(shifted, V).float() * 50)
+    loss, m = ttt_loss(steps, probs, in_vocab, mask)
+    assert loss.item() < 1e-6
+    assert [m[f"acc_{k}"] for k in range(3)] == [1.0, 1.0, 1.0]
+    assert [m[f"count_{k}"] for k in range(3)] == [T - 2, T - 3, T - 4]
+    # Off by one position: the draft is wrong everywhere the labels differ.
+    wrong = [F.one_hot(labels, V).float() * 50]
+    _, m = ttt_loss(wrong, probs, in_vocab, mask)
+    assert m["acc_0"] < 1.0
+
+
+def test_masks_drop_prompt_tokens_and_out_of_vocab_targets():
+    T, V = 6, 4
+    probs = torch.full((1, T, V), 1 / V)
+    logits = [torch.zeros(1, T, V)]
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    in_vocab = torch.tensor([[1, 1, 1, 1, 0, 1]], dtype=torch.bool)
+    _, m = ttt_loss(logits, probs, in_vocab, mask)
+    # t in 0..3: needs mask[t+2] and in_vocab[t+1] -> t=1 (mask3,iv2), t=2 (mask4,iv3); t=3 iv4 off
+    assert m["count_0"] == 2
+
+
+def test_step_weights_and_denominators():
+    T, V = 5, 3
+    probs = torch.full((1, T, V), 1 / V)
+    logits = [torch.randn(1, T, V), torch.randn(1, T, V)]
+    ones = torch.ones(1, T, dtype=torch.long)
+    iv = torch.ones(1, T, dtype=torch.bool)
+    loss, m = ttt_loss(logits, probs, iv, ones, step_weight=0.5)
+    assert loss.item() == pytest.approx(m["loss_0"] + 0.5 * m["loss_1"], rel=1e-5)
+    half, _ = ttt_loss(logits, probs, iv, ones, step_weight=0.5,
+                       denominators=[2 * m["count_0"], 2 * m["count_1"]])
+    assert half.item() == pytest.approx(loss.item() / 2, rel=1e-5)
+
+
+def test_simulated_acceptance():
+    assert simulated_acceptance([1.0, 1.0]) == 3.0
+    assert simulated_acceptance([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
