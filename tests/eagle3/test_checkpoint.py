@@ -1,0 +1,206 @@
+"""Drafter checkpoints: SGLang EAGLE-3 layout, exact round trip, clear errors on bad directories."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from eagle3.checkpoint import load_config, load_draft, save_draft
+from eagle3.errors import Eagle3Error
+from eagle3.model import DraftConfig, Eagle3Draft
+
+H, V, VD = 64, 256, 32
+
+SAVED_KEYS = {
+    "fc.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+}
+
+
+def make_draft() -> Eagle3Draft:
+    cfg = DraftConfig(
+        hidden_size=H,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=V,
+        draft_vocab_size=VD,
+        target_hidden_size=48,  # differs from H on purpose: fc is [H, 3 * 48]
+        aux_layer_ids=[1, 3, 4],
+    )
+    model = Eagle3Draft(cfg)
+    with torch.no_grad():
+        for p in model.parameters():  # norms start at ones: perturb so a skipped tensor shows
+            p.add_(0.05 * torch.randn_like(p))
+    draft_ids = torch.randperm(V)[:VD].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[draft_ids] = True
+    model.set_vocab(draft_ids - torch.arange(VD), t2d)
+    return model
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = make_draft()
+    out = save_draft(model, tmp_path / "ckpt", extra_config={"target": "tiny", "ttt_steps": 5})
+    return model, out
+
+
+def test_round_trip_gives_identical_logits(saved):
+    model, out = saved
+    loaded = load_draft(out, embed_weight=model.embed_tokens.weight)
+    ids = torch.randint(0, V, (2, 9))
+    aux = torch.randn(2, 9, 3 * 48)
+    with torch.no_grad():
+        for a, b in zip(model.ttt_forward(ids, aux, 3), loaded.ttt_forward(ids, aux, 3)):
+            assert torch.equal(a, b)
+        hidden = model.project(aux)
+        pos = torch.arange(9)[None].expand(2, 9)
+        assert torch.equal(model(ids, hidden, pos)[1], loaded(ids, hidden, pos)[1])
+    assert torch.equal(loaded.d2t, model.d2t) and torch.equal(loaded.t2d, model.t2d)
+    assert torch.equal(
+        loaded.draft_to_target(torch.arange(VD)), model.draft_to_target(torch.arange(VD))
+    )
+
+
+def test_config_json_carries_every_design_field(saved):
+    model, out = saved
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 1
+    expected = {
+        "hidden_size": H,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": V,
+        "draft_vocab_size": VD,
+        "target_hidden_size": 48,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "hidden_act": "silu",
+    }
+    assert {k: cfg[k] for k in expected} == expected
+    for key in ("rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings"):
+        assert key in cfg
+    assert cfg["eagle_config"] == {
+        "eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+        "use_aux_hidden_state": True,
+    }
+    spec = cfg["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["verifier"]["name_or_path"] == "tiny"
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 5
+    assert cfg["extra_config"] == {"target": "tiny", "ttt_steps": 5}
+    assert load_config(out)[0] == model.config
+
+
+def test_config_json_is_a_valid_hf_llama_config(saved):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(saved[1])  # what SGLang/vLLM do first
+    assert cfg.model_type == "llama" and cfg.num_hidden_layers == 1
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size) == (H, V, VD)
+
+
+def test_safetensors_hold_exactly_the_listed_keys(saved):
+    _, out = saved
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        assert keys == SAVED_KEYS  # in particular no embed_tokens.weight
+        assert f.get_tensor("fc.weight").shape == (H, 3 * 48)
+        assert f.get_tensor("midlayer.self_attn.q_proj.weight").shape == (4 * 16, 2 * H)
+        assert f.get_tensor("lm_head.weight").shape == (VD, H)
+        assert f.get_tensor("d2t").dtype == torch.int64 and f.get_tensor("d2t").shape == (VD,)
+        assert f.get_tensor("t2d").dtype == torch.bool and f.get_tensor("t2d").shape == (V,)
+
+
+def test_bf16_round_trip(tmp_path):
+    model = make_draft().to(torch.bfloat16)
+    out = save_draft(model, tmp_path / "bf16")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    loaded = load_draft(out, embed_weight=model.embed_tokens.weight)
+    assert loaded.fc.weight.dtype == torch.bfloat16
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def _rewrite(out, change):
+    path = out / "model.safetensors"
+    state = load_file(str(path))
+    change(state)
+    save_file(state, str(path))
+
+
+def test_missing_tensor_is_named(saved):
+    _, out = saved
+    _rewrite(out, lambda s: s.pop("midlayer.mlp.down_proj.weight"))
+    with pytest.raises(Eagle3Error, match="midlayer.mlp.down_proj.weight"):
+        load_draft(out)
+
+
+def test_unexpected_tensor_is_named(saved):
+    _, out = saved
+    _rewrite(out, lambda s: s.update({"midlayer.extra.weight": torch.zeros(2)}))
+    with pytest.raises(Eagle3Error, match="midlayer.extra.weight"):
+        load_draft(out)
+
+
+def test_shape_mismatch_is_named(saved):
+    _, out = saved
+    _rewrite(out, lambda s: s.update({"fc.weight": torch.zeros(H, 3 * H)}))
+    with pytest.raises(Eagle3Error, match=r"'fc.weight' has shape \(64, 192\)"):
+        load_draft(out)
+
+
+def test_missing_config_field_is_named(saved):
+    _, out = saved
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["draft_vocab_size"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Eagle3Error, match="'draft_vocab_size'"):
+        load_draft(out)
+
+
+@pytest.mark.parametrize("victim", ["config.json", "model.safetensors"])
+def test_missing_file_is_named(saved, victim):
+    _, out = saved
+    (out / victim).unlink()
+    with pytest.raises(Eagle3Error, match=victim):
+        load_draft(out)
+
+
+def test_truncated_weights_are_a_clear_error(saved):
+    _, out = saved
+    path = out / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(Eagle3Error, match="cannot be read"):
+        load_draft(out)
+
+
+def test_embeddings_saved_by_other_exporters_are_used(saved):
+    model, out = saved
+    _rewrite(out, lambda s: s.update({"embed_tokens.weight": model.embed_tokens.weight.clone()}))
+    assert torch.equal(load_draft(out).embed_tokens.weight, model.embed_tokens.weight)
+
+
+def test_wrong_embedding_shape_is_rejected(saved):
+    with pytest.raises(Eagle3Error, match="another target"):
+        load_draft(saved[1], embed_weight=torch.zeros(V + 1, H))

