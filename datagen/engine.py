@@ -1,0 +1,524 @@
+"""The async generation engine behind ``python -m datagen.openrouter``.
+
+One asyncio loop, one pooled aiohttp session, ``concurrency`` workers. Each worker takes the next
+prompt (datasets interleaved) and generates it turn by turn: every user turn is one request
+whose input is the conversation so far, the model's own earlier answers included. Per request:
+
+1. take a concurrency slot from the :class:`Throttle` (it shrinks on 429s and holds everyone
+   back while a server-requested wait runs, so a 429 storm slows the whole client);
+2. reserve the request's worst case in the :class:`~datagen.ledger.Ledger` (dollars and the
+   dataset's output tokens); if it does not fit, wait for in-flight requests to settle, and when
+   nothing is in flight any more, stop (budget) or close the dataset (token budget);
+3. send; sort the response with :func:`datagen.retry.check`; settle the reservation with
+   ``usage.cost`` (billed failures too) or release it; retry, fail the prompt, or stop on 402.
+
+Cost when the outcome is unknown: a client timeout is counted at the reservation (the request
+may still run and be billed upstream); HTTP errors, connection drops and unparsable bodies carry
+no usage and are taken as not billed (OpenRouter does not bill failed generations).
+A prompt is written (whole conversation, one line) only when its last turn is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from datagen import retry
+from datagen.ledger import Ledger, Reservation, upper_prompt_tokens, worst_case_usd
+from datagen.prompts import Prompt
+from datagen.providers import Prices
+from datagen.store import ResultStore, make_failure, make_record
+
+log = logging.getLogger("datagen.openrouter")
+
+MIN_CONCURRENCY = 4  # the adaptive limit never goes below this
+CUT_FACTOR = 0.7  # concurrency multiplier on a 429 (once per round: see Throttle)
+CALM_S = 5.0  # no 429 for this long: the limit grows back by one per success
+DEFAULT_GATE_S = 1.0  # shared pause after a 429 that gives no hint
+
+
+@dataclass
+class Settings:
+    base_url: str
+    api_key: str
+    model: str
+    max_tokens: int
+    temperature: float
+    reasoning: dict | None
+    provider: dict  # the request's provider rule (datagen.providers.provider_block)
+    prices: Prices  # dearest allowed, USD per token: reservations
+    budget: float  # USD for the output directory, all runs
+    token_budgets: dict  # dataset -> output tokens (None = unlimited)
+    concurrency: int = 2000
+    max_attempts: int = 6
+    retry_initial: float = retry.INITIAL_DELAY_S  # backoff: first wait and cap, seconds
+    retry_max: float = retry.MAX_DELAY_S
+    request_timeout: float = 900.0
+    grace: float = 30.0  # seconds in-flight requests get after Ctrl-C / SIGTERM
+    log_every: float = 30.0  # seconds between plain progress lines (not a TTY)
+    progress_bar: bool | None = None  # None = when stderr is a TTY
+    seed: int | None = None
+
+
+@dataclass
+class Outcome:
+    stop: str | None = None  # "budget" | "credits" | "interrupted" | None
+    stop_detail: str = ""
+    capped: set = field(default_factory=set)  # datasets that hit their token budget
+    done: int = 0  # prompts finished in this run
+    failed: int = 0
+    output_tokens: int = 0  # completion tokens charged in this run
+    requests: int = 0
+    retries: Counter = field(default_factory=Counter)
+    errors: Counter = field(default_factory=Counter)
+    length: int = 0  # finished turns with finish_reason length (kept, flagged)
+
+
+class Throttle:
+    """Adaptive concurrency limit plus a shared gate that pauses every sender after a 429."""
+
+    def __init__(self, limit: int):
+        self.max = limit
+        self.limit = limit
+        self.active = 0
+        self.gate_until = 0.0  # loop time before which nobody sends
+        self._last_cut = -1e9  # loop time of the last cut
+        self._last_429 = -1e9
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    async def acquire(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            wait = self.gate_until - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            if self.active < self.limit:
+                self.active += 1
+                return
+            fut = loop.create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():
+                    self._wake()  # pass the wake-up on
+                raise
+
+    def release(self) -> None:
+        self.active -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        free = self.limit - self.active
+        while free > 0 and self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                free -= 1
+
+    def on_rate_limit(self, hint: float | None, sent_at: float) -> None:
+        """A 429 for a request sent at loop time ``sent_at``: pause everyone for the hint, and
+        cut the limit once per round (429s of requests sent before the last cut do not count
+        again: they say nothing about the new limit)."""
+        now = asyncio.get_running_loop().time()
+        self._last_429 = now
+        self.gate_until = max(self.gate_until, now + (hint if hint is not None else DEFAULT_GATE_S))
+        if sent_at >= self._last_cut:
+            self.limit = max(MIN_CONCURRENCY, int(self.limit * CUT_FACTOR))
+            self._last_cut = now
+            log.info("429: concurrency limit now %d", self.limit)
+
+    def on_success(self) -> None:
+        if self.limit < self.max:
+            now = asyncio.get_running_loop().time()
+            if now - self._last_429 >= CALM_S:
+                self.limit += 1
+                self._wake()
+
+
+def interleave(groups: Sequence[Sequence[Prompt]]) -> Iterator[Prompt]:
+    """Round-robin over datasets, so they are drained at about the same pace."""
+    iters = [iter(g) for g in groups]
+    while iters:
+        alive = []
+        for it in iters:
+            p = next(it, None)
+            if p is not None:
+                alive.append(it)
+                yield p
+        iters = alive
+
+
+@dataclass
+class Turn:
+    message: dict  # {"role": "assistant", "content", "reasoning"}
+    usage: dict
+    provider: str | None
+    model: str | None
+    finish_reason: str | None
+
+
+class Engine:
+    def __init__(
+        self,
+        settings: Settings,
+        prompts: Sequence[Sequence[Prompt]],
+        store: ResultStore,
+        ledger: Ledger,
+    ):
+        self.s = settings
+        self.store = store
+        self.ledger = ledger
+        self.total = sum(len(g) for g in prompts)
+        self.queue = interleave(prompts)
+        self.out = Outcome()
+        self.rng = random.Random(settings.seed)
+        self.chat_url = settings.base_url.rstrip("/") + "/chat/completions"
+        self.headers = {
+            "Authorization": f"Bearer {settings.api_key}",
+            "Content-Type": "application/json",
+            "HTTP-Referer": "https://github.com/eagle3-forge",
+            "X-OpenRouter-Title": "eagle3-forge datagen",
+        }
+        self._stopping = asyncio.Event()
+        self._settled = asyncio.Event()
+        self._workers: list[asyncio.Task] = []
+        self._t0 = time.monotonic()
+
+    # ------------------------------------------------------------------ stopping
+
+    def stop(self, reason: str, detail: str = "") -> None:
+        if self.out.stop is None:
+            self.out.stop, self.out.stop_detail = reason, detail
+            log.info(
+                "stopping (%s): no new requests; waiting for in-flight ones. %s", reason, detail
+            )
+        self._stopping.set()
+        self._notify_settled()
+
+    def _on_signal(self, signum: int) -> None:
+        if self.out.stop == "interrupted":  # second signal: do not wait any longer
+            self._cancel_workers()
+            return
+        self.stop("interrupted", f"signal {signal.Signals(signum).name}")
+        asyncio.get_running_loop().call_later(self.s.grace, self._cancel_workers)
+
+    def _cancel_workers(self) -> None:
+        pending = [t for t in self._workers if not t.done()]
+        if pending:
+            log.warning(
+                "abandoning %d in-flight request(s); counted at worst case in the ledger",
+                self.throttle.active,
+            )
+        for t in pending:
+            t.cancel()
+
+    def _notify_settled(self) -> None:
+        self._settled.set()
+        self._settled = asyncio.Event()
+
+    # ------------------------------------------------------------------ run
+
+    async def run(self) -> Outcome:
+        loop = asyncio.get_running_loop()
+        self.throttle = Throttle(self.s.concurrency)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        connector = aiohttp.TCPConnector(limit=self.s.concurrency, keepalive_timeout=75)
+        timeout = aiohttp.ClientTimeout(total=self.s.request_timeout)
+        progress = Progress(self)
+        try:
+            async with aiohttp.ClientSession(
+                connector=connector, timeout=timeout, headers=self.headers
+            ) as session:
+                self.session = session
+                n = max(1, min(self.s.concurrency, self.total))
+                self._workers = [asyncio.create_task(self._worker()) for _ in range(n)]
+                ticker = asyncio.create_task(progress.tick())
+                results = await asyncio.gather(*self._workers, return_exceptions=True)
+                ticker.cancel()
+                for r in results:
+                    if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                        raise r
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            progress.close()
+        return self.out
+
+    async def _worker(self) -> None:
+        while not self._stopping.is_set():
+            prompt = next(self.queue, None)
+            if prompt is None:
+                return
+            if prompt.dataset in self.out.capped:
+                continue
+            await self._generate(prompt)
+
+    async def _generate(self, prompt: Prompt) -> None:
+        conversation: list[dict] = []
+        usage = Counter()
+        cost = 0.0
+        providers: list[str] = []
+        finish, model = None, None
+        for msg in prompt.messages:
+            conversation.append(dict(msg))
+            if msg["role"] != "user":
+                continue
+            turn = await self._request(prompt, conversation)
+            if turn is None:
+                return  # failed (written to failed.jsonl), stopped, or its dataset is capped
+            conversation.append(turn.message)
+            u = turn.usage
+            cost += float(u.get("cost") or 0.0)
+            usage["prompt_tokens"] += int(u.get("prompt_tokens") or 0)
+            usage["completion_tokens"] += int(u.get("completion_tokens") or 0)
+            usage["reasoning_tokens"] += int(
+                (u.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+            )
+            usage["cached_tokens"] += int(
+                (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            )
+            if turn.provider and turn.provider not in providers:
+                providers.append(turn.provider)
+            finish = "length" if "length" in (finish, turn.finish_reason) else turn.finish_reason
+            model = turn.model or model
+        record = make_record(
+            prompt,
+            conversation,
+            model or self.s.model,
+            ", ".join(providers) or None,
+            finish,
+            {**usage, "cost": cost},
+        )
+        if self.store.append(prompt.dataset, record):
+            self.out.done += 1
+
+    def _payload(self, conversation: list[dict]) -> bytes:
+        body = {
+            "model": self.s.model,
+            "messages": [{"role": m["role"], "content": m["content"]} for m in conversation],
+            "max_tokens": self.s.max_tokens,
+            "temperature": self.s.temperature,
+            "stream": False,
+            "provider": self.s.provider,
+        }
+        if self.s.reasoning is not None:
+            body["reasoning"] = self.s.reasoning
+        return json.dumps(body, ensure_ascii=False).encode("utf-8")
+
+    async def _reserve(self, usd: float, dataset: str) -> Reservation | None:
+        """Reserve the worst case; wait while in-flight requests may free room; None = cannot."""
+        while True:
+            if self._stopping.is_set() or dataset in self.out.capped:
+                return None
+            res = self.ledger.reserve(
+                usd, self.s.max_tokens, dataset, self.s.budget, self.s.token_budgets.get(dataset)
+            )
+            if isinstance(res, Reservation):
+                return res
+            if res == "budget" and self.ledger.open == 0:
+                left = self.s.budget - self.ledger.spent_usd
+                self.stop(
+                    "budget",
+                    f"${left:.4f} left, a request may cost up to ${usd:.4f} "
+                    f"(max_tokens {self.s.max_tokens} at the dearest allowed price)",
+                )
+                return None
+            if res == "tokens" and self.ledger.open_by_dataset[dataset] == 0:
+                if dataset not in self.out.capped:
+                    self.out.capped.add(dataset)
+                    log.info("%s: output-token budget reached; no new requests for it", dataset)
+                return None
+            await self._settled.wait()
+
+    async def _post(self, body: bytes) -> tuple[int | None, dict, bytes, str | None]:
+        try:
+            async with self.session.post(self.chat_url, data=body) as resp:
+                raw = await resp.read()
+                return resp.status, resp.headers, raw, None
+        except TimeoutError:
+            return None, {}, b"", "timeout"
+        except aiohttp.ClientConnectorError:
+            return None, {}, b"", "connect error"
+        except aiohttp.ClientError as err:
+            return None, {}, b"", f"connection error ({type(err).__name__})"
+
+    async def _request(self, prompt: Prompt, conversation: list[dict]) -> Turn | None:
+        s, out = self.s, self.out
+        body = self._payload(conversation)
+        worst = worst_case_usd(
+            upper_prompt_tokens(conversation),
+            s.max_tokens,
+            s.prices.prompt,
+            s.prices.completion,
+            s.prices.request,
+        )
+        verdict = retry.Verdict(retry.RETRY, "not sent")
+        for attempt in range(1, s.max_attempts + 1):
+            await self.throttle.acquire()
+            try:
+                res = await self._reserve(worst, prompt.dataset)
+                if res is None:
+                    return None
+                out.requests += 1
+                sent_at = asyncio.get_running_loop().time()
+                status, headers, raw, exc = await self._post(body)
+            finally:
+                self.throttle.release()
+            payload = retry.parse_body(raw)
+            if exc is not None:
+                verdict = retry.Verdict(retry.RETRY, exc)
+            else:
+                verdict = retry.check(status, payload)
+            self._settle(res, prompt, verdict, payload, headers, exc)
+
+            if verdict.action == retry.OK:
+                self.throttle.on_success()
+                choice = payload["choices"][0]
+                msg = choice.get("message") or {}
+                if choice.get("finish_reason") == "length":
+                    out.length += 1
+                return Turn(
+                    {
+                        "role": "assistant",
+                        "content": msg.get("content") or "",
+                        "reasoning": msg.get("reasoning") or msg.get("reasoning_content") or "",
+                    },
+                    payload.get("usage") or {},
+                    payload.get("provider"),
+                    payload.get("model"),
+                    choice.get("finish_reason"),
+                )
+            out.errors[verdict.reason] += 1
+            if verdict.action == retry.NO_CREDITS:
+                self.stop("credits", verdict.detail)
+                return None
+            if verdict.action == retry.FAIL:
+                return self._fail(prompt, verdict, status, attempt)
+            # retry
+            if status == 429 or verdict.reason.endswith("429"):
+                hint = retry.server_hint(headers, payload, now=time.time())
+                self.throttle.on_rate_limit(hint, sent_at)
+            if attempt == s.max_attempts:
+                break
+            out.retries[verdict.reason] += 1
+            wait = retry.delay(
+                attempt,
+                headers,
+                payload,
+                now=time.time(),
+                rng=self.rng,
+                initial=s.retry_initial,
+                maximum=s.retry_max,
+            )
+            log.debug(
+                "%s: attempt %d: %s; retry in %.2fs", prompt.id, attempt, verdict.reason, wait
+            )
+            try:
+                await asyncio.wait_for(self._stopping.wait(), timeout=wait)
+                return None  # stopping: leave the prompt for the next run
+            except TimeoutError:
+                pass
+        return self._fail(prompt, verdict, None, s.max_attempts, gave_up=True)
+
+    def _settle(self, res, prompt, verdict, payload, headers, exc) -> None:
+        usage = payload.get("usage") if payload else None
+        gen_id = (payload or {}).get("id") or headers.get("X-Generation-Id")
+        provider = (payload or {}).get("provider")
+        ok = verdict.action == retry.OK
+        if isinstance(usage, dict) and usage.get("cost") is not None:
+            tokens = int(usage.get("completion_tokens") or 0)
+            self.ledger.charge(
+                res,
+                float(usage["cost"]),
+                tokens,
+                prompt_id=prompt.id,
+                generation_id=gen_id,
+                provider=provider,
+                ok=ok,
+                reason=verdict.reason,
+            )
+            self.out.output_tokens += tokens
+        elif ok or exc == "timeout":  # billed, or maybe billed, for an unknown amount
+            self.ledger.charge(
+                res,
+                res.usd,
+                res.tokens,
+                prompt_id=prompt.id,
+                generation_id=gen_id,
+                provider=provider,
+                ok=ok,
+                reason=f"{verdict.reason}; cost unknown, counted at worst case",
+            )
+        else:
+            self.ledger.release(res)
+        self._notify_settled()
+
+    def _fail(self, prompt, verdict, status, attempts, gave_up=False) -> None:
+        reason = verdict.reason
+        if gave_up:
+            reason = f"gave up after {attempts} attempts; last: {reason}"
+        self.store.append_failed(
+            make_failure(prompt, reason, status=status, detail=verdict.detail, attempts=attempts)
+        )
+        self.out.failed += 1
+        log.warning("%s/%s failed: %s %s", prompt.dataset, prompt.id, reason, verdict.detail)
+        return None
+
+
+class Progress:
+    """A live tqdm line on a terminal; plain log lines every ``log_every`` s otherwise."""
+
+    def __init__(self, engine: Engine):
+        self.e = engine
+        tty = engine.s.progress_bar
+        if tty is None:
+            tty = sys.stderr.isatty()
+        self.bar = None
+        if tty:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=engine.total, unit="prompt", dynamic_ncols=True, file=sys.stderr)
+
+    def line(self) -> str:
+        e, out = self.e, self.e.out
+        elapsed = max(1e-9, time.monotonic() - e._t0)
+        errors = ", ".join(f"{k} {v}" for k, v in out.errors.most_common(4)) or "none"
+        return (
+            f"in flight {e.throttle.active}/{e.throttle.limit}, "
+            f"{out.output_tokens / elapsed:,.0f} tok/s, "
+            f"${e.ledger.spent_usd:.2f}/${e.s.budget:.2f}, "
+            f"retries {sum(out.retries.values())}, failed {out.failed}, errors: {errors}"
+        )
+
+    async def tick(self) -> None:
+        interval = 0.5 if self.bar is not None else self.e.s.log_every
+        while True:
+            await asyncio.sleep(interval)
+            self.show()
+
+    def show(self) -> None:
+        out = self.e.out
+        if self.bar is not None:
+            self.bar.n = out.done + out.failed
+            self.bar.set_postfix_str(self.line(), refresh=True)
+        else:
+            log.info("done %d/%d, %s", out.done + out.failed, self.e.total, self.line())
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.show()
+            self.bar.close()

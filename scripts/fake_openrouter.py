@@ -1,0 +1,489 @@
+"""A fake OpenRouter on 127.0.0.1 for tests, benchmarks and dry runs.
+
+Serves ``/api/v1/chat/completions``, ``/api/v1/models/{author}/{slug}/endpoints``,
+``/api/v1/key`` and ``/api/v1/credits`` with: a provider table (the Kimi-K2.5 providers with
+their quantizations and prices), routing like ``sort: price`` under the request's ``provider``
+rule, cost from the routed endpoint's prices, credits that run out (402, pre-authorising
+``max_tokens`` like the real one), injected faults at set rates, a set latency, reasoning in
+responses, and a rule check: a request whose ``provider`` block would let the router reach a
+forbidden endpoint (default: Fireworks NVFP4, BaseTen FP4) is counted and rejected with 400.
+
+As a module (tests)::
+
+    server = FakeServerThread(FakeConfig(latency=0.01, faults={"429": 0.1}))
+    url = server.start()            # "http://127.0.0.1:PORT/api/v1"
+    ...; server.stats.charged_usd; server.stop()
+
+As a script (dry runs, the benchmark)::
+
+    python scripts/fake_openrouter.py --latency 0.2 --faults 429=0.02,truncated=0.01 --credits 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import itertools
+import json
+import math
+import random
+import signal
+import socket
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+PER_M = 1_000_000
+
+
+def endpoint(provider, tag, quant, prompt, completion, cache=None, status=0, uptime=99.0):
+    """One listing entry; prices in USD per million tokens (stored as per-token strings)."""
+    return {
+        "name": f"{provider} | moonshotai/kimi-k2.5",
+        "provider_name": provider,
+        "tag": tag,
+        "quantization": quant,
+        "context_length": 262144,
+        "max_completion_tokens": 65535,
+        "pricing": {
+            "prompt": f"{prompt / PER_M:.10f}",
+            "completion": f"{completion / PER_M:.10f}",
+            "request": "0",
+            "input_cache_read": f"{(cache if cache is not None else prompt / 4) / PER_M:.10f}",
+            "discount": 0,
+        },
+        "status": status,
+        "uptime_last_30m": uptime,
+        "supported_parameters": ["reasoning", "max_tokens", "temperature"],
+    }
+
+
+# The Kimi-K2.5 providers as seen Feb-Aug 2026 (../shared/reference/OPENROUTER.md). Fireworks
+# and BaseTen are made the cheapest on purpose: a client that fails to exclude them gets
+# routed there, and the rule check catches it.
+KIMI_ENDPOINTS = [
+    endpoint("Chutes", "chutes", "int4", 0.45, 2.20, 0.225, uptime=97.2),
+    endpoint("DeepInfra", "deepinfra", "unknown", 0.50, 2.50, 0.10, uptime=99.0),
+    endpoint("SiliconFlow", "siliconflow", "int4", 0.55, 2.50, uptime=95.6),
+    endpoint("AtlasCloud", "atlas-cloud", "int4", 0.50, 2.60, uptime=98.0),
+    endpoint("Together", "together", None, 0.60, 2.80, uptime=99.5),
+    endpoint("Novita", "novita", "unknown", 0.60, 3.00, uptime=100.0),
+    endpoint("Parasail", "parasail", "int4", 0.55, 2.90, uptime=99.1),
+    endpoint("Moonshot AI", "moonshotai", "int4", 0.60, 3.00, 0.15, uptime=99.9),
+    endpoint("Venice", "venice", "unknown", 0.60, 3.00, uptime=96.0),
+    endpoint("Fireworks", "fireworks", "nvfp4", 0.40, 2.00, 0.15, uptime=99.5),
+    endpoint("BaseTen", "baseten", "fp4", 0.38, 1.90, status=-5, uptime=0.0),
+]
+FORBIDDEN = ("fireworks", "baseten")
+FAULTS = ("429", "502", "524_in_200", "no_choices", "finish_error", "empty", "truncated", "drop")
+
+
+@dataclass
+class FakeConfig:
+    endpoints: list = field(default_factory=lambda: [dict(e) for e in KIMI_ENDPOINTS])
+    forbidden: tuple = FORBIDDEN  # tags no request may be able to reach
+    model: str = "moonshotai/kimi-k2.5"
+    credits: float = math.inf  # USD on the account; a request it cannot pre-authorise gets 402
+    latency: float = 0.0  # seconds per chat request
+    faults: dict = field(default_factory=dict)  # kind (see FAULTS) -> rate in [0, 1]
+    retry_after: float = 0.05  # Retry-After seconds of injected 429s
+    max_inflight: int | None = None  # above this many concurrent chat requests: 429 (a storm)
+    completion_tokens: tuple = (20, 200)  # drawn uniformly; >= max_tokens -> finish length
+    api_key: str | None = None  # when set, chat/key/credits need "Bearer <api_key>"
+    seed: int = 0
+
+
+@dataclass
+class Stats:
+    requests: int = 0
+    chat: int = 0
+    inflight: int = 0
+    max_inflight_seen: int = 0
+    statuses: Counter = field(default_factory=Counter)
+    faults: Counter = field(default_factory=Counter)
+    providers: Counter = field(default_factory=Counter)  # tag -> requests routed there
+    charged_usd: float = 0.0  # everything billed, failures included
+    billed: int = 0
+    violations: int = 0
+    violation_examples: list = field(default_factory=list)
+    ok_contents: Counter = field(
+        default_factory=Counter
+    )  # hash of the last user turn -> ok answers
+
+
+def _per_m(price: str) -> float:
+    return round(float(price) * PER_M, 6)
+
+
+def _prompt_tokens(messages) -> int:
+    """What the fake bills as prompt tokens: bytes / 4 + 8 per message (real BPE is similar)."""
+    n = 0
+    for m in messages:
+        content = m.get("content") or ""
+        n += len(str(content).encode("utf-8")) // 4 + 8
+    return n
+
+
+def _error(status: int, message: str, headers=None, **extra) -> web.Response:
+    body = {"error": {"code": status, "message": message, **extra}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+class FakeOpenRouter:
+    """The aiohttp application and its state; ``start()`` / ``stop()`` inside a running loop."""
+
+    def __init__(self, config: FakeConfig | None = None):
+        self.config = config or FakeConfig()
+        self.stats = Stats()
+        self.rng = random.Random(self.config.seed)
+        self._ids = itertools.count(1)
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, port: int = 0) -> str:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/api/v1/chat/completions", self.chat)
+        app.router.add_get("/api/v1/models/{author}/{slug}/endpoints", self.endpoints)
+        app.router.add_get("/api/v1/key", self.key)
+        app.router.add_get("/api/v1/credits", self.credits)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(4096)
+        self.port = sock.getsockname()[1]
+        await web.SockSite(self._runner, sock, backlog=4096).start()
+        return self.url
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api/v1"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ------------------------------------------------------------------ helpers
+
+    def _authorised(self, request: web.Request) -> bool:
+        key = self.config.api_key
+        return key is None or request.headers.get("Authorization") == f"Bearer {key}"
+
+    @property
+    def credits_left(self) -> float:
+        return self.config.credits - self.stats.charged_usd
+
+    def reachable(self, provider: dict | None, max_tokens: int) -> list[dict]:
+        """Endpoints the request's provider rule lets the router use (down ones included)."""
+        provider = provider or {}
+        ignore = {s.lower() for s in provider.get("ignore") or []}
+        quants = provider.get("quantizations")
+        max_price = provider.get("max_price") or {}
+        out = []
+        for e in self.config.endpoints:
+            tag = e["tag"]
+            if tag in ignore or tag.split("/")[0] in ignore:
+                continue
+            if quants is not None and (e.get("quantization") or "unknown") not in quants:
+                continue
+            p = e["pricing"]
+            if "prompt" in max_price and _per_m(p["prompt"]) > float(max_price["prompt"]) + 1e-9:
+                continue
+            if (
+                "completion" in max_price
+                and _per_m(p["completion"]) > float(max_price["completion"]) + 1e-9
+            ):
+                continue
+            if e.get("max_completion_tokens") and e["max_completion_tokens"] < max_tokens:
+                continue
+            out.append(e)
+        return out
+
+    # ------------------------------------------------------------------ handlers
+
+    async def endpoints(self, request: web.Request) -> web.Response:
+        self.stats.requests += 1
+        slug = f"{request.match_info['author']}/{request.match_info['slug']}"
+        if slug != self.config.model:
+            return _error(404, f"model {slug} not found")
+        return web.json_response(
+            {"data": {"id": slug, "name": slug, "endpoints": self.config.endpoints}}
+        )
+
+    async def key(self, request: web.Request) -> web.Response:
+        self.stats.requests += 1
+        if not self._authorised(request):
+            return _error(401, "No auth credentials found")
+        limit = None if math.isinf(self.config.credits) else self.config.credits
+        remaining = None if limit is None else max(0.0, self.credits_left)
+        return web.json_response(
+            {
+                "data": {
+                    "label": "fake",
+                    "limit": limit,
+                    "limit_remaining": remaining,
+                    "usage": self.stats.charged_usd,
+                    "is_free_tier": False,
+                }
+            }
+        )
+
+    async def credits(self, request: web.Request) -> web.Response:
+        self.stats.requests += 1
+        if not self._authorised(request):
+            return _error(401, "No auth credentials found")
+        total = 1e9 if math.isinf(self.config.credits) else self.config.credits
+        return web.json_response(
+            {"data": {"total_credits": total, "total_usage": self.stats.charged_usd}}
+        )
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        st = self.stats
+        st.requests += 1
+        st.chat += 1
+        st.inflight += 1
+        st.max_inflight_seen = max(st.max_inflight_seen, st.inflight)
+        try:
+            response = await self._chat(request)
+        finally:
+            st.inflight -= 1
+        st.statuses[response.status] += 1
+        return response
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        cfg, st = self.config, self.stats
+        if not self._authorised(request):
+            return _error(401, "No auth credentials found")
+        try:
+            req = await request.json()
+        except ValueError:
+            return _error(400, "invalid JSON body")
+        if req.get("model") != cfg.model:
+            return _error(400, f"{req.get('model')} is not a valid model ID")
+        messages = req.get("messages") or []
+        max_tokens = int(req.get("max_tokens") or 4096)
+
+        reachable = self.reachable(req.get("provider"), max_tokens)
+        bad = sorted({e["tag"] for e in reachable if e["tag"].split("/")[0] in cfg.forbidden})
+        if bad:
+            st.violations += 1
+            if len(st.violation_examples) < 5:
+                st.violation_examples.append({"provider": req.get("provider"), "reach": bad})
+            return _error(400, f"provider rule violation: the request may route to {bad}")
+        live = [e for e in reachable if (e.get("status") or 0) >= 0]
+        if not live:
+            return _error(404, "No endpoints found matching your data policy and provider rule")
+        route = min(
+            live,
+            key=lambda e: (float(e["pricing"]["completion"]), float(e["pricing"]["prompt"])),
+        )
+        p_in = float(route["pricing"]["prompt"])
+        p_out = float(route["pricing"]["completion"])
+        prompt_tokens = _prompt_tokens(messages)
+
+        if cfg.latency:
+            await asyncio.sleep(cfg.latency)
+
+        if cfg.max_inflight is not None and st.inflight > cfg.max_inflight:
+            st.faults["storm"] += 1
+            return self._rate_limited()
+        affordable = (self.credits_left - prompt_tokens * p_in) / p_out if p_out else math.inf
+        if affordable < max_tokens:
+            return _error(
+                402,
+                f"This request requires more credits, or fewer max_tokens. You requested up to "
+                f"{max_tokens} tokens, but can only afford {max(0, int(affordable))}.",
+            )
+
+        fault = self._draw_fault()
+        if fault:
+            st.faults[fault] += 1
+        if fault == "429":
+            return self._rate_limited()
+        if fault == "502":
+            return _error(502, "Provider returned error")
+        if fault == "drop":
+            request.transport.close()
+            return web.Response(status=499)
+        gen_id = f"gen-{int(time.time())}-{next(self._ids):08d}"
+        headers = {"X-Generation-Id": gen_id}
+        if fault == "truncated":
+            resp = web.StreamResponse(status=200, headers=headers)
+            resp.content_type = "application/json"
+            await resp.prepare(request)
+            await resp.write(b"\n\n   \n")
+            await resp.write_eof()
+            return resp
+        if fault == "524_in_200":
+            body = {"error": {"code": 524, "message": "Provider timed out", "metadata": {}}}
+            return web.json_response(body, headers=headers)
+        if fault == "no_choices":
+            body = {"id": gen_id, "object": "chat.completion", "choices": []}
+            return web.json_response(body, headers=headers)
+
+        lo, hi = cfg.completion_tokens
+        completion = self.rng.randint(lo, hi)
+        finish = "stop"
+        if completion >= max_tokens:
+            completion, finish = max_tokens, "length"
+        reasoning_tokens = completion // 3
+        cost = prompt_tokens * p_in + completion * p_out
+        st.charged_usd += cost
+        st.billed += 1
+        last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        digest = hashlib.sha1(str(last_user).encode()).hexdigest()[:10]
+        message = {
+            "role": "assistant",
+            "content": f"Answer {digest} in {completion - reasoning_tokens} tokens.",
+            "reasoning": f"Thinking about {digest} for {reasoning_tokens} tokens.",
+        }
+        choice = {"index": 0, "finish_reason": finish, "native_finish_reason": finish}
+        if fault == "empty":
+            message = {"role": "assistant", "content": ""}
+        elif fault == "finish_error":
+            choice["finish_reason"] = "error"
+            choice["error"] = {"code": 502, "message": "upstream stream error"}
+        else:
+            st.providers[route["tag"]] += 1
+            st.ok_contents[digest] += 1
+        choice["message"] = message
+        body = {
+            "id": gen_id,
+            "provider": route["provider_name"],
+            "model": cfg.model + "-0127",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+                "cost": cost,
+                "is_byok": False,
+                "prompt_tokens_details": {"cached_tokens": 0},
+                "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            },
+        }
+        return web.Response(
+            body=json.dumps(body).encode(), content_type="application/json", headers=headers
+        )
+
+    def _draw_fault(self) -> str | None:
+        faults = self.config.faults
+        if not faults:
+            return None
+        r = self.rng.random()
+        for kind, rate in faults.items():
+            if r < rate:
+                return kind
+            r -= rate
+        return None
+
+    def _rate_limited(self) -> web.Response:
+        wait = self.config.retry_after
+        reset_ms = int((time.time() + wait) * 1000)
+        headers = {
+            "Retry-After": f"{wait:g}",
+            "X-RateLimit-Limit": "100",
+            "X-RateLimit-Remaining": "0",
+            "X-RateLimit-Reset": str(reset_ms),
+        }
+        return _error(429, "Rate limit exceeded", headers=headers, metadata={"headers": headers})
+
+
+class FakeServerThread:
+    """Runs a :class:`FakeOpenRouter` on its own event loop in a daemon thread."""
+
+    def __init__(self, config: FakeConfig | None = None):
+        self.server = FakeOpenRouter(config)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    @property
+    def stats(self) -> Stats:
+        return self.server.stats
+
+    @property
+    def config(self) -> FakeConfig:
+        return self.server.config
+
+    def start(self) -> str:
+        self._thread.start()
+        return asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
+
+    def __enter__(self) -> FakeServerThread:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _parse_faults(text: str) -> dict:
+    faults = {}
+    for item in filter(None, text.split(",")):
+        kind, _, rate = item.partition("=")
+        if kind not in FAULTS:
+            raise SystemExit(f"error: unknown fault {kind!r}; choose from {', '.join(FAULTS)}")
+        faults[kind] = float(rate)
+    return faults
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--port", type=int, default=0, help="0 = a free port")
+    ap.add_argument("--latency", type=float, default=0.0, help="seconds per chat request")
+    ap.add_argument("--faults", default="", help=f"kind=rate,... kinds: {', '.join(FAULTS)}")
+    ap.add_argument("--credits", type=float, default=math.inf, help="USD before 402s")
+    ap.add_argument("--max-inflight", type=int, default=None, help="429 above this concurrency")
+    ap.add_argument("--completion-tokens", default="20,200", help="min,max drawn per response")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    lo, hi = (int(x) for x in args.completion_tokens.split(","))
+    config = FakeConfig(
+        credits=args.credits,
+        latency=args.latency,
+        faults=_parse_faults(args.faults),
+        max_inflight=args.max_inflight,
+        completion_tokens=(lo, hi),
+        api_key=args.api_key,
+        seed=args.seed,
+    )
+
+    async def serve() -> None:
+        server = FakeOpenRouter(config)
+        url = await server.start(args.port)
+        print(f"fake OpenRouter listening on {url}", flush=True)
+        done = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, done.set)
+        try:
+            await done.wait()
+        finally:
+            await server.stop()
+            s = server.stats
+            print(
+                f"chat requests {s.chat}, billed {s.billed}, charged ${s.charged_usd:.4f}, "
+                f"violations {s.violations}, faults {dict(s.faults)}",
+                flush=True,
+            )
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()
