@@ -1,0 +1,551 @@
+"""``python -m datagen.capture``: run the target over finished conversations, store hidden states.
+
+Each record (``datagen.store`` format, from ``datagen.openrouter`` or ``datagen.local``) is
+rendered with the target's chat template into token ids and a loss mask (:mod:`datagen.chat`),
+the target runs once over it (:meth:`eagle3.target.Target.capture`: the 3 aux layers and the
+final post-norm hidden state, no lm_head), and the result is written as shards
+(:mod:`datagen.shards`, layout, dtypes and bytes per token there)::
+
+    python -m datagen.capture --target smollm2-135m-q4 --data out/responses --out out/shards
+    python -m datagen.capture --target kimi-k2.5 --estimate --tokens 40M       # before anything
+    accelerate launch --num_processes 8 -m datagen.capture --target /models/Kimi-K2.5 \\
+        --data out/responses --out /shared/shards --dtype fp8
+
+Scale-out: under ``accelerate launch`` (or ``torchrun``) every process captures its own slice
+of the records (one process per GPU, or one per node with ``--device-map auto`` for a target
+larger than one GPU), writing its own shards; process 0 merges the index at the end.
+Resume: re-run the same command; records already in complete shards are skipped.
+
+Bad input never stops the run: records without a user turn, with an empty response or a
+template error are skipped; responses cut at max tokens are kept without an end-of-turn token;
+records longer than ``--max-length`` are truncated (skipped if no response token is left).
+Every case is counted in the summary printed at the end and stored in meta.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from datagen.chat import RenderError, load_chat_template, render_record
+from datagen.shards import (
+    DTYPES,
+    ShardWriter,
+    bytes_per_token,
+    check_meta,
+    finalize,
+    read_index,
+    read_meta,
+)
+from datagen.store import ResultStore
+from eagle3.errors import Eagle3Error
+
+log = logging.getLogger("datagen.capture")
+
+DEFAULT_MAX_LENGTH = 4096
+DEFAULT_BATCH_TOKENS = 16384  # padded tokens per forward; lower it if the target runs out of memory
+ESTIMATE_RATES = (1_000, 10_000, 50_000)  # tokens/s shown by --estimate when none is given
+LOG_EVERY_S = 30.0
+TB_WARN = 1e12  # bytes beyond which --estimate recommends online training
+
+
+@dataclass
+class Item:
+    id: str
+    dataset: str | None
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def read_records(paths: list[str]) -> tuple[list[dict], list[str]]:
+    """Records of datagen result files or directories (every ``<dataset>.jsonl`` in them)."""
+    records, sources = [], []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if path.is_dir():
+            records.extend(ResultStore(path, readonly=True).iter_records())
+        elif path.is_file():
+            with open(path, "rb") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.endswith(b"\n") or not line.strip():
+                        continue  # a partial last line is a write in progress
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        log.warning("%s:%d: unreadable line skipped", path, lineno)
+        else:
+            raise Eagle3Error(f"--data {raw} does not exist; pass result files or directories")
+        sources.append(str(path.resolve()))
+    return records, sources
+
+
+def render_all(records: list[dict], tokenizer: Any, args, stats: Counter) -> list[Item]:
+    """Rendered items; every record that cannot be used is counted in ``stats`` instead."""
+    items = []
+    for record in records:
+        try:
+            r = render_record(
+                tokenizer,
+                record,
+                max_length=args.max_length,
+                chat_template=args.chat_template,
+                template_kwargs=args.template_kwargs,
+            )
+        except RenderError as err:
+            stats[f"skipped: {err.reason}"] += 1
+            continue
+        if not any(r.loss_mask):
+            stats["skipped: too long (no response token within --max-length)"] += 1
+            continue
+        if r.truncated:
+            stats["kept: truncated to --max-length"] += 1
+        if record.get("finish_reason") == "length":
+            stats["kept: response cut at max tokens (no end-of-turn token)"] += 1
+        if r.reasoning_dropped:
+            stats["kept: reasoning left out (the template has no place for it)"] += 1
+        stats["kept"] += 1
+        items.append(Item(str(record["id"]), record.get("dataset"), r.input_ids, r.loss_mask))
+    return items
+
+
+def select(records: list[dict], done: set[str], stats: Counter) -> list[dict]:
+    """Records still to capture: unique ids, not already in complete shards."""
+    seen: set[str] = set()
+    out = []
+    for record in records:
+        rid = record.get("id") if isinstance(record, dict) else None
+        if not isinstance(rid, str | int) or str(rid) == "":
+            stats["skipped: bad record"] += 1
+            continue
+        rid = str(rid)
+        if rid in seen:
+            stats["skipped: duplicate id"] += 1
+            continue
+        seen.add(rid)
+        if rid in done:
+            stats["already captured"] += 1
+            continue
+        out.append(record)
+    return out
+
+
+def my_slice(records: list[dict], rank: int, world: int) -> list[dict]:
+    """This process's records: longest first, dealt round-robin so every process gets about
+    the same number of tokens. Every record goes to exactly one process."""
+    order = sorted(records, key=lambda r: (-len(json.dumps(r.get("messages"))), str(r["id"])))
+    return order[rank::world]
+
+
+# ----------------------------------------------------------------------------- capture
+
+
+def batches(items: list[Item], batch_tokens: int) -> list[list[Item]]:
+    """Longest first; each batch holds at most ``batch_tokens`` padded tokens (at least one)."""
+    items = sorted(items, key=lambda it: -len(it.input_ids))
+    out, i = [], 0
+    while i < len(items):
+        width = len(items[i].input_ids)
+        n = max(1, batch_tokens // max(width, 1))
+        out.append(items[i : i + n])
+        i += n
+    return out
+
+
+def pad(batch: list[Item], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and attention mask [B, T]."""
+    width = max(len(it.input_ids) for it in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    for b, it in enumerate(batch):
+        ids[b, : len(it.input_ids)] = torch.tensor(it.input_ids)
+        attn[b, : len(it.input_ids)] = 1
+    return ids, attn
+
+
+def capture_items(target, items: list[Item], writer: ShardWriter, batch_tokens: int) -> int:
+    """Capture and write every item; returns the number of tokens captured."""
+    pad_id = getattr(target.tokenizer, "pad_token_id", None) or 0
+    total, t0, last_log = 0, time.monotonic(), time.monotonic()
+    for n, batch in enumerate(batches(items, batch_tokens), 1):
+        ids, attn = pad(batch, pad_id)
+        aux, last = target.capture(ids, attn)  # [B, T, 3H], [B, T, H]
+        writer.add_batch(
+            [it.id for it in batch],
+            [it.input_ids for it in batch],
+            [it.loss_mask for it in batch],
+            aux,
+            last,
+            datasets=[it.dataset for it in batch],
+        )
+        total += sum(len(it.input_ids) for it in batch)
+        now = time.monotonic()
+        if now - last_log >= LOG_EVERY_S:
+            last_log = now
+            log.info("batch %d: %d tokens, %.0f tok/s", n, total, total / (now - t0))
+    return total
+
+
+# ----------------------------------------------------------------------------- estimate
+
+
+def parse_count(text: str) -> int:
+    """'40M' -> 40_000_000; also K, B and plain integers."""
+    text = str(text).strip().upper().replace("_", "").replace(",", "")
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9}.get(text[-1:], 1)
+    try:
+        return int(float(text[:-1] if scale != 1 else text) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 40M)") from None
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+def estimate_text(
+    name: str, hidden: int, tokens: int, dtype: str, rate: float | None, free: int | None
+) -> str:
+    """What --estimate prints: tokens, bytes per dtype, hours, and the online alternative."""
+    lines = [f"capture estimate for {name} (hidden size {hidden}): {tokens:,} tokens"]
+    for dt in DTYPES:
+        per = bytes_per_token(hidden, dt)
+        mark = "  <- --dtype" if dt == dtype else ""
+        lines.append(
+            f"  {dt:5s} {per:>7,} bytes/token  {human_bytes(per * tokens):>10} on disk{mark}"
+        )
+    rates = [rate] if rate else ESTIMATE_RATES
+    hours = ", ".join(f"{tokens / r / 3600:,.2f} h at {r:,.0f} tok/s" for r in rates)
+    lines.append(f"  time: {hours} (measure yours with scripts/bench_capture.py)")
+    size = bytes_per_token(hidden, dtype) * tokens
+    if free is not None:
+        lines.append(f"  free space at --out: {human_bytes(free)}")
+    if size >= TB_WARN or (free is not None and size > free):
+        lines.append(
+            f"  {human_bytes(size)} of hidden states is more than is sensible to store: train "
+            "online instead (the target runs inside the training loop and nothing is written; "
+            "data.mode=online with data.records=<these result files> in train/train_drafter.py)"
+        )
+    return "\n".join(lines)
+
+
+def target_dims(name: str) -> tuple[str, int]:
+    """(display name, hidden size) without loading weights."""
+    from eagle3.target import resolve
+
+    display, hf_dir, spec = resolve(name)
+    if spec and spec.get("hidden_size"):
+        return display, int(spec["hidden_size"])
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(
+            hf_dir, trust_remote_code=bool(spec and spec.get("trust_remote_code"))
+        )
+    except (OSError, ValueError) as err:
+        raise Eagle3Error(f"cannot read the config of {name}: {err}".splitlines()[0]) from err
+    config = getattr(config, "text_config", None) or config
+    return display, int(config.hidden_size)
+
+
+def count_tokens(records: list[dict], name: str, args) -> tuple[int, str]:
+    """Tokens of the records: rendered with the target's tokenizer when it is at hand, else the
+    records' usage counts (prompt + completion tokens of the last turn)."""
+    from eagle3.target import resolve
+
+    try:
+        from transformers import AutoTokenizer
+
+        _, hf_dir, spec = resolve(name)
+        tokenizer = AutoTokenizer.from_pretrained(
+            hf_dir, trust_remote_code=bool(spec and spec.get("trust_remote_code"))
+        )
+        stats: Counter = Counter()
+        items = render_all(records, tokenizer, args, stats)
+        return sum(len(it.input_ids) for it in items), "rendered with the target's tokenizer"
+    except (OSError, ValueError, Eagle3Error):
+        usage = [r.get("usage") or {} for r in records if isinstance(r, dict)]
+        total = sum(
+            int(u.get("prompt_tokens") or 0) + int(u.get("completion_tokens") or 0) for u in usage
+        )
+        return total, "from the records' usage counts (no tokenizer at hand)"
+
+
+def free_bytes(path: Path) -> int | None:
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).free
+    except OSError:
+        return None
+
+
+def run_estimate(args) -> int:
+    name, hidden = target_dims(args.target)
+    if args.tokens:
+        tokens, how = args.tokens, "given"
+    elif args.data:
+        records, _ = read_records(args.data)
+        tokens, how = count_tokens(records, args.target, args)
+        if args.limit:
+            tokens = tokens * min(1.0, args.limit / max(len(records), 1))
+        tokens = int(tokens)
+    else:
+        raise Eagle3Error("--estimate needs --tokens N (e.g. 40M) or --data FILES to count")
+    free = free_bytes(Path(args.out)) if args.out else None
+    print(estimate_text(name, hidden, tokens, args.dtype, args.tokens_per_s, free))
+    print(f"  (tokens {how})")
+    return 0
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m datagen.capture",
+        description="Capture the target's hidden states over finished conversations into shards.",
+    )
+    p.add_argument("--target", required=True, help="registry name, HF model directory or .gguf")
+    p.add_argument(
+        "--data", nargs="+", default=[], help="result files or directories (datagen output)"
+    )
+    p.add_argument("--out", help="output directory for the shards")
+    p.add_argument(
+        "--dtype", choices=list(DTYPES), default="bf16", help="storage dtype (default bf16)"
+    )
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=DEFAULT_MAX_LENGTH,
+        help="tokens per record; longer ones are truncated",
+    )
+    p.add_argument(
+        "--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS, help="padded tokens per forward"
+    )
+    p.add_argument("--shard-mb", type=int, default=256, help="approximate shard size in MB")
+    p.add_argument("--limit", type=int, help="capture at most this many records (smoke runs)")
+    p.add_argument(
+        "--chat-template", help="a Jinja chat template (file or text) instead of the tokenizer's"
+    )
+    p.add_argument(
+        "--template-kwargs",
+        type=json.loads,
+        default=None,
+        help="JSON passed to the template, e.g. '{\"thinking\": true}'",
+    )
+    p.add_argument(
+        "--aux-layers", type=int, nargs=3, help="aux decoder-layer ids (default: the target's)"
+    )
+    p.add_argument("--device", help="cuda, cpu, ... (default: this process's accelerator)")
+    p.add_argument(
+        "--device-map", help='"auto" spreads a target larger than one GPU over all visible GPUs'
+    )
+    p.add_argument(
+        "--model-dtype", help="weights dtype: float32, bfloat16 (default: bf16 on GPU, fp32 on CPU)"
+    )
+    p.add_argument(
+        "--no-disk-check", action="store_true", help="start even if the estimate exceeds free disk"
+    )
+    p.add_argument(
+        "--estimate", action="store_true", help="print tokens, bytes and hours, then exit"
+    )
+    p.add_argument("--tokens", type=parse_count, help="token count for --estimate (e.g. 40M)")
+    p.add_argument("--tokens-per-s", type=float, help="capture speed for --estimate")
+    args = p.parse_args(argv)
+    args.chat_template = load_chat_template(args.chat_template)
+    if not args.estimate:
+        if not args.data or not args.out:
+            p.error("--data and --out are required (or use --estimate)")
+    return args
+
+
+def _state():
+    """accelerate's process state: rank/world/barrier under `accelerate launch` or torchrun."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
+def _gather(state, obj: Any) -> list[Any]:
+    if state.num_processes == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * state.num_processes
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def summary_text(stats: Counter, meta: dict) -> str:
+    kept = stats.get("kept", 0)
+    skipped = {k[len("skipped: ") :]: v for k, v in stats.items() if k.startswith("skipped: ")}
+    notes = {k[len("kept: ") :]: v for k, v in stats.items() if k.startswith("kept: ")}
+    parts = [f"captured {kept} records in this run"]
+    if notes:
+        parts.append("of them " + ", ".join(f"{v} {k}" for k, v in sorted(notes.items())))
+    if skipped:
+        parts.append(
+            f"skipped {sum(skipped.values())} ("
+            + ", ".join(f"{k}: {v}" for k, v in sorted(skipped.items(), key=lambda kv: -kv[1]))
+            + ")"
+        )
+    if stats.get("already captured"):
+        parts.append(f"{stats['already captured']} already captured")
+    parts.append(
+        f"directory: {meta.get('num_records', 0)} records, {meta.get('num_tokens', 0):,} tokens "
+        f"({meta.get('num_loss_tokens', 0):,} under the loss mask) in {meta.get('num_shards', 0)} shards"
+    )
+    return "; ".join(parts)
+
+
+def run(args) -> int:
+    if args.estimate:
+        return run_estimate(args)
+    from eagle3.target import load_target
+
+    state = _state()
+    rank, world = state.process_index, state.num_processes
+    out = Path(args.out)
+    records, sources = read_records(args.data)
+    if args.limit is not None:
+        records = records[: args.limit]
+
+    old = read_meta(out)
+    if old is not None:  # before loading a large target: settings that need no model
+        check_meta(old, {"dtype": args.dtype, "max_length": args.max_length}, out)
+    device = args.device or (None if args.device_map else str(state.device))
+    target = load_target(
+        args.target,
+        dtype=args.model_dtype,
+        device=device,
+        device_map=args.device_map,
+        aux_layer_ids=args.aux_layers,
+    )
+    if target.tokenizer is None:
+        raise Eagle3Error(f"target {args.target} has no tokenizer; pass a model directory with one")
+    if args.chat_template is None and not getattr(target.tokenizer, "chat_template", None):
+        raise Eagle3Error(
+            f"target {args.target}'s tokenizer has no chat template; pass --chat-template FILE"
+        )
+    meta = {
+        "target": target.name,
+        "vocab_size": target.vocab_size,
+        "target_hidden_size": target.hidden_size,
+        "aux_layer_ids": list(target.aux_layer_ids),
+        "num_layers": target.num_layers,
+        "max_length": args.max_length,
+        "dtype": args.dtype,
+        "bytes_per_token": bytes_per_token(target.hidden_size, args.dtype),
+        "chat_template": "given" if args.chat_template else "tokenizer",
+        "template_kwargs": args.template_kwargs or {},
+    }
+    old = read_meta(out)
+    if old is not None:
+        check_meta(old, meta, out)
+
+    # Process 0 creates (or re-opens) the directory first; then every process reads what is
+    # done before anyone writes, so all of them split the same remaining records.
+    writer = None
+    if rank == 0:
+        writer = ShardWriter(
+            out, meta, args.dtype, args.shard_mb << 20, part=f"{rank:03d}", finalize_on_close=False
+        )
+    state.wait_for_everyone()
+    if rank != 0:
+        writer = ShardWriter(
+            out, meta, args.dtype, args.shard_mb << 20, part=f"{rank:03d}", finalize_on_close=False
+        )
+    stats: Counter = Counter()
+    pending = select(records, {e["id"] for e in read_index(out)}, stats)
+    state.wait_for_everyone()
+
+    mine = my_slice(pending, rank, world)
+    items = render_all(mine, target.tokenizer, args, stats)
+    tokens = sum(_gather(state, sum(len(it.input_ids) for it in items)))
+    size = tokens * bytes_per_token(target.hidden_size, args.dtype)
+    free = free_bytes(out)
+    if rank == 0:
+        log.info(
+            "capturing %s tokens (%s in %s) with %d process(es)",
+            f"{tokens:,}",
+            human_bytes(size),
+            args.dtype,
+            world,
+        )
+    if free is not None and size > free and not args.no_disk_check:  # same verdict everywhere
+        raise Eagle3Error(
+            f"the capture needs about {human_bytes(size)} but {out} has {human_bytes(free)} "
+            "free; free space, use --dtype fp8, or train online (see --estimate)"
+        )
+    by_id = {str(r["id"]): r for r in mine}
+    kept = {it.id for it in items}
+    models = Counter(str(by_id[i].get("model")) for i in kept)
+    providers = Counter(str(by_id[i].get("provider")) for i in kept)
+    t0 = time.monotonic()
+    with writer:  # on an error or Ctrl-C, what was captured is written: re-run to resume
+        captured = capture_items(target, items, writer, args.batch_tokens)
+    seconds = time.monotonic() - t0
+    log.info(
+        "process %d: %d tokens in %.1f s (%.0f tok/s)",
+        rank,
+        captured,
+        seconds,
+        captured / max(seconds, 1e-9),
+    )
+
+    gathered = _gather(state, (stats, models, providers))
+    state.wait_for_everyone()
+    if rank != 0:
+        return 0
+    total_stats, total_models, total_providers = Counter(), Counter(), Counter()
+    for s, m, p in gathered:
+        total_stats.update(s)
+        total_models.update(m)
+        total_providers.update(p)
+    old = read_meta(out) or {}
+    merged_models = Counter(old.get("models") or {}) + total_models
+    merged_providers = Counter(old.get("providers") or {}) + total_providers
+    final = finalize(
+        out,
+        {
+            "sources": sorted(set(old.get("sources") or []) | set(sources)),
+            "models": dict(merged_models),
+            "providers": dict(merged_providers),
+            "summary": dict(total_stats),
+            "processes": world,
+        },
+    )
+    print(summary_text(total_stats, final))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except Eagle3Error as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

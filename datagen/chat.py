@@ -1,0 +1,307 @@
+"""Render a conversation with the target's chat template into token ids and a loss mask.
+
+The mask is 1 exactly on the tokens the target generated: every assistant turn's answer, its
+reasoning where the template shows it, and the closing end-of-turn token; 0 on system/user turns
+and on template glue (role headers, the generation prompt, the newline ChatML puts after
+``<|im_end|>``). Nothing here knows a particular template: the spans are found by rendering the
+conversation prefix by prefix and comparing.
+
+- The sequence is what the target saw when it wrote the LAST assistant turn, followed by what it
+  wrote: ``render(messages[:last], add_generation_prompt=True)`` + the last turn. Earlier
+  assistant turns appear in it the way the template renders history (Kimi-K2.5 blanks their
+  reasoning to ``<think></think>``; ChatML keeps the answer), which is exactly the context the
+  target conditioned on, so their tokens are masked 1 as they appear there.
+- Assistant turn ``i`` starts where ``render(messages[:i], add_generation_prompt=True)`` stops
+  agreeing with the sequence (token ids; normally at its end) and ends at the first end-of-turn
+  token after that.
+- The last turn is ``render(messages[:last + 1])`` minus the generation prompt, cut after its
+  end-of-turn token. A template that drops the final turn's reasoning (Kimi-K2.5 renders every
+  assistant turn up to the last one as history) gets it back where the target wrote it: just
+  before the think-closing tag, i.e. ``<think>`` (generation prompt) + reasoning + ``</think>``
+  + answer + ``<|im_end|>``, the Kimi-K2.5 turn shape.
+- A turn cut at max tokens (``close_last_turn=False``) ends at its last generated character:
+  the end-of-turn token the template adds was never produced, so it is not trained on.
+- Reasoning that the template has no place for at all (no think-closing tag, e.g. ChatML) is
+  left out and flagged (``Rendered.reasoning_dropped``): the target never writes it.
+
+Assistant messages may carry ``reasoning`` (OpenRouter) or ``reasoning_content`` (SGLang/vLLM);
+templates receive it as ``reasoning_content``. Problems with one record raise
+:class:`RenderError` whose ``reason`` is a short stable key for counters.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from eagle3.errors import Eagle3Error
+
+# Tags that close a reasoning block, in the order tried.
+THINK_CLOSE = ("</think>", "◁/think▷")
+# Token strings that end an assistant turn in common templates (looked up in the vocabulary).
+END_OF_TURN = (
+    "<|im_end|>",  # ChatML (SmolLM2, Qwen), Kimi
+    "<|eot_id|>",  # Llama 3
+    "<|end|>",  # Phi-3, gpt-oss
+    "<|return|>",  # gpt-oss
+    "<end_of_turn>",  # Gemma
+    "<｜end▁of▁sentence｜>",  # DeepSeek
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "</s>",
+)
+
+
+class RenderError(Eagle3Error):
+    """One record cannot be rendered; ``reason`` is a short key for the summary counters."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass
+class Rendered:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 on tokens the target generated
+    truncated: bool  # cut to max_length
+    reasoning_dropped: bool = False  # the template has no place for the record's reasoning
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A template given as a file path (e.g. ``--chat-template kimi.jinja``) or inline text."""
+    if value and os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def end_of_turn_ids(tokenizer: Any) -> set[int]:
+    """Ids that close an assistant turn: the tokenizer's EOS plus known end-of-turn tokens."""
+    ids = set()
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    vocab = tokenizer.get_vocab()
+    for token in END_OF_TURN:
+        if token in vocab:
+            ids.add(vocab[token])
+    return ids
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    out = []
+    for m in messages:
+        if m["role"] == "assistant":
+            turn = {"role": "assistant", "content": m.get("content") or ""}
+            reasoning = _reasoning(m)
+            if reasoning:
+                turn["reasoning_content"] = reasoning
+            out.append(turn)
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def _reasoning(message: dict) -> str:
+    return message.get("reasoning") or message.get("reasoning_content") or ""
+
+
+def render_text(
+    tokenizer: Any,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool,
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
+) -> str:
+    """The template's text for ``messages`` (no tokenization)."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise RenderError("unknown template", "the tokenizer has no chat template; pass one")
+    try:
+        return tokenizer.apply_chat_template(
+            _template_messages(messages),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            **(template_kwargs or {}),
+        )
+    except Exception as err:  # jinja raise_exception(...) and friends: one bad record
+        raise RenderError("template error", str(err).splitlines()[0][:200]) from err
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of rendered text; special-token strings in it become their ids."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def prompt_ids(
+    tokenizer: Any,
+    messages: list[dict],
+    *,
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
+) -> list[int]:
+    """Token ids of ``messages`` rendered with ``add_generation_prompt=True``."""
+    text = render_text(
+        tokenizer,
+        messages,
+        add_generation_prompt=True,
+        chat_template=chat_template,
+        template_kwargs=template_kwargs,
+    )
+    return encode(tokenizer, text)
+
+
+def _check_roles(messages: list[dict]) -> int:
+    """Validate roles; return the index of the last assistant turn."""
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and "role" in m for m in messages
+    ):
+        raise RenderError("bad record", "messages is not a list of {role, content}")
+    if not any(m["role"] == "user" for m in messages):
+        raise RenderError("no user turn")
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    if last < 0:
+        raise RenderError("empty response", "no assistant turn")
+    answer = messages[last]
+    if not (answer.get("content") or "").strip() and not _reasoning(answer).strip():
+        raise RenderError("empty response")
+    return last
+
+
+def _cut_after_generated(gen_text: str, message: dict) -> str:
+    """The last turn's text up to its final generated character (no end-of-turn token)."""
+    content, reasoning = message.get("content") or "", _reasoning(message)
+    for anchor in (content, content.strip(), reasoning, reasoning.strip()):
+        if anchor:
+            j = gen_text.rfind(anchor)
+            if j >= 0:
+                return gen_text[: j + len(anchor)]
+    return gen_text
+
+
+def _last_turn_text(
+    prefix_text: str, full_text: str, message: dict, close: bool
+) -> tuple[str, bool]:
+    """-> (the last turn's text after the generation prompt, reasoning dropped)."""
+    if not full_text.startswith(prefix_text):
+        raise RenderError(
+            "unknown template",
+            "the rendered answer does not extend the generation prompt; pass a chat template",
+        )
+    gen_text = full_text[len(prefix_text) :]
+    reasoning = _reasoning(message).strip()
+    dropped = False
+    if reasoning and reasoning not in gen_text:  # the template dropped it
+        tag = next((t for t in THINK_CLOSE if t in gen_text), None)
+        if tag is None:  # no reasoning block at all (e.g. ChatML): train on the answer
+            if not (message.get("content") or "").strip():
+                raise RenderError("empty response", "reasoning only, and the template drops it")
+            dropped = True
+        else:  # Kimi-K2.5: `<think></think>` for the last turn; put it back where it was
+            i = gen_text.index(tag)
+            gen_text = gen_text[:i] + _reasoning(message) + gen_text[i:]
+    if not close:
+        gen_text = _cut_after_generated(gen_text, message)
+    return gen_text, dropped
+
+
+def render_conversation(
+    tokenizer: Any,
+    messages: list[dict],
+    *,
+    max_length: int | None = None,
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
+    close_last_turn: bool = True,
+) -> Rendered:
+    """Token ids and loss mask of a conversation (see the module docstring).
+
+    Messages after the last assistant turn are dropped. ``close_last_turn=False`` for a last
+    turn cut at max tokens (finish_reason "length"). Raises :class:`RenderError`.
+    """
+    last = _check_roles(messages)
+    msgs = messages[: last + 1]
+    kw = {"chat_template": chat_template, "template_kwargs": template_kwargs}
+    prefix_text = render_text(tokenizer, msgs[:last], add_generation_prompt=True, **kw)
+    full_text = render_text(tokenizer, msgs, add_generation_prompt=False, **kw)
+    gen_text, dropped = _last_turn_text(prefix_text, full_text, msgs[last], close_last_turn)
+
+    eot = end_of_turn_ids(tokenizer)
+    prefix = encode(tokenizer, prefix_text)
+    gen = encode(tokenizer, gen_text)
+    if close_last_turn:
+        ends = [j for j, t in enumerate(gen) if t in eot]
+        if ends:
+            gen = gen[: ends[-1] + 1]  # drop glue after the end-of-turn token
+    mask = [0] * len(prefix) + [1] * len(gen)
+
+    # Earlier assistant turns, as they appear in the history of the last one.
+    for i, m in enumerate(msgs[:last]):
+        if m["role"] != "assistant":
+            continue
+        before = encode(
+            tokenizer, render_text(tokenizer, msgs[:i], add_generation_prompt=False, **kw)
+        )
+        header = encode(
+            tokenizer, render_text(tokenizer, msgs[:i], add_generation_prompt=True, **kw)
+        )
+        start = 0
+        while start < min(len(header), len(prefix)) and header[start] == prefix[start]:
+            start += 1
+        if start < len(before) or before != prefix[: len(before)]:
+            raise RenderError(
+                "unknown template",
+                f"assistant turn {i} is not where the template's history puts it; "
+                "pass a chat template",
+            )
+        end = next((j for j in range(start, len(prefix)) if prefix[j] in eot), None)
+        if end is None:
+            raise RenderError("unknown template", f"no end-of-turn token after assistant turn {i}")
+        mask[start : end + 1] = [1] * (end + 1 - start)
+
+    ids = prefix + gen
+    truncated = max_length is not None and len(ids) > max_length
+    if truncated:
+        ids, mask = ids[:max_length], mask[:max_length]
+    return Rendered(ids, mask, truncated, reasoning_dropped=dropped)
+
+
+def render_record(
+    tokenizer: Any,
+    record: dict,
+    *,
+    max_length: int | None = None,
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
+) -> Rendered:
+    """A datagen record (datagen.store format): its last turn is left open when it was cut at
+    max tokens (``finish_reason == "length"``). Raises :class:`RenderError`."""
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list):
+        raise RenderError("bad record", "no messages list")
+    return render_conversation(
+        tokenizer,
+        messages,
+        max_length=max_length,
+        chat_template=chat_template,
+        template_kwargs=template_kwargs,
+        close_last_turn=record.get("finish_reason") != "length",
+    )
+
+
+__all__ = [
+    "END_OF_TURN",
+    "THINK_CLOSE",
+    "RenderError",
+    "Rendered",
+    "encode",
+    "end_of_turn_ids",
+    "load_chat_template",
+    "prompt_ids",
+    "render_conversation",
+    "render_record",
+    "render_text",
+]

@@ -1,0 +1,122 @@
+"""Capture overhead: `datagen.capture` tokens/s vs the bare target forward, in one run.
+
+    python scripts/bench_capture.py                    # SmolLM2 Q4, ShareGPT-shaped records
+    python scripts/bench_capture.py --dtype fp8 --records 64 --max-length 1024
+
+The same padded batches go through three paths, interleaved over `--repeats` rounds (median
+time of each, so a noisy neighbour hurts all three alike):
+
+  model(...)     plain `target.model(input_ids, attention_mask)`: the full forward with logits
+  decoder(...)   the base model only (no lm_head): what capture has to run at the least
+  capture        `datagen.capture.capture_items`: aux hooks + final norm output, storage-dtype
+                 conversion, copy to CPU and shard writing (safetensors, fsync) included
+
+Goal: capture within 15% of the bare forward (ratio capture / model(...) time <= 1.15).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as well
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="smollm2-135m-q4")
+    p.add_argument("--records", type=int, default=32)
+    p.add_argument("--source", default="sharegpt", help="prompt source (datagen.prompts)")
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--batch-tokens", type=int, default=4096)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp8"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", help="cpu, cuda (default: cuda when there is one)")
+    p.add_argument("--threads", type=int)
+    args = p.parse_args()
+
+    from datagen.capture import Item, batches, capture_items, pad
+    from datagen.chat import render_conversation
+    from datagen.prompts import load_prompts
+    from datagen.shards import ShardWriter, bytes_per_token
+    from eagle3.target import load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target, device=args.device)
+    tok = target.tokenizer
+    # real prompts with a stand-in answer (the prompt's text, repeated): records of about
+    # --max-length tokens, like long chat conversations
+    items = []
+    for prompt in load_prompts(args.source, limit=args.records):
+        text = prompt.messages[-1]["content"] + "\n"
+        answer = text * (1 + 6 * args.max_length // len(text))
+        messages = [*prompt.messages, {"role": "assistant", "content": answer}]
+        r = render_conversation(tok, messages, max_length=args.max_length)
+        items.append(Item(prompt.id, "sharegpt", r.input_ids, r.loss_mask))
+    tokens = sum(len(it.input_ids) for it in items)
+    padded = [pad(b, tok.pad_token_id or 0) for b in batches(items, args.batch_tokens)]
+    meta = {
+        "target": target.name,
+        "vocab_size": target.vocab_size,
+        "target_hidden_size": target.hidden_size,
+        "aux_layer_ids": target.aux_layer_ids,
+        "num_layers": target.num_layers,
+        "max_length": args.max_length,
+    }
+
+    @torch.no_grad()
+    def full_forward():
+        for ids, attn in padded:
+            target.model(
+                input_ids=ids.to(target.device),
+                attention_mask=attn.to(target.device),
+                use_cache=False,
+            )
+
+    @torch.no_grad()
+    def decoder_forward():
+        decoder = target.model.get_decoder()
+        for ids, attn in padded:
+            decoder(
+                input_ids=ids.to(target.device),
+                attention_mask=attn.to(target.device),
+                use_cache=False,
+            )
+
+    def capture():
+        with tempfile.TemporaryDirectory() as out:
+            writer = ShardWriter(out, meta, args.dtype)
+            capture_items(target, items, writer, args.batch_tokens)
+            writer.close()
+
+    paths = {"model(...)": full_forward, "decoder(...)": decoder_forward, "capture": capture}
+    full_forward()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(args.repeats):
+        for name, fn in paths.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    print(
+        f"target {target.name} on {target.device}, {torch.get_num_threads()} threads: "
+        f"{len(items)} records, {tokens:,} tokens in {len(padded)} batches, "
+        f"storage {args.dtype} ({bytes_per_token(target.hidden_size, args.dtype):,} bytes/token)"
+    )
+    for name, seconds in med.items():
+        print(f"  {name:13s} {seconds:7.2f} s  {tokens / seconds:8,.0f} tok/s")
+    print(
+        f"capture / model(...) time = {med['capture'] / med['model(...)']:.3f}   "
+        f"capture / decoder(...) time = {med['capture'] / med['decoder(...)']:.3f}   (goal <= 1.15)"
+    )
+
+
+if __name__ == "__main__":
+    main()

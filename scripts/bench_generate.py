@@ -1,0 +1,79 @@
+"""In-process generation speed (the `datagen.local --target` path) on the embedded target.
+
+    python scripts/bench_generate.py                       # SmolLM2 Q4, batch 16, MT-bench prompts
+    python scripts/bench_generate.py --threads 2 --prompts 64 --max-new-tokens 256
+
+Prints aggregate tokens/s: generated tokens (up to and including each row's end-of-turn token)
+over wall time, prefill included, as a run of `datagen.local` sees it. Goal on 2 CPU cores:
+>= 150 tok/s at batch 16. The load average is printed too: other processes on the same cores
+slow it down a lot (CPU threads spin-wait on each other), so compare runs on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as well
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="smollm2-135m-q4")
+    p.add_argument("--prompts", type=int, default=32, help="number of prompts (first user turns)")
+    p.add_argument("--source", default="mt_bench", help="prompt source (datagen.prompts)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--device", help="cpu, cuda (default: cuda when there is one)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--model-dtype", help="float32 (CPU default) or bfloat16")
+    args = p.parse_args()
+
+    from datagen.generate import Generator
+    from datagen.local import next_turns
+    from datagen.prompts import load_prompts
+    from eagle3.target import load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target, dtype=args.model_dtype, device=args.device)
+    gen = Generator(
+        target.model,
+        target.tokenizer,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        batch_size=args.batch_size,
+    )
+    prompts = load_prompts(args.source, limit=args.prompts)
+    conversations = [next_turns(p, []) for p in prompts]  # up to the first user turn
+    torch.manual_seed(0)
+    gen.generate(conversations[: min(2, len(conversations))])  # warm-up (allocations, kernels)
+
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    turns = gen.generate(conversations)
+    seconds = time.perf_counter() - t0
+    load_after = os.getloadavg()[0]
+    generated = sum(t.completion_tokens for t in turns)
+    prefill = sum(t.prompt_tokens for t in turns)
+    stopped = sum(t.finish_reason == "stop" for t in turns)
+    print(
+        f"target {target.name} on {target.device}, {torch.get_num_threads()} threads, "
+        f"dtype {target.model.dtype}, temperature {args.temperature}"
+    )
+    print(
+        f"{len(turns)} prompts in batches of {args.batch_size}: {prefill:,} prompt tokens, "
+        f"{generated:,} generated ({stopped} stopped at end-of-turn, max {args.max_new_tokens})"
+    )
+    print(f"wall {seconds:.1f} s -> {generated / seconds:,.1f} generated tok/s aggregate")
+    print(f"load average (1 min) before {load_before:.2f}, after {load_after:.2f}")
+
+
+if __name__ == "__main__":
+    main()

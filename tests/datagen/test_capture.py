@@ -1,0 +1,317 @@
+"""`python -m datagen.capture` on tiny random targets: shards equal the target's own capture,
+bad input is counted, resume, a killed run, two processes, --estimate."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from datagen import capture
+from datagen.chat import render_record
+from datagen.shards import ShardDataset, read_index, read_meta
+from eagle3.target import load_target
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _helper():
+    spec = importlib.util.spec_from_file_location(
+        "tiny_chat", Path(__file__).with_name("tiny_chat.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tc = _helper()
+MAX_LENGTH = 64
+
+
+@pytest.fixture(scope="module")
+def chat_llama(tiny_llama_dir, tmp_path_factory):
+    return tc.chat_model_dir(
+        tiny_llama_dir, tmp_path_factory.mktemp("chat_llama"), tc.chatml_tokenizer()
+    )
+
+
+def record(rid, messages, finish="stop", dataset="chat"):
+    return {
+        "id": rid,
+        "dataset": dataset,
+        "messages": messages,
+        "model": "fake/target",
+        "provider": "local test",
+        "finish_reason": finish,
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5},
+    }
+
+
+def q(text):
+    return {"role": "user", "content": text}
+
+
+def a(text, reasoning=""):
+    return {"role": "assistant", "content": text, "reasoning": reasoning}
+
+
+GOOD = [
+    record("g0", [q("what is 2 + 3 ?"), a("it is 5")]),
+    record("g1", [q("hello"), a("hi"), q("why ?"), a("sure ok")]),
+    record("g2", [q("tell me a joke"), a("no " * 12)]),  # truncated to MAX_LENGTH, kept
+    record("g3", [q("write code"), a("def")], finish="length"),  # cut at max tokens, kept
+    record("g4", [q("add two numbers"), a("five", reasoning="add two")]),  # no place for it
+]
+BAD = [
+    record("b0", [a("hi")]),  # no user turn
+    record("b1", [q("hello"), a("")]),  # empty response
+    record("b2", [q("red " * 20), a("yes")]),  # response entirely beyond MAX_LENGTH
+    record("g0", [q("hello"), a("hi")]),  # duplicate id
+    {"messages": []},  # no id
+]
+
+
+def write_jsonl(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def run_cli(*argv) -> int:
+    return capture.main([str(x) for x in argv])
+
+
+def test_capture_equals_the_targets_own_forward(chat_llama, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "chat.jsonl", GOOD + BAD)
+    out = tmp_path / "shards"
+    assert run_cli("--target", chat_llama, "--data", data, "--out", out, "--max-length", MAX_LENGTH,
+                   "--shard-mb", 0, "--batch-tokens", 100) == 0  # fmt: skip
+    ds = ShardDataset(out)
+    assert sorted(ds.ids()) == ["g0", "g1", "g2", "g3", "g4"]
+    meta = ds.meta
+    assert meta["target"] == chat_llama.name and meta["vocab_size"] == 256
+    assert meta["target_hidden_size"] == 64 and meta["aux_layer_ids"] == [1, 3, 4]
+    assert meta["num_layers"] == 8 and meta["max_length"] == MAX_LENGTH
+    assert meta["sources"] == [str(data.resolve())] and meta["models"] == {"fake/target": 5}
+    assert meta["providers"] == {"local test": 5}
+    assert meta["summary"] == {
+        "kept": 5,
+        "kept: truncated to --max-length": 1,
+        "kept: response cut at max tokens (no end-of-turn token)": 1,
+        "kept: reasoning left out (the template has no place for it)": 1,
+        "skipped: no user turn": 1,
+        "skipped: empty response": 1,
+        "skipped: too long (no response token within --max-length)": 1,
+        "skipped: duplicate id": 1,
+        "skipped: bad record": 1,
+    }
+    assert "captured 5 records" in capsys.readouterr().out
+
+    target = load_target(chat_llama, device="cpu")
+    by_id = {r["id"]: r for r in GOOD}
+    for i in range(len(ds)):
+        got = ds[i]
+        want = render_record(target.tokenizer, by_id[got["id"]], max_length=MAX_LENGTH)
+        assert got["input_ids"].tolist() == want.input_ids
+        assert got["loss_mask"].tolist() == want.loss_mask
+        aux, last = target.capture(torch.tensor([want.input_ids]))
+        torch.testing.assert_close(got["aux_hidden"], aux[0], rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got["last_hidden"], last[0], rtol=2e-2, atol=2e-2)
+    assert meta["num_tokens"] == sum(ds.lengths)
+
+
+def test_resume_skips_what_is_captured(chat_llama, tmp_path, capsys):
+    first = write_jsonl(tmp_path / "a.jsonl", GOOD[:3])
+    out = tmp_path / "shards"
+    args = ["--target", chat_llama, "--out", out, "--max-length", MAX_LENGTH, "--shard-mb", 0]
+    assert run_cli(*args, "--data", first) == 0
+    index = (out / "index.jsonl").read_text()
+    assert run_cli(*args, "--data", first) == 0  # nothing new
+    assert (out / "index.jsonl").read_text() == index
+    assert read_meta(out)["summary"] == {"already captured": 3}
+    second = write_jsonl(tmp_path / "b.jsonl", GOOD[3:])
+    assert run_cli(*args, "--data", first, second) == 0
+    ds = ShardDataset(out)
+    assert sorted(ds.ids()) == ["g0", "g1", "g2", "g3", "g4"]
+    assert ds.meta["summary"]["already captured"] == 3 and ds.meta["summary"]["kept"] == 2
+    assert len(ds.meta["sources"]) == 2 and ds.meta["models"] == {"fake/target": 5}
+    capsys.readouterr()
+
+
+def test_settings_that_change_the_data_are_refused_on_resume(chat_llama, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "a.jsonl", GOOD[:1])
+    out = tmp_path / "shards"
+    assert run_cli("--target", chat_llama, "--data", data, "--out", out) == 0
+    capsys.readouterr()
+    assert run_cli("--target", chat_llama, "--data", data, "--out", out, "--dtype", "fp8") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "different capture" in err and err.count("\n") == 1
+    assert "Loading weights" not in err  # refused before the target is loaded
+
+
+def test_target_without_a_chat_template_is_one_line(tiny_llama_dir, tmp_path, capsys):
+    bare = tc.chat_model_dir(
+        tiny_llama_dir, tmp_path / "bare", tc.word_tokenizer(tc.CHATML_SPECIALS)
+    )
+    data = write_jsonl(tmp_path / "a.jsonl", GOOD[:1])
+    assert run_cli("--target", bare, "--data", data, "--out", tmp_path / "o") == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("error: ") and "no chat template" in err and "--chat-template" in err
+    # given one, it works
+    assert run_cli("--target", bare, "--data", data, "--out", tmp_path / "o",
+                   "--chat-template", tc.CHATML_TEMPLATE) == 0  # fmt: skip
+
+
+def test_kimi_style_target_with_reasoning(tiny_deepseek_dir, tmp_path):
+    """DeepSeek-V3 architecture (Kimi-K2.5's) and a Kimi-style template with thinking."""
+    model = tc.chat_model_dir(tiny_deepseek_dir, tmp_path / "kimi", tc.kimi_tokenizer())
+    records = [
+        record("k0", [q("what is 2 + 3 ?"), a("it is 5", reasoning="add two numbers")]),
+        record(
+            "k1", [q("hello"), a("hi", reasoning="tell me"), q("why ?"), a("sure", reasoning="ok")]
+        ),
+    ]
+    data = write_jsonl(tmp_path / "kimi.jsonl", records)
+    out = tmp_path / "shards"
+    assert run_cli("--target", model, "--data", data, "--out", out, "--dtype", "fp8") == 0
+    ds = ShardDataset(out)
+    assert ds.meta["summary"] == {"kept": 2} and ds.meta["dtype"] == "fp8"
+    got = {ds[i]["id"]: ds[i] for i in range(len(ds))}
+    tok = tc.kimi_tokenizer()
+    masked = [
+        t for t, m in zip(tc.tokens(tok, got["k0"]["input_ids"]), got["k0"]["loss_mask"]) if m
+    ]
+    assert masked == [
+        "add",
+        " ",
+        "two",
+        " ",
+        "numbers",
+        "</think>",
+        "it",
+        " ",
+        "is",
+        " ",
+        "5",
+        "<|im_end|>",
+    ]
+    assert got["k1"]["aux_hidden"].shape == (len(got["k1"]["input_ids"]), 3 * 64)
+
+
+def test_estimate_for_kimi_shows_terabytes_and_online_training(capsys):
+    assert (
+        run_cli("--target", "kimi-k2.5", "--estimate", "--tokens", "40M", "--tokens-per-s", "20000")
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "hidden size 7168" in text and "40,000,000 tokens" in text
+    assert "57,349 bytes/token" in text and "2.3 TB" in text  # bf16
+    assert "28,693 bytes/token" in text and "1.1 TB" in text  # fp8
+    assert "0.56 h at 20,000 tok/s" in text
+    assert "train online" in text and "data.mode=online" in text
+
+
+def test_estimate_counts_the_records(chat_llama, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "a.jsonl", GOOD + BAD)
+    assert (
+        run_cli("--target", chat_llama, "--data", data, "--estimate", "--max-length", MAX_LENGTH)
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "hidden size 64" in text and "rendered with the target's tokenizer" in text
+    assert "train online" not in text
+
+
+KILLED = textwrap.dedent(
+    """
+    import os, signal, sys
+    import datagen.shards as shards
+    from datagen import capture
+
+    calls = [0]
+    real = shards.save_file
+
+    def save_then_die(*args, **kwargs):  # the 3rd shard is written to its temp name, then -9
+        real(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    shards.save_file = save_then_die
+    sys.exit(capture.main(sys.argv[1:]))
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def many_records(n: int) -> list[dict]:
+    words = ["red", "green", "blue", "one", "three", "four", "six", "seven"]
+    return [
+        record(f"m{i}", [q(f"what is {words[i % 8]} ?"), a(" ".join(words[: 1 + i % 8]))])
+        for i in range(n)
+    ]
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_with_every_record_once(chat_llama, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "a.jsonl", many_records(10))
+    out = tmp_path / "shards"
+    args = ["--target", str(chat_llama), "--data", str(data), "--out", str(out), "--shard-mb", "0",
+            "--batch-tokens", "64"]  # fmt: skip
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert len(read_index(out)) == 2 and any(p.name.endswith(".tmp") for p in out.iterdir())
+    assert run_cli(*args) == 0
+    ds = ShardDataset(out)
+    assert sorted(ds.ids()) == sorted(f"m{i}" for i in range(10))
+    assert len(list(ds.ids())) == 10 and ds.meta["summary"]["already captured"] == 2
+    assert not any(p.name.endswith(".tmp") for p in out.iterdir())
+    capsys.readouterr()
+
+
+@pytest.mark.slow
+def test_two_processes_capture_every_record_exactly_once(chat_llama, tmp_path):
+    records = many_records(13)
+    data = write_jsonl(tmp_path / "a.jsonl", records)
+    out = tmp_path / "shards"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        "-m", "datagen.capture", "--target", str(chat_llama), "--data", str(data),
+        "--out", str(out), "--shard-mb", "0", "--batch-tokens", "64",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ds = ShardDataset(out)
+    ids = list(ds.ids())
+    assert len(ids) == len(set(ids)) == 13 and set(ids) == {r["id"] for r in records}
+    parts = {e["shard"].split("-")[1] for e in ds.index}
+    assert parts == {"000", "001"}  # both processes wrote shards
+    assert ds.meta["processes"] == 2 and ds.meta["summary"] == {"kept": 13}
+    assert proc.stdout.count("captured 13 records") == 1  # printed once, by process 0
+    target = load_target(chat_llama, device="cpu")
+    by_id = {r["id"]: r for r in records}
+    for i in range(len(ds)):
+        got = ds[i]
+        want = render_record(target.tokenizer, by_id[got["id"]], max_length=4096)
+        assert got["input_ids"].tolist() == want.input_ids
+        _, last = target.capture(torch.tensor([want.input_ids]))
+        torch.testing.assert_close(got["last_hidden"], last[0], rtol=2e-2, atol=2e-2)

@@ -1,0 +1,177 @@
+"""`python -m datagen.local`: OpenAI-compatible servers over real sockets (a fake on 127.0.0.1)
+and in-process generation on a tiny random model; same records and resume as datagen.store."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from datagen import local
+from datagen.generate import split_reasoning
+from datagen.prompts import Prompt
+from datagen.store import ResultStore
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tc = _load("tiny_chat")
+FakeOpenAIServer = _load("fake_openai_server").FakeOpenAIServer
+
+PROMPTS = [
+    {"id": "p0", "messages": [{"role": "user", "content": "what is 2 + 3 ?"}]},
+    {"id": "p1", "messages": [{"role": "system", "content": "tell me"},
+                              {"role": "user", "content": "hello"},
+                              {"role": "user", "content": "why ?"}]},  # two turns
+    {"id": "p2", "messages": [{"role": "user", "content": "fail-once please"}]},
+    {"id": "p3", "messages": [{"role": "user", "content": "a long one"}]},
+    {"id": "p4", "messages": [{"role": "user", "content": "bad-request"}]},
+]  # fmt: skip
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return path
+
+
+@pytest.fixture
+def servers():
+    with FakeOpenAIServer(name="a") as one, FakeOpenAIServer(name="b") as two:
+        yield one, two
+
+
+def records(out: Path) -> dict[str, dict]:
+    store = ResultStore(out, readonly=True)
+    return {r["id"]: r for r in store.iter_records()}
+
+
+def test_next_turns_walks_user_turns_in_order():
+    p = Prompt("x", "d", [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+                          {"role": "user", "content": "u2"}])  # fmt: skip
+    conv = local.next_turns(p, [])
+    assert conv == p.messages[:2]
+    conv = conv + [{"role": "assistant", "content": "a1"}]
+    assert local.next_turns(p, conv) == [{"role": "user", "content": "u2"}]
+    conv += [{"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]
+    assert local.next_turns(p, conv) is None
+
+
+def test_servers_round_robin_retries_reasoning_resume(servers, prompts_file, tmp_path):
+    one, two = servers
+    out = tmp_path / "out"
+    argv = ["--prompts", str(prompts_file), "--out", str(out), "--base-url", one.url, two.url + "/v1",
+            "--concurrency", "2", "--max-new-tokens", "64", "--temperature", "0.5"]  # fmt: skip
+    assert local.main(argv) == 0
+    got = records(out)
+    assert sorted(got) == ["p0", "p1", "p2", "p3"]
+    r0 = got["p0"]
+    assert r0["messages"][-1] == {
+        "role": "assistant",
+        "content": "answer to what is 2 + 3 ?",
+        "reasoning": "thinking about what is 2 + 3 ?",  # from reasoning_content
+    }
+    assert r0["model"] == "fake/target" and r0["finish_reason"] == "stop"  # model from /v1/models
+    assert r0["provider"].startswith("local http://127.0.0.1:")
+    # multi-turn: the second request carries the target's own first answer
+    roles = [m["role"] for m in got["p1"]["messages"]]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]
+    second = [b for s in servers for b in s.requests if b["messages"][-1]["content"] == "why ?"]
+    assert second[0]["messages"][2] == {"role": "assistant", "content": "answer to hello"}
+    assert got["p1"]["usage"]["completion_tokens"] == 3 + 4  # summed over both turns
+    assert got["p3"]["finish_reason"] == "length" and got["p3"]["truncated"]
+    assert got["p2"]["messages"][-1]["content"] == "answer to fail-once please"  # after a 503
+    failed = [json.loads(x) for x in (out / "failed.jsonl").read_text().splitlines()]
+    assert [f["id"] for f in failed] == ["p4"] and failed[0]["reason"] == "http 400"
+    assert one.requests and two.requests  # both servers did work
+    body = one.requests[0]
+    assert (
+        body["max_tokens"] == 64 and body["temperature"] == 0.5 and body["model"] == "fake/target"
+    )
+
+    sent = len(one.requests) + len(two.requests)
+    assert local.main(argv) == 0  # resume: only the failed prompt is tried again
+    assert len(one.requests) + len(two.requests) == sent + 1
+    assert sorted(records(out)) == ["p0", "p1", "p2", "p3"]
+
+
+def test_a_dead_server_only_slows_the_run(servers, prompts_file, tmp_path):
+    one, _ = servers
+    dead = "http://127.0.0.1:9"  # nothing listens on the discard port
+    out = tmp_path / "out"
+    argv = ["--prompts", str(prompts_file), "--out", str(out), "--base-url", dead, one.url,
+            "--model", "fake/target", "--concurrency", "1"]  # fmt: skip
+    assert local.main(argv) == 0
+    assert sorted(records(out)) == ["p0", "p1", "p2", "p3"]
+
+
+def test_unreachable_server_without_model_is_one_line(prompts_file, tmp_path, capsys):
+    argv = [
+        "--prompts",
+        str(prompts_file),
+        "--out",
+        str(tmp_path / "o"),
+        "--base-url",
+        "http://127.0.0.1:9",
+    ]
+    assert local.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot list the models") and err.count("\n") == 1
+
+
+@pytest.fixture(scope="module")
+def chat_llama(tiny_llama_dir, tmp_path_factory):
+    return tc.chat_model_dir(
+        tiny_llama_dir, tmp_path_factory.mktemp("chat_llama"), tc.chatml_tokenizer()
+    )
+
+
+def test_in_process_generation(chat_llama, prompts_file, tmp_path):
+    def argv(out, batch_size):
+        return ["--prompts", str(prompts_file), "--out", str(out), "--target", str(chat_llama),
+                "--max-new-tokens", "6", "--batch-size", str(batch_size), "--temperature", "0"]  # fmt: skip
+
+    out = tmp_path / "out"
+    assert local.main(argv(out, 2)) == 0
+    got = records(out)
+    assert sorted(got) == ["p0", "p1", "p2", "p3", "p4"]
+    two = got["p1"]["messages"]
+    assert [m["role"] for m in two] == ["system", "user", "assistant", "user", "assistant"]
+    for r in got.values():
+        assert r["model"] == chat_llama.name and r["provider"] == "transformers"
+        assert r["finish_reason"] in ("stop", "length")
+        assert (
+            0
+            < r["usage"]["completion_tokens"]
+            <= 6 * sum(m["role"] == "user" for m in r["messages"])
+        )
+    # greedy: the same answers whatever the batching (left padding is exact)
+    assert local.main(argv(tmp_path / "again", 5)) == 0
+    again = records(tmp_path / "again")
+    assert {k: r["messages"] for k, r in again.items()} == {
+        k: r["messages"] for k, r in got.items()
+    }
+    # resume: nothing left to do
+    before = (out / "chat.jsonl").read_text()
+    assert local.main(argv(out, 2)) == 0
+    assert (out / "chat.jsonl").read_text() == before
+
+
+def test_split_reasoning_at_the_think_tag():
+    tok = tc.kimi_tokenizer()
+    ids = tok.encode("add two</think>it is 5", add_special_tokens=False)
+    assert split_reasoning(tok, ids) == ("add two", "it is 5")
+    assert split_reasoning(tok, tok.encode("it is 5", add_special_tokens=False)) == ("", "it is 5")
+    chatml = tc.chatml_tokenizer()  # no special think tag: split on the text
+    assert split_reasoning(chatml, chatml.encode("it is 5", add_special_tokens=False)) == (
+        "",
+        "it is 5",
+    )

@@ -1,0 +1,214 @@
+"""Shards: round trip per dtype, index, crash safety (a killed writer), bytes per token."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from datagen.shards import (
+    ShardDataset,
+    ShardWriter,
+    bytes_per_token,
+    finalize,
+    read_index,
+    read_meta,
+)
+from eagle3.errors import Eagle3Error
+
+REPO = Path(__file__).resolve().parents[2]
+H = 16
+META = {
+    "target": "tiny",
+    "vocab_size": 100,
+    "target_hidden_size": H,
+    "aux_layer_ids": [1, 3, 4],
+    "num_layers": 8,
+    "max_length": 64,
+}
+
+# Shared by the test and the killed subprocess: record i, deterministic.
+RECORDS = textwrap.dedent(
+    """
+    import torch
+
+    def make(i, h=16):
+        g = torch.Generator().manual_seed(i)
+        t = 5 + i % 7
+        ids = torch.randint(0, 100, (t,), generator=g)
+        mask = (torch.arange(t) >= 2).long()
+        # the three aux layers differ in scale by orders of magnitude, as in real targets
+        scale = torch.tensor([0.05] * h + [1.0] * h + [40.0] * h)
+        aux = torch.randn(t, 3 * h, generator=g) * scale
+        last = torch.randn(t, h, generator=g)
+        return f"r{i}", ids, mask, aux, last
+    """
+)
+ns: dict = {}
+exec(RECORDS, ns)
+make = ns["make"]
+
+
+def write(out: Path, ids, dtype="bf16", shard_bytes=2000, meta=META) -> None:
+    with ShardWriter(out, meta, dtype=dtype, shard_bytes=shard_bytes) as w:
+        for i in ids:
+            rid, t, m, aux, last = make(i)
+            w.add(rid, t, m, aux, last, dataset="chat")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest per-row, per-layer relative error."""
+    a, b = a.view(a.shape[0], -1, H), b.view(b.shape[0], -1, H)
+    return float(((a - b).norm(dim=-1) / b.norm(dim=-1)).max())
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [("bf16", 0.01), ("fp16", 0.002), ("fp8", 0.08)])
+def test_round_trip(tmp_path, dtype, tol):
+    write(tmp_path, range(12), dtype=dtype)
+    ds = ShardDataset(tmp_path)
+    assert len(ds) == 12 and len({e["shard"] for e in ds.index}) > 1  # several shards
+    assert ds.meta["complete"] and ds.meta["dtype"] == dtype and ds.meta["num_records"] == 12
+    assert ds.lengths == [5 + i % 7 for i in range(12)]
+    for i in range(12):
+        rid, ids, mask, aux, last = make(i)
+        got = ds[i]
+        assert got["id"] == rid
+        assert torch.equal(got["input_ids"], ids) and got["input_ids"].dtype == torch.long
+        assert torch.equal(got["loss_mask"], mask) and got["loss_mask"].dtype == torch.long
+        assert (
+            got["aux_hidden"].shape == (len(ids), 3 * H)
+            and got["aux_hidden"].dtype == torch.float32
+        )
+        assert rel_err(got["aux_hidden"], aux) < tol and rel_err(got["last_hidden"], last) < tol
+    lines = [json.loads(x) for x in (tmp_path / "index.jsonl").read_text().splitlines()]
+    assert [x["id"] for x in lines] == [f"r{i}" for i in range(12)]
+    assert set(lines[0]) >= {"id", "shard", "offset", "length", "num_loss_tokens"}
+    assert lines[0]["num_loss_tokens"] == lines[0]["length"] - 2
+
+
+def test_bytes_per_token_matches_the_files(tmp_path):
+    assert bytes_per_token(7168, "bf16") == 57_349 and bytes_per_token(7168, "fp8") == 28_693
+    assert bytes_per_token(576, "bf16") == 4_613 and bytes_per_token(576, "fp8") == 2_325
+    for dtype in ("bf16", "fp8"):
+        out = tmp_path / dtype
+        write(out, range(40), dtype=dtype, shard_bytes=1 << 30)  # one shard
+        tokens = sum(5 + i % 7 for i in range(40))
+        size = sum(p.stat().st_size for p in out.glob("shard-*.safetensors"))
+        assert 0 <= size - tokens * bytes_per_token(H, dtype) < 1000  # + the safetensors header
+
+
+def test_reader_refuses_what_is_not_a_finished_capture(tmp_path):
+    with pytest.raises(Eagle3Error, match="no meta.json"):
+        ShardDataset(tmp_path / "nothing")
+    w = ShardWriter(tmp_path, META, shard_bytes=1)
+    rid, ids, mask, aux, last = make(0)
+    w.add(rid, ids, mask, aux, last)  # flushed (shard_bytes=1) but not finalized
+    w.wait()  # the background write is on disk
+    with pytest.raises(Eagle3Error, match="did not finish"):
+        ShardDataset(tmp_path)
+    assert [d["id"] for d in ShardDataset(tmp_path, allow_incomplete=True)] == ["r0"]
+    w.close()
+    assert len(ShardDataset(tmp_path)) == 1
+
+
+def test_a_different_capture_in_the_same_directory_is_refused(tmp_path):
+    write(tmp_path, range(2))
+    with pytest.raises(Eagle3Error, match="different capture"):
+        ShardWriter(tmp_path, {**META, "target_hidden_size": 32})
+    with pytest.raises(Eagle3Error, match="different capture"):
+        ShardWriter(tmp_path, META, dtype="fp8")
+
+
+def test_second_writer_of_the_same_part_is_refused(tmp_path):
+    w = ShardWriter(tmp_path, META)
+    with pytest.raises(Eagle3Error, match="another process"):
+        ShardWriter(tmp_path, META)
+    w.close()
+
+
+CRASH = textwrap.dedent(
+    """
+    import os, signal, sys
+    import datagen.shards as shards
+    from datagen.shards import ShardWriter
+
+    out, where, nth = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    meta = json.loads(sys.argv[4])
+    calls = [0]
+
+    def die_on_nth(real):
+        def wrapped(*args, **kwargs):
+            result = real(*args, **kwargs)
+            calls[0] += 1
+            if calls[0] == nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+
+        return wrapped
+
+    w = ShardWriter(out, meta, shard_bytes=2000)
+    if where == "before_rename":  # the temp file is written, never renamed
+        shards.save_file = die_on_nth(shards.save_file)
+    else:  # renamed, but its index lines are never written
+        shards._fsync_dir = die_on_nth(shards._fsync_dir)  # runs right after the rename
+    for i in range(30):
+        w.add(*make(i)[:5])
+    w.close()
+    """
+)
+
+
+@pytest.mark.parametrize("where", ["before_rename", "before_index"])
+def test_killed_writer_leaves_only_whole_shards_and_resumes(tmp_path, where):
+    script = tmp_path / "crash.py"
+    script.write_text("import json\n" + RECORDS + CRASH)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(out), where, "3", json.dumps(META)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -9, proc.stderr  # SIGKILL, mid-run
+    left = sorted(p.name for p in out.iterdir())
+    assert not (out / "index.jsonl").exists() and not read_meta(out)["complete"]
+    if where == "before_rename":
+        assert any(n.endswith(".tmp") for n in left)  # the half-published shard
+    else:
+        assert "shard-000-00003.safetensors" in left  # whole, but no index line refers to it
+    captured = [e["id"] for e in read_index(out)]
+    assert captured == [f"r{i}" for i in range(len(captured))] and 0 < len(captured) < 30
+    with pytest.raises(Eagle3Error, match="did not finish"):
+        ShardDataset(out)
+
+    # resume: a new writer cleans up, the rest of the records are added, every id once
+    done = set(captured)
+    write(out, [i for i in range(30) if f"r{i}" not in done])
+    names = sorted(p.name for p in out.iterdir())
+    assert not any(n.endswith(".tmp") for n in names) and "index-000.jsonl" not in names
+    ds = ShardDataset(out)
+    assert sorted(ds.ids()) == sorted(f"r{i}" for i in range(30))
+    for k in range(len(ds)):
+        got = ds[k]
+        rid, ids, mask, aux, last = make(int(got["id"][1:]))
+        assert torch.equal(got["input_ids"], ids) and rel_err(got["aux_hidden"], aux) < 0.01
+
+
+def test_finalize_merges_parts_from_several_writers(tmp_path):
+    for part, ids in (("000", range(0, 10, 2)), ("001", range(1, 10, 2))):
+        w = ShardWriter(tmp_path, META, shard_bytes=500, part=part, finalize_on_close=False)
+        for i in ids:
+            w.add(*make(i)[:5])
+        w.close()
+    assert len(read_index(tmp_path)) == 10 and not read_meta(tmp_path)["complete"]
+    meta = finalize(tmp_path, {"summary": {"kept": 10}})
+    assert meta["complete"] and meta["num_records"] == 10 and meta["summary"] == {"kept": 10}
+    assert sorted(ShardDataset(tmp_path).ids()) == sorted(f"r{i}" for i in range(10))
