@@ -1,0 +1,204 @@
+"""Training throughput of the EAGLE-3 drafter: tokens/s, peak memory and MFU, measured in one run.
+
+    python scripts/bench_train.py --config configs/train/smollm2-q4-cpu.yaml
+    python scripts/bench_train.py --config configs/train/kimi-k2.5-offline.yaml --seq-len 2048 --batch-size 2
+
+The step is the recipe's (train/train_drafter.py): soft labels from the target's lm_head in
+chunks, the TTT unroll, the weighted loss, backward, clip, AdamW. Inputs are random tensors
+of the target's shapes (no shards needed); only the target's config.json is read.
+
+MFU = analytic training FLOPs per token x tokens/s / measured matmul peak of this device in
+this run (best of square matmuls in the training dtype). Analytic FLOPs count, per token,
+the draft's useful work only: fc once, and for each of the K TTT steps q/k/v/o, the SwiGLU MLP,
+the draft lm_head and attention over the keys it really attends to (t/2 + k on average: the
+causal step-0 keys plus the k diagonal ones); backward = 2x forward except fc (no input grad).
+The target lm_head used for the soft labels is overhead, not model FLOPs; its time is reported
+separately (label_share).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from eagle3.loss import target_probs, ttt_loss
+from eagle3.model import DraftConfig, Eagle3Draft
+from train.config import load_config
+from train.train_drafter import TTTModel, target_facts
+
+
+def train_flops_per_token(cfg: DraftConfig, seq_len: int, ttt_steps: int) -> float:
+    H, ffn, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    fc = 2 * 3 * cfg.target_hidden_size * H
+    per_step = 2 * (
+        2 * H * (nh + 2 * nkv) * hd  # q, k, v from the 2H input
+        + nh * hd * H  # o_proj
+        + 3 * H * ffn  # gate, up, down
+        + H * Vd  # draft lm_head
+    )
+    attn = sum(2 * 2 * nh * hd * ((seq_len + 1) / 2 + k) for k in range(ttt_steps))  # QK^T and AV
+    return 2 * fc + 3 * (ttt_steps * per_step + attn)  # fc: forward + weight grad only
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 2.0) -> float:
+    """Best FLOP/s over square matmuls of a few sizes (the device's practical peak)."""
+    sizes = [1024, 2048] if device.type == "cpu" else [4096, 8192]
+    best = 0.0
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        a @ b  # warm up
+        reps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / len(sizes):
+            a @ b
+            reps += 1
+        sync(device)
+        best = max(best, 2 * n**3 * reps / (time.perf_counter() - start))
+    return best
+
+
+def shape_facts(spec: str) -> dict:
+    """--target-shape "hidden=..,vocab=..,heads=..,kv_heads=..,head_dim=..,intermediate=.." -> facts."""
+    from types import SimpleNamespace
+
+    v = {k: int(x) for k, x in (item.split("=") for item in spec.split(","))}
+    hf = SimpleNamespace(
+        hidden_size=v["hidden"],
+        vocab_size=v["vocab"],
+        num_attention_heads=v["heads"],
+        num_key_value_heads=v["kv_heads"],
+        head_dim=v["head_dim"],
+        intermediate_size=v["intermediate"],
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+    )
+    return {
+        "hf_config": hf,
+        "vocab_size": v["vocab"],
+        "hidden_size": v["hidden"],
+        "aux_layer_ids": None,
+    }
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="a training recipe (configs/train/*.yaml)")
+    p.add_argument("--seq-len", type=int, default=None, help="default: the recipe's max_length")
+    p.add_argument("--batch-size", type=int, default=None, help="default: the recipe's batch size")
+    p.add_argument("--steps", type=int, default=8, help="timed steps (after 2 warm-up steps)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--target-shape",
+        help="skip the target's config.json (e.g. no hub access): hidden=7168,vocab=163840,"
+        "heads=64,kv_heads=64,head_dim=64,intermediate=18432",
+    )
+    p.add_argument("overrides", nargs="*", help="recipe overrides, e.g. model.ttt_steps=3")
+    args = p.parse_args()
+    cfg = load_config(args.config, args.overrides, check_paths=False)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    T = args.seq_len or cfg.data.max_length
+    B = args.batch_size or cfg.data.batch_size
+    K = cfg.model.ttt_steps
+
+    facts = (
+        target_facts(cfg.target.name)
+        if args.target_shape is None
+        else shape_facts(args.target_shape)
+    )
+    aux_ids = cfg.target.aux_layer_ids or facts["aux_layer_ids"] or [1, 2, 3]
+    vocab_size = facts["vocab_size"]
+    dv = min(cfg.model.draft_vocab_size, vocab_size)
+    extra = (
+        {"intermediate_size": cfg.model.intermediate_size} if cfg.model.intermediate_size else {}
+    )
+    draft_cfg = DraftConfig.from_target_config(facts["hf_config"], dv, aux_ids, **extra)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(draft_cfg)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[torch.randperm(vocab_size)[:dv]] = True
+    draft.set_vocab(t2d.nonzero().squeeze(-1) - torch.arange(dv), t2d)
+    model = TTTModel(draft, K).to(device)
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
+    Ht = facts["hidden_size"]
+    lm_head = (torch.randn(vocab_size, Ht, device=device) * Ht**-0.5).to(dtype)
+    t2d = t2d.to(device)
+
+    def batch():
+        ids = torch.randint(0, vocab_size, (B, T), device=device)
+        aux = torch.randn(B, T, 3 * Ht, device=device, dtype=dtype)
+        last = torch.randn(B, T, Ht, device=device, dtype=dtype)
+        return ids, aux, last, torch.ones(B, T, dtype=torch.long, device=device)
+
+    label_time = 0.0
+
+    def step():
+        nonlocal label_time
+        ids, aux, last, mask = batch()
+        sync(device)
+        t0 = time.perf_counter()
+        probs, in_vocab = target_probs(last, lm_head, t2d, cfg.data.lm_head_chunk)
+        in_vocab[:] = True  # random labels: count every position
+        sync(device)
+        label_time += time.perf_counter() - t0
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(ids, aux)
+            loss, _ = ttt_loss(logits, probs, in_vocab, mask, cfg.model.step_weight)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    peak = matmul_peak(device, dtype)
+    for _ in range(2):
+        step()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    label_time = 0.0
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    sync(device)
+    elapsed = time.perf_counter() - start
+    tokens_per_s = args.steps * B * T / elapsed
+    flops = train_flops_per_token(draft_cfg, T, K)
+    achieved = flops * tokens_per_s
+    if device.type == "cuda":
+        mem = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        import resource
+
+        mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    threads = torch.get_num_threads() if device.type == "cpu" else None
+    print(
+        f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else f'{threads} threads'}), "
+        f"{str(dtype).removeprefix('torch.')}; draft H={draft_cfg.hidden_size} I={draft_cfg.intermediate_size} "
+        f"Vd={dv} target V={vocab_size}; batch {B} x {T} tokens, ttt_steps {K}"
+    )
+    print(f"tokens/s          {tokens_per_s:,.0f}")
+    print(f"peak memory       {mem:.2f} GiB")
+    print(f"train FLOPs/token {flops / 1e9:.3f} GFLOP (analytic)")
+    print(f"achieved          {achieved / 1e9:,.1f} GFLOP/s")
+    print(f"matmul peak       {peak / 1e9:,.1f} GFLOP/s (measured, same run)")
+    print(f"MFU               {100 * achieved / peak:.1f}%")
+    print(
+        f"label_share       {100 * label_time / elapsed:.1f}% of step time (target lm_head soft labels)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Training fixtures: token records and captured shards of the tiny random Llama target.
+
+The recipe runs as a real CLI (`python train/train_drafter.py ...`) in a subprocess, with W&B
+disabled, on records of 24 random sequences (lengths 20-59, the first third is "prompt").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "train" / "train_drafter.py"
+NUM_RECORDS = 24
+
+
+def make_records(n: int = NUM_RECORDS, vocab: int = 256, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    records = []
+    for i in range(n):
+        T = int(torch.randint(20, 60, (1,), generator=g))
+        ids = torch.randint(1, vocab, (T,), generator=g).tolist()
+        prompt = T // 3
+        records.append(
+            {"id": f"r{i}", "input_ids": ids, "loss_mask": [0] * prompt + [1] * (T - prompt)}
+        )
+    return records
+
+
+@pytest.fixture(scope="session")
+def records_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("records") / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in make_records()))
+    return path
+
+
+@pytest.fixture(scope="session")
+def shard_dir(tmp_path_factory, tiny_llama_dir, records_file) -> Path:
+    """The records captured through the tiny target into fp16 shards (datagen.shards format)."""
+    from datagen.shards import ShardWriter
+    from eagle3.target import load_target
+
+    target = load_target(tiny_llama_dir, device="cpu")
+    out = tmp_path_factory.mktemp("shards")
+    meta = {
+        "target": target.name,
+        "vocab_size": target.vocab_size,
+        "target_hidden_size": target.hidden_size,
+        "aux_layer_ids": target.aux_layer_ids,
+        "num_layers": target.num_layers,
+        "max_length": 2048,
+        "sources": ["test-records"],
+    }
+    with ShardWriter(out, meta, dtype="fp16") as writer:
+        for line in records_file.read_text().splitlines():
+            r = json.loads(line)
+            aux, last = target.capture(torch.tensor([r["input_ids"]]))
+            writer.add(r["id"], r["input_ids"], r["loss_mask"], aux[0], last[0])
+    return out
+
+
+def common_args(target_dir: Path, out_dir: Path, **extra) -> list[str]:
+    """A small, fast recipe: vocab 200 of 256, 7 TTT steps, warmup 2, log every step."""
+    values = {
+        "target.name": str(target_dir),
+        "model.draft_vocab_size": 200,
+        "optim.warmup_steps": 2,
+        "optim.lr": 1e-3,
+        "train.out_dir": str(out_dir),
+        "train.log_every": 1,
+        "train.max_steps": 6,
+        "train.save_every": 100,
+        "wandb.mode": "disabled",
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def offline(shard_dir: Path) -> dict:
+    return {"data.mode": "offline", "data.shard_dirs": f"[{shard_dir}]"}
+
+
+def online(records_file: Path) -> dict:
+    return {"data.mode": "online", "data.records": f"[{records_file}]"}
+
+
+def env() -> dict:
+    return {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def run_cli(args: list[str], launcher: list[str] | None = None, check: bool = True):
+    cmd = (launcher or [sys.executable]) + [str(SCRIPT), *args]
+    # own session: a timeout kills torchrun's workers too, not just the launcher
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} timed out:\n{stderr[-3000:]}") from None
+    proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def losses(out_dir: Path, key: str = "loss") -> list[float]:
+    lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)[key] for line in lines]
+
+
+@pytest.fixture
+def helpers():
+    """This module's helpers (tests cannot import conftest under --import-mode=importlib)."""
+    return sys.modules[__name__]

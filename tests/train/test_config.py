@@ -1,0 +1,84 @@
+"""Config loading: typed overrides, every problem in one line, every shipped recipe loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from train.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = sorted((REPO / "configs" / "train").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_loads_and_starts_with_a_launch_command(path):
+    cfg = load_config(path, check_paths=False)
+    assert cfg.optim.betas == [0.9, 0.95] and cfg.optim.grad_clip == 0.5
+    header = path.read_text().splitlines()[:12]
+    assert any("train/train_drafter.py --config" in line for line in header)
+
+
+def test_defaults_follow_the_anchors():
+    cfg = load_config(None, ["data.shard_dirs=[x]"], check_paths=False)
+    assert (cfg.optim.lr, cfg.model.ttt_steps, cfg.model.step_weight) == (1e-4, 7, 0.8)
+    assert (cfg.model.draft_vocab_size, cfg.data.max_length) == (32000, 2048)
+
+
+def test_dotted_overrides_are_typed(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "optim.lr=5e-5",
+            "optim.warmup_steps=3",
+            "data.mode=online",
+            f"data.records=[{tmp_path}]",
+            "train.max_steps=null",
+            "optim.betas=[0.8, 0.9]",
+            "wandb.tags=[a,b]",
+        ],
+    )
+    assert cfg.optim.lr == 5e-5 and isinstance(cfg.optim.lr, float)
+    assert cfg.optim.warmup_steps == 3 and cfg.train.max_steps is None
+    assert cfg.optim.betas == [0.8, 0.9] and cfg.wandb.tags == ["a", "b"]
+    assert (
+        load_config(None, ["optim.lr=1", f"data.records=[{tmp_path}]", "data.mode=online"]).optim.lr
+        == 1.0
+    )
+
+
+def test_all_problems_in_one_line(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("optim:\n  lrr: 1\ndata:\n  shard_dirs: [/nope]\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            recipe, ["optim.lr=fast", "train.epochs=0", "bogus.key=1", "model.ttt_steps=2.5"]
+        )
+    msg = str(err.value)
+    assert "\n" not in msg
+    for part in [
+        "unknown key optim.lrr",
+        "optim.lr: expected float",
+        "train.epochs must be >= 1",
+        "unknown key bogus",
+        "model.ttt_steps: expected int",
+        "/nope has no meta.json",
+    ]:
+        assert part in msg, part
+
+
+def test_missing_config_file_and_bad_override_syntax(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="not key=value"):
+        load_config(None, ["optim.lr"], check_paths=False)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["data.shard_dirs=[x]", "optim.lr=3e-4"], check_paths=False)
+    saved = tmp_path / "config.yaml"
+    saved.write_text(cfg.to_yaml())
+    assert load_config(saved, check_paths=False) == cfg
+    json.dumps(cfg.to_dict())  # W&B config is JSON

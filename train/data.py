@@ -1,0 +1,268 @@
+"""Training data: offline shards or online token records, length-grouped into batches.
+
+Batching is deterministic in (seed, epoch) and built for exact data parallelism: the plan is a
+list of *optimizer-step* batches of `batch_size * processes * grad_accum` sequences, and each
+rank takes its micro-batches out of every step batch. So N processes x batch b x accumulation
+G train on exactly the sequences one process sees with batch N*b*G, which is what lets a
+2-process run reproduce a 1-process run with the doubled batch.
+
+Padding is kept low by grouping similar lengths (shuffle, then sort inside mega-batches of
+`MEGA_BATCHES` step batches, then shuffle the batch order), the usual length-grouped sampler.
+Sequences are never packed together: the TTT attention has no document mask, so a packed row
+would let one conversation attend to another.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import ConcatDataset, DataLoader, Dataset
+
+from eagle3.errors import Eagle3Error
+from eagle3.vocab import count_tokens
+
+log = logging.getLogger(__name__)
+
+MEGA_BATCHES = 50  # global batches sorted together; larger = less padding, less randomness
+
+
+# -- offline: captured shards ----------------------------------------------------------------
+def load_shards(
+    shard_dirs: list[str], dtype: torch.dtype = torch.float32
+) -> tuple[Dataset, list[int], list[dict[str, Any]]]:
+    """-> (one dataset over all dirs, lengths, each dir's meta); hidden states read as `dtype`."""
+    from datagen.shards import ShardDataset
+
+    parts = [ShardDataset(d, dtype=dtype) for d in shard_dirs]
+    lengths = [n for p in parts for n in p.lengths]
+    return ConcatDataset(parts), lengths, [p.meta for p in parts]
+
+
+def check_shard_meta(
+    metas: list[dict[str, Any]],
+    shard_dirs: list[str],
+    *,
+    target: str,
+    vocab_size: int,
+    hidden_size: int,
+    aux_layer_ids: list[int] | None,
+) -> list[str]:
+    """Problems (one line each) where a shard dir was captured for something else."""
+    problems = []
+    for path, meta in zip(shard_dirs, metas):
+        expect = {
+            "target": target,
+            "vocab_size": vocab_size,
+            "target_hidden_size": hidden_size,
+            "aux_layer_ids": aux_layer_ids
+            if aux_layer_ids is not None
+            else metas[0].get("aux_layer_ids"),
+        }
+        for key, want in expect.items():
+            got = meta.get(key)
+            if key == "aux_layer_ids" and got is not None:
+                got = list(got)
+            if got != want:
+                problems.append(
+                    f"shards {path} were captured with {key}={got!r} but this run needs {want!r} "
+                    f"(target {target}); re-capture them or fix the config"
+                )
+    return problems
+
+
+# -- online: tokenized records ---------------------------------------------------------------
+class TokenRecords(Dataset):
+    """Records as {"input_ids", "loss_mask"} LongTensors, truncated to max_length.
+
+    `paths` are JSONL files or datagen result directories (datagen.store). A record holds
+    either `input_ids` + `loss_mask` (already tokenized) or `messages` (a datagen
+    conversation, rendered here with the target's chat template exactly as datagen.capture
+    renders it). Records that cannot be rendered or have no loss tokens are skipped (counted).
+    """
+
+    def __init__(self, paths: list[str], max_length: int, tokenizer: Any = None):
+        from datagen.capture import read_records
+        from datagen.chat import RenderError, render_record
+
+        self.items: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.skipped = 0
+        records, _ = read_records(paths)
+        for record in records:
+            if "input_ids" in record:
+                ids, mask = record["input_ids"], record["loss_mask"]
+            else:
+                if tokenizer is None:
+                    raise Eagle3Error("records hold messages but the target has no tokenizer")
+                try:
+                    rendered = render_record(tokenizer, record, max_length=max_length)
+                except RenderError:
+                    self.skipped += 1
+                    continue
+                ids, mask = rendered.input_ids, rendered.loss_mask
+            ids, mask = ids[:max_length], mask[:max_length]
+            if sum(mask) == 0:
+                self.skipped += 1
+                continue
+            self.items.append(
+                (torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long))
+            )
+        if self.skipped:
+            log.warning("skipped %d records (unrenderable or no loss tokens)", self.skipped)
+        if not self.items:
+            raise Eagle3Error(f"no trainable records in {', '.join(map(str, paths))}")
+        self.lengths = [len(ids) for ids, _ in self.items]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids, mask = self.items[i]
+        return {"input_ids": ids, "loss_mask": mask}
+
+
+# -- draft vocab counts, streamed --------------------------------------------------------------
+def token_counts(dataset: Dataset, vocab_size: int) -> torch.Tensor:
+    """Loss-masked token counts over the whole dataset, streamed: shards one at a time, reading
+    only their input_ids/loss_mask tensors (never the hidden states); other datasets per record."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    parts = dataset.datasets if isinstance(dataset, ConcatDataset) else [dataset]
+    for part in parts:
+        if hasattr(part, "index") and hasattr(part, "dir"):  # datagen.shards.ShardDataset
+            counts += _shard_token_counts(part, vocab_size)
+            continue
+        for i in range(len(part)):
+            item = part[i]
+            counts += count_tokens([item["input_ids"]], [item["loss_mask"]], vocab_size)
+    return counts
+
+
+def _shard_token_counts(ds: Any, vocab_size: int) -> torch.Tensor:
+    from safetensors import safe_open
+
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    by_shard: dict[str, list[dict]] = {}
+    for entry in ds.index:
+        by_shard.setdefault(entry["shard"], []).append(entry)
+    for name, entries in by_shard.items():
+        with safe_open(str(ds.dir / name), framework="pt") as f:
+            ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+        keep = torch.zeros(ids.numel(), dtype=torch.bool)  # rows of indexed records only
+        for e in entries:
+            keep[e["offset"] : e["offset"] + e["length"]] = True
+        counts += count_tokens([ids[keep]], [mask[keep]], vocab_size)
+    return counts
+
+
+# -- batching -----------------------------------------------------------------------------------
+def batch_plan(
+    lengths: list[int], step_size: int, seed: int, epoch: int, group_by_length: bool
+) -> list[list[int]]:
+    """One epoch of optimizer-step batches: each `step_size` indices, longest first.
+
+    The last incomplete step batch is dropped so every rank gets the same number of
+    micro-batches (no process waits forever in an all-reduce).
+    """
+    if len(lengths) < step_size:
+        raise Eagle3Error(
+            f"the data has {len(lengths)} sequences, fewer than one optimizer step needs "
+            f"({step_size} = batch_size x processes x grad_accum); lower them or add data"
+        )
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    order = torch.randperm(len(lengths), generator=g).tolist()
+    if group_by_length:
+        mega = step_size * MEGA_BATCHES
+        order = [
+            i
+            for start in range(0, len(order), mega)
+            for i in sorted(order[start : start + mega], key=lambda j: -lengths[j])
+        ]
+    batches = [order[s : s + step_size] for s in range(0, len(order) - step_size + 1, step_size)]
+    perm = torch.randperm(len(batches), generator=g).tolist()
+    return [sorted(batches[i], key=lambda j: -lengths[j]) for i in perm]
+
+
+def rank_micro_batches(
+    step_batch: list[int], rank: int, world_size: int, grad_accum: int
+) -> list[list[int]]:
+    """This rank's `grad_accum` micro-batches of a length-sorted step batch.
+
+    The step batch is cut into world_size * grad_accum contiguous pieces (similar lengths ->
+    little padding); rank r takes pieces r, r + N, r + 2N, ... So any (processes, batch_size,
+    grad_accum) with the same product trains on exactly the same sequences per step.
+    """
+    n = world_size * grad_accum
+    per = len(step_batch) // n
+    pieces = [step_batch[i * per : (i + 1) * per] for i in range(n)]
+    return pieces[rank::world_size]
+
+
+def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad a list of records to the longest one -> batch dict with attention_mask.
+
+    Right padding is harmless here: attention is causal, and padded positions carry
+    loss_mask 0 so no loss reads them.
+    """
+    T = max(len(item["input_ids"]) for item in items)
+    batch: dict[str, torch.Tensor] = {}
+    for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
+        if key not in items[0]:
+            continue
+        rows = []
+        for item in items:
+            x = item[key]
+            pad = T - x.shape[0]
+            rows.append(torch.cat([x, x.new_zeros((pad, *x.shape[1:]))]) if pad else x)
+        batch[key] = torch.stack(rows)
+    lengths = torch.tensor([len(item["input_ids"]) for item in items])
+    batch["attention_mask"] = (torch.arange(T)[None] < lengths[:, None]).long()
+    return batch
+
+
+def steps_per_epoch(lengths: list[int], batch_size: int, world_size: int, grad_accum: int) -> int:
+    return len(lengths) // (batch_size * world_size * grad_accum)
+
+
+def step_batches(
+    dataset: Dataset,
+    lengths: list[int],
+    *,
+    batch_size: int,
+    grad_accum: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    group_by_length: bool,
+    start_step: int = 0,
+    num_workers: int = 0,
+) -> Iterator[tuple[int, list[dict[str, torch.Tensor]]]]:
+    """Endless (epoch, this rank's micro-batches of one optimizer step) stream.
+
+    The first `start_step` steps are skipped by index (no data is read), which is how a
+    resumed run lands exactly where the killed one stopped.
+    """
+    step_size = batch_size * world_size * grad_accum
+    epoch, start = divmod(start_step, steps_per_epoch(lengths, batch_size, world_size, grad_accum))
+    while True:
+        plan = batch_plan(lengths, step_size, seed, epoch, group_by_length)
+        mine = [
+            mb for b in plan[start:] for mb in rank_micro_batches(b, rank, world_size, grad_accum)
+        ]
+        loader = DataLoader(
+            dataset, batch_sampler=mine, collate_fn=collate, num_workers=num_workers
+        )
+        window: list[dict[str, torch.Tensor]] = []
+        for batch in loader:
+            window.append(batch)
+            if len(window) == grad_accum:
+                yield epoch, window
+                window = []
+        epoch, start = epoch + 1, 0
+
+
+def padding_fraction(lengths: list[int], micro_batches: list[list[int]]) -> float:
+    """Share of padded slots when each micro-batch is padded to its longest sequence."""
+    slots = sum(len(mb) * max(lengths[i] for i in mb) for mb in micro_batches)
+    return 1 - sum(lengths[i] for mb in micro_batches for i in mb) / slots

@@ -1,0 +1,137 @@
+"""Where training metrics go: metrics.jsonl (always), W&B (never a login prompt), a tqdm bar.
+
+Only the main process builds a `MetricsLog`; the other ranks get a no-op one, so nothing is
+printed or written N times.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+
+def wandb_mode(requested: str) -> str:
+    """auto -> online only when an API key is configured, else offline (no prompt, no network)."""
+    if requested != "auto":
+        return requested
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    return "offline"
+
+
+class MetricsLog:
+    def __init__(
+        self,
+        out_dir: Path,
+        *,
+        enabled: bool,
+        total_steps: int,
+        start_step: int,
+        wandb_cfg: Any = None,
+        config: dict[str, Any] | None = None,
+        provenance: dict[str, Any] | None = None,
+        progress: bool = True,
+    ):
+        self.enabled = enabled
+        self.run = None
+        self.bar = None
+        if not enabled:
+            return
+        self.path = Path(out_dir) / "metrics.jsonl"
+        # a resumed run rewrites what came after its checkpoint
+        _truncate_after(self.path, start_step)
+        if wandb_cfg is not None and wandb_mode(wandb_cfg.mode) != "disabled":
+            self.run = _init_wandb(Path(out_dir), wandb_cfg, config or {}, provenance or {})
+        if progress:
+            self.bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                disable=not sys.stderr.isatty() and not os.environ.get("EAGLE3_FORCE_PROGRESS"),
+            )
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+        if self.bar is not None:
+            self.bar.set_postfix(
+                loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc_0']:.2f}", refresh=False
+            )
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def write(self, text: str) -> None:
+        """Print a line without breaking the progress bar (main process only)."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.run is not None:
+            self.run.finish()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep only records with step <= `step` (0 on a fresh run: start an empty file).
+
+    A killed run can leave a half-written last line; it goes with the rest.
+    """
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] > step:
+                break
+        except json.JSONDecodeError:
+            break
+        keep.append(line)
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def _init_wandb(out_dir: Path, cfg: Any, config: dict[str, Any], provenance: dict[str, Any]):
+    try:
+        import wandb
+    except ImportError:
+        log.warning("wandb is not installed; logging to metrics.jsonl only")
+        return None
+    mode = wandb_mode(cfg.mode)
+    run_id_file = out_dir / "wandb_run_id"  # a resumed run continues the same W&B run
+    run_id = run_id_file.read_text().strip() if run_id_file.exists() else uuid.uuid4().hex[:8]
+    run_id_file.write_text(run_id)
+    return wandb.init(
+        project=cfg.project,
+        name=cfg.name or out_dir.name,
+        group=cfg.group,
+        tags=list(cfg.tags),
+        id=run_id,
+        resume="allow",
+        mode=mode,
+        dir=str(out_dir),
+        config={**config, "provenance": provenance},
+        settings=wandb.Settings(silent=True),
+    )
