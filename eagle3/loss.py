@@ -67,8 +67,10 @@ def ttt_loss(
             continue
         p = probs[:, k + 1 : k + 1 + n]  # (B, n, Vd)
         valid = loss_mask[:, k + 2 : k + 2 + n].bool() & in_vocab[:, k + 1 : k + 1 + n]
-        logp = F.log_softmax(logits[:, :n].float(), dim=-1)
-        ce = -(p * logp).sum(-1)  # (B, n)
+        B, _, Vd = p.shape
+        ce = F.cross_entropy(  # soft-label CE in one fused op: -(p * log_softmax(logits)).sum(-1)
+            logits[:, :n].float().reshape(B * n, Vd), p.reshape(B * n, Vd), reduction="none"
+        ).view(B, n)
         count = int(valid.sum())
         denom = denominators[k] if denominators is not None else max(count, 1)
         loss_k = (ce * valid).sum() / max(denom, 1e-8)

@@ -41,7 +41,9 @@ class DraftConfig:
     vocab_size: int  # target vocab (embedding rows, t2d length)
     draft_vocab_size: int  # lm_head rows
     target_hidden_size: int  # fc input is 3 * target_hidden_size
-    aux_layer_ids: list[int] = field(default_factory=list)  # SGLang eagle_aux_hidden_state_layer_ids
+    aux_layer_ids: list[int] = field(
+        default_factory=list
+    )  # SGLang eagle_aux_hidden_state_layer_ids
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
@@ -112,7 +114,9 @@ def rotary_cos_sin(
     """cos/sin for positions (B, S) -> each (B, 1, S, head_dim), Llama's half-split layout."""
     inv_freq = 1.0 / (
         theta
-        ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+        ** (
+            torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
+        )
     )
     freqs = position_ids.float()[..., None] * inv_freq  # (B, S, hd/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (B, S, hd)
@@ -138,6 +142,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.ttt_impl = "auto"  # "auto" | "sdpa" | "split": see attend_ttt
 
     def qkv(
         self, x: torch.Tensor, position_ids: torch.Tensor
@@ -149,6 +154,37 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.cfg.rope_theta, q.dtype)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def attend_ttt(
+        self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """TTT step k = len(keys) - 1: q (B, nh, T, hd) over step-0 keys causally and the
+        keys of steps 1..k on the diagonal -> (B, T, H).
+
+        "sdpa" runs one masked SDPA over all (k+1)*T keys: fused kernels on GPU, but k*T*T
+        wasted scores. "split" scores the causal block and the k diagonal keys separately
+        (T*T + k*T) and softmaxes them jointly: exact, and much cheaper on CPU where SDPA has
+        no fused masked kernel anyway.
+        """
+        impl = self.ttt_impl
+        if impl == "auto":
+            impl = "sdpa" if q.is_cuda else "split"
+        if impl == "sdpa" or len(keys) == 1:
+            mask = ttt_mask(q.shape[2], len(keys) - 1, q.device)
+            return self.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
+        B, nh, T, hd = q.shape
+        rep = self.n_heads // self.n_kv
+        k0 = keys[0].repeat_interleave(rep, dim=1)  # (B, nh, T, hd)
+        v0 = values[0].repeat_interleave(rep, dim=1)
+        scale = hd**-0.5
+        causal = (q @ k0.transpose(-1, -2)) * scale  # (B, nh, T, T)
+        causal = causal.masked_fill(~ttt_mask(T, 0, q.device)[:, None], float("-inf"))
+        kd = torch.stack(keys[1:], dim=-2).repeat_interleave(rep, dim=1)  # (B, nh, T, k, hd)
+        vd = torch.stack(values[1:], dim=-2).repeat_interleave(rep, dim=1)
+        diag = (q.unsqueeze(-2) * kd).sum(-1) * scale  # (B, nh, T, k)
+        probs = torch.cat([causal, diag], dim=-1).float().softmax(-1).to(q.dtype)
+        out = probs[..., :T] @ v0 + (probs[..., T:].unsqueeze(-1) * vd).sum(-2)  # (B, nh, T, hd)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, nh * hd))
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -305,12 +341,7 @@ class Eagle3Draft(nn.Module):
             q, key, value = layer.self_attn.qkv(x, positions + k)
             keys.append(key)
             values.append(value)
-            attn = layer.self_attn.attend(
-                q,
-                torch.cat(keys, dim=2),  # (B, nkv, (k+1)*T, hd)
-                torch.cat(values, dim=2),
-                ttt_mask(T, k, input_ids.device),
-            )
+            attn = layer.self_attn.attend_ttt(q, keys, values)
             hidden = layer.finish(hidden, attn)
             step_logits.append(self.compute_logits(hidden))
         return step_logits

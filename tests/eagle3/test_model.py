@@ -58,16 +58,20 @@ def naive_ttt(model: Eagle3Draft, input_ids, aux, steps):
                         [q[b, t, h] @ keys[j][b, s, g] / math.sqrt(hd) for j, s in allowed]
                     )
                     w = scores.softmax(0)
-                    out[b, t, h] = sum(w[i] * values[j][b, s, g] for i, (j, s) in enumerate(allowed))
+                    out[b, t, h] = sum(
+                        w[i] * values[j][b, s, g] for i, (j, s) in enumerate(allowed)
+                    )
         attn_out = attn.o_proj(out.reshape(B, T, nh * hd))
         hidden = model.midlayer.finish(hidden, attn_out)
         outs.append(model.compute_logits(hidden))
     return outs
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "split"])
 @pytest.mark.parametrize("steps", [1, 2, 3, 4])
-def test_ttt_attention_matches_naive_reference(steps):
+def test_ttt_attention_matches_naive_reference(steps, impl):
     model = Eagle3Draft(tiny_config()).eval()
+    model.midlayer.self_attn.ttt_impl = impl
     input_ids = torch.randint(0, 50, (2, 7))
     aux = torch.randn(2, 7, 96)
     with torch.no_grad():
@@ -78,9 +82,24 @@ def test_ttt_attention_matches_naive_reference(steps):
         assert (g - w).abs().max().item() < 1e-5
 
 
-def test_ttt_step_equals_incremental_decoding_with_cache():
+def test_ttt_split_and_sdpa_gradients_agree():
+    torch.manual_seed(0)
+    model = Eagle3Draft(tiny_config())
+    input_ids, aux = torch.randint(0, 50, (2, 6)), torch.randn(2, 6, 96)
+    grads = {}
+    for impl in ("sdpa", "split"):
+        model.zero_grad()
+        model.midlayer.self_attn.ttt_impl = impl
+        sum(x.square().mean() for x in model.ttt_forward(input_ids, aux, 3)).backward()
+        grads[impl] = model.midlayer.self_attn.k_proj.weight.grad.clone()
+    assert torch.allclose(grads["sdpa"], grads["split"], atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "split"])
+def test_ttt_step_equals_incremental_decoding_with_cache(impl):
     """What TTT step k sees at position t is what the drafter sees after k chained steps."""
     model = Eagle3Draft(tiny_config()).eval()
+    model.midlayer.self_attn.ttt_impl = impl
     T, t = 9, 4
     input_ids = torch.randint(0, 50, (1, T))
     aux = torch.randn(1, T, 96)
@@ -88,9 +107,7 @@ def test_ttt_step_equals_incremental_decoding_with_cache():
         ttt = model.ttt_forward(input_ids, aux, 3)
         # Inference: prefill pairs (x_{s+1}, h_s) for s <= t, then chain with own hidden.
         h = model.project(aux[:, : t + 1])
-        out, logits, cache = model.forward(
-            input_ids[:, 1 : t + 2], h, torch.arange(t + 1)[None]
-        )
+        out, logits, cache = model.forward(input_ids[:, 1 : t + 2], h, torch.arange(t + 1)[None])
         assert torch.allclose(logits[:, t], ttt[0][:, t], atol=1e-5)
         hidden = out[:, t : t + 1]
         for k in (1, 2):
