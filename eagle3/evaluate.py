@@ -1,0 +1,446 @@
+"""Acceptance length of drafters against the target, by real speculative decoding.
+
+    python -m eagle3.evaluate --target smollm2-135m-q4 --draft runs/x/final --draft prompt-lookup \\
+        --draft none --bench mt_bench,humaneval,gsm8k=../shared/data/gsm8k/test.jsonl \\
+        [--mode chain|tree] [--steps 7] [--topk 10 --total-tokens 60 --depth 8] \\
+        [--temperature 0] [--max-new-tokens 256] [--limit 20] [--json out.json] [--wandb]
+
+For every prompt (every user turn of it: MT-bench's second turn is conditioned on the
+target's own first answer, from plain decoding) the target first decodes alone (plain tok/s),
+then once per drafter speculatively (spec tok/s, tau, alpha_i), in the same process, so the
+speedup is a ratio measured in one run. `--draft` takes a checkpoint directory (checked
+against the target first), `prompt-lookup` (n-gram lookup, no model) or `none` (the
+speculative loop with no drafts: tau = 1, shows the loop's own overhead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.errors import Eagle3Error
+from eagle3.prompt_lookup import PromptLookupDrafter
+from eagle3.speculative import (
+    AcceptanceStats,
+    DecodeConfig,
+    EagleDrafter,
+    Generation,
+    SpeculativeDecoder,
+    eos_token_ids,
+    plain_generate,
+)
+
+log = logging.getLogger("eagle3.evaluate")
+
+EMBEDDED_BENCHES = ("mt_bench", "humaneval")
+GENERIC_STEMS = {"test", "train", "question", "questions", "data", "prompts", "validation"}
+EVAL_FILE = "eagle3_eval.json"  # the results file also stored with a W&B run
+WARMUP_TOKENS = 8
+
+
+# -- benchmarks ---------------------------------------------------------------------------------
+def parse_benches(spec: str) -> list[tuple[str, str]]:
+    """'mt_bench,humaneval,gsm8k=FILE,FILE.jsonl' -> [(name, source)]."""
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, sep, source = item.partition("=")
+        if sep:
+            out.append((name, source))
+        elif item in EMBEDDED_BENCHES:
+            out.append((item, item))
+        elif Path(item).exists():
+            path = Path(item)
+            stem = path.name.split(".")[0]
+            out.append((path.parent.name if stem in GENERIC_STEMS else stem, item))
+        elif item == "gsm8k":
+            raise Eagle3Error(
+                "gsm8k has no embedded copy: pass its file, e.g. "
+                "--bench gsm8k=../shared/data/gsm8k/test.jsonl"
+            )
+        else:
+            raise Eagle3Error(
+                f"unknown benchmark {item!r}: use mt_bench, humaneval, NAME=FILE.jsonl or an "
+                "existing prompts file"
+            )
+    if not out:
+        raise Eagle3Error("--bench is empty; e.g. --bench mt_bench,humaneval")
+    return out
+
+
+def turns(messages: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Leading system messages, then the user turns answered one by one."""
+    system = [m for m in messages if m["role"] == "system"]
+    users = [m for m in messages if m["role"] == "user"]
+    return system, users
+
+
+# -- drafters -----------------------------------------------------------------------------------
+def drafter_name(spec: str) -> str:
+    if spec in ("none", "prompt-lookup"):
+        return spec
+    path = Path(spec).resolve()
+    if path.name in ("final", "draft") or path.name.startswith("step-"):
+        return f"{path.parent.name}/{path.name}"  # runs/x/final -> x/final
+    return path.name
+
+
+def check_compatible(cfg, raw: dict[str, Any], target, ckpt: str) -> None:
+    """Refuse a drafter trained for another target, in one line naming every mismatch."""
+    problems = []
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab {cfg.vocab_size} vs the target's {target.vocab_size}")
+    if cfg.target_hidden_size != target.hidden_size:
+        problems.append(f"target hidden size {cfg.target_hidden_size} vs {target.hidden_size}")
+    embed = tuple(target.embed_weight.shape)
+    if (cfg.vocab_size, cfg.hidden_size) != embed:
+        problems.append(f"embedding shape {(cfg.vocab_size, cfg.hidden_size)} vs {embed}")
+    if list(cfg.aux_layer_ids) != list(target.aux_layer_ids):
+        problems.append(f"aux layers {list(cfg.aux_layer_ids)} vs {list(target.aux_layer_ids)}")
+    if problems:
+        trained_for = (raw.get("extra_config") or {}).get("target")
+        hint = f" (it was trained for {trained_for})" if trained_for else ""
+        raise Eagle3Error(
+            f"drafter {ckpt} does not fit target {target.name}{hint}: {'; '.join(problems)}; "
+            "evaluate it with the target it was trained for"
+        )
+
+
+def load_drafter(spec: str, target, cfg: DecodeConfig):
+    """-> a Drafter (None for 'none')."""
+    if spec == "none":
+        return None
+    if spec == "prompt-lookup":
+        return PromptLookupDrafter(num_tokens=cfg.max_depth)
+    from eagle3.checkpoint import load_config, load_draft
+
+    if not Path(spec).is_dir():
+        raise Eagle3Error(
+            f"--draft {spec}: no such checkpoint directory (or use prompt-lookup / none)"
+        )
+    draft_cfg, raw = load_config(spec)
+    check_compatible(draft_cfg, raw, target, spec)
+    draft = load_draft(spec)
+    draft.set_embeddings(target.embed_weight.detach().cpu())
+    dtype = target.model.dtype if target.device.type == "cuda" else torch.float32
+    draft = draft.to(device=target.device, dtype=dtype)
+    return EagleDrafter(draft, cfg, name=drafter_name(spec))
+
+
+# -- the measurement -----------------------------------------------------------------------------
+@dataclass
+class Tally:
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    tokens: int = 0
+    seconds: float = 0.0
+    prompts: int = 0
+    turns: int = 0
+
+    def add(self, gen: Generation) -> None:
+        self.stats.merge(gen.stats)
+        self.tokens += len(gen.tokens)
+        self.seconds += gen.seconds
+        self.turns += 1
+
+
+def run_benchmark(
+    target,
+    drafters: dict[str, Any],
+    prompts: list,
+    cfg: DecodeConfig,
+    seed: int,
+) -> tuple[Tally, dict[str, Tally]]:
+    """-> (plain tally, drafter name -> speculative tally) over every turn of every prompt."""
+    from datagen.chat import prompt_ids
+
+    eos = eos_token_ids(target)
+    decoders = {n: SpeculativeDecoder(target, d, cfg, eos_ids=eos) for n, d in drafters.items()}
+    plain = Tally()
+    spec = {n: Tally() for n in drafters}
+    for i, prompt in enumerate(prompts):
+        system, users = turns(prompt.messages)
+        conversation = list(system)
+        for t, user in enumerate(users):
+            conversation.append(user)
+            ids = prompt_ids(target.tokenizer, conversation)
+            gen = torch.Generator().manual_seed(seed + 1000 * i + t)
+            out = plain_generate(
+                target, ids, cfg.max_new_tokens, cfg.temperature, eos_ids=eos, generator=gen
+            )
+            plain.add(out)
+            line = [f"{prompt.dataset}/{prompt.id} turn {t + 1}: plain {_rate(out)}"]
+            for name, dec in decoders.items():
+                gen = torch.Generator().manual_seed(seed + 1000 * i + t)
+                res = dec.generate(ids, gen)
+                spec[name].add(res)
+                line.append(f"{name} tau {res.stats.tau:.2f} {_rate(res)}")
+            log.info("; ".join(line))
+            answer = target.tokenizer.decode(out.tokens, skip_special_tokens=True)
+            conversation.append({"role": "assistant", "content": answer})
+        plain.prompts += 1
+        for tally in spec.values():
+            tally.prompts += 1
+    return plain, spec
+
+
+def _rate(gen: Generation) -> str:
+    return f"{len(gen.tokens) / gen.seconds:.1f} tok/s" if gen.seconds > 0 else "- tok/s"
+
+
+def warm_up(target, drafters: dict[str, Any], prompts: list, cfg: DecodeConfig) -> None:
+    """One short untimed run of each decoder, so no timing pays for first-call setup."""
+    from datagen.chat import prompt_ids
+
+    system, users = turns(prompts[0].messages)
+    ids = prompt_ids(target.tokenizer, system + users[:1])
+    short = DecodeConfig(**{**asdict(cfg), "max_new_tokens": WARMUP_TOKENS})
+    plain_generate(target, ids, WARMUP_TOKENS, eos_ids=set())
+    for drafter in drafters.values():  # drafters read only the tree shape from their config
+        SpeculativeDecoder(target, drafter, short, eos_ids=set()).generate(ids)
+
+
+def result_row(drafter: str, bench: str, plain: Tally, spec: Tally, k: int) -> dict[str, Any]:
+    plain_tps = plain.tokens / plain.seconds if plain.seconds else 0.0
+    spec_tps = spec.tokens / spec.seconds if spec.seconds else 0.0
+    return {
+        "drafter": drafter,
+        "bench": bench,
+        "tau": spec.stats.tau,
+        "alpha": spec.stats.alpha(k) if drafter != "none" else [],
+        "spec_tokens_per_s": spec_tps,
+        "plain_tokens_per_s": plain_tps,
+        "speedup": spec_tps / plain_tps if plain_tps else 0.0,
+        "prompts": spec.prompts,
+        "turns": spec.turns,
+        "tokens": spec.tokens,
+        "plain_tokens": plain.tokens,
+        "verify_steps": spec.stats.steps,
+        "spec_seconds": spec.seconds,
+        "plain_seconds": plain.seconds,
+    }
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    """Markdown: one row per drafter x benchmark."""
+    k = max((len(r["alpha"]) for r in results), default=0)
+    head = ["drafter", "bench", "τ", *[f"α{i + 1}" for i in range(k)]]
+    head += ["spec tok/s", "plain tok/s", "speedup", "prompts", "tokens"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        alphas = [r["alpha"][i] if i < len(r["alpha"]) else None for i in range(k)]
+        cells = [r["drafter"], r["bench"], f"{r['tau']:.2f}"]
+        cells += ["–" if a is None else f"{a:.2f}" for a in alphas]
+        cells += [
+            f"{r['spec_tokens_per_s']:.1f}",
+            f"{r['plain_tokens_per_s']:.1f}",
+            f"{r['speedup']:.2f}x",
+            str(r["prompts"]),
+            str(r["tokens"]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# -- W&B ------------------------------------------------------------------------------------------
+def _training_run(ckpt: str) -> tuple[Path | None, dict[str, Any]]:
+    """The training out_dir above a checkpoint (it holds `wandb_run_id`) and its wandb config."""
+    path = Path(ckpt).resolve()
+    for parent in [path, *list(path.parents)[:3]]:
+        if (parent / "wandb_run_id").is_file():
+            config: dict[str, Any] = {}
+            if (parent / "config.yaml").is_file():
+                import yaml
+
+                config = (yaml.safe_load((parent / "config.yaml").read_text()) or {}).get(
+                    "wandb"
+                ) or {}
+            config["id"] = (parent / "wandb_run_id").read_text().strip()
+            return parent, config
+    return None, {}
+
+
+def wandb_mode() -> str:
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+def log_wandb(report: dict[str, Any], specs: dict[str, str], args: argparse.Namespace) -> None:
+    """Each drafter's numbers go to its training run (resumed), else to a new eval run in
+    the same group; baselines join the group of the first trained drafter."""
+    import wandb
+
+    runs: dict[str, tuple[Path | None, dict[str, Any]]] = {
+        n: _training_run(s) for n, s in specs.items() if s not in ("none", "prompt-lookup")
+    }
+    first = next((cfg for _, cfg in runs.values() if cfg), {})
+    for name in specs:
+        out_dir, cfg = runs.get(name, (None, {}))
+        rows = [r for r in report["results"] if r["drafter"] == name]
+        kwargs: dict[str, Any] = dict(
+            project=cfg.get("project") or args.wandb_project,
+            group=cfg.get("group") or first.get("group") or args.wandb_group,
+            mode=wandb_mode(),
+            dir=str(out_dir or Path(args.json or ".").resolve().parent),
+            settings=wandb.Settings(silent=True),
+        )
+        if cfg.get("id"):
+            kwargs.update(id=cfg["id"], resume="allow")
+        else:
+            kwargs.update(job_type="eval", name=f"eval-{name}", config={"eval": report["config"]})
+        run = wandb.init(**kwargs)
+        try:
+            for r in rows:
+                prefix = f"eval/{r['bench']}"
+                run.summary[f"{prefix}/tau"] = r["tau"]
+                run.summary[f"{prefix}/speedup"] = r["speedup"]
+                run.summary[f"{prefix}/spec_tokens_per_s"] = r["spec_tokens_per_s"]
+                run.summary[f"{prefix}/plain_tokens_per_s"] = r["plain_tokens_per_s"]
+                for i, a in enumerate(r["alpha"]):
+                    if a is not None:
+                        run.summary[f"{prefix}/alpha_{i + 1}"] = a
+            columns = [
+                "drafter",
+                "bench",
+                "tau",
+                "speedup",
+                "spec_tokens_per_s",
+                "plain_tokens_per_s",
+                "prompts",
+                "tokens",
+            ]
+            run.log(
+                {
+                    "eval/results": wandb.Table(
+                        columns=columns, data=[[r[c] for c in columns] for r in rows]
+                    )
+                }
+            )
+            if run.dir:
+                Path(run.dir, EVAL_FILE).write_text(
+                    json.dumps({**report, "results": rows}, indent=2)
+                )
+        finally:
+            run.finish()
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m eagle3.evaluate",
+        description="Acceptance length (tau) and speedup of drafters by real speculative decoding.",
+    )
+    p.add_argument("--target", required=True, help="registry name, HF dir or .gguf")
+    p.add_argument(
+        "--draft",
+        action="append",
+        required=True,
+        help="checkpoint dir | prompt-lookup | none (repeatable)",
+    )
+    p.add_argument(
+        "--bench",
+        default="mt_bench,humaneval",
+        help="mt_bench,humaneval,NAME=FILE.jsonl,FILE.jsonl",
+    )
+    p.add_argument("--mode", choices=("chain", "tree"), default="chain")
+    p.add_argument("--steps", type=int, default=7, help="chain: draft tokens per step")
+    p.add_argument("--topk", type=int, default=10, help="tree: branching")
+    p.add_argument(
+        "--total-tokens", type=int, default=60, help="tree: tokens verified per step, root included"
+    )
+    p.add_argument("--depth", type=int, default=8, help="tree: max draft depth")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--limit", type=int, default=None, help="prompts per benchmark")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument(
+        "--wandb", action="store_true", help="log to W&B (offline without WANDB_API_KEY)"
+    )
+    p.add_argument("--wandb-project", default="eagle3")
+    p.add_argument("--wandb-group", default=None)
+    return p
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from datagen.prompts import load_prompts
+    from eagle3.target import load_target
+
+    cfg = DecodeConfig(
+        mode=args.mode,
+        steps=args.steps,
+        topk=args.topk,
+        total_tokens=args.total_tokens,
+        depth=args.depth,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+    )
+    benches = parse_benches(args.bench)
+    specs = [s.strip() for item in args.draft for s in item.split(",") if s.strip()]
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    if target.tokenizer is None:
+        raise Eagle3Error(
+            f"target {args.target} has no tokenizer; the benchmarks need its chat template"
+        )
+    names: dict[str, str] = {}
+    for spec in specs:  # every checkpoint is checked before any decoding starts
+        name, n = drafter_name(spec), 1
+        while name in names:
+            n += 1
+            name = f"{drafter_name(spec)}#{n}"
+        names[name] = spec
+    drafters = {name: load_drafter(spec, target, cfg) for name, spec in names.items()}
+    report: dict[str, Any] = {
+        "target": target.name,
+        "config": {**asdict(cfg), "seed": args.seed, "limit": args.limit},
+        "device": str(target.device),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "drafters": names,
+        "results": [],
+    }
+    warmed = False
+    for bench, source in benches:
+        prompts = load_prompts(source, dataset=bench, limit=args.limit)
+        if not prompts:
+            raise Eagle3Error(f"benchmark {bench} ({source}) has no prompts")
+        if not warmed:
+            warm_up(target, drafters, prompts, cfg)
+            warmed = True
+        plain, spec = run_benchmark(target, drafters, prompts, cfg, args.seed)
+        for name, tally in spec.items():
+            report["results"].append(result_row(name, bench, plain, tally, cfg.max_depth))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        report = run(args)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        if args.wandb:
+            log_wandb(report, report["drafters"], args)
+    except Eagle3Error as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_table(report["results"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

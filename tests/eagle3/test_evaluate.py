@@ -1,0 +1,183 @@
+"""`python -m eagle3.evaluate` on the tiny random target with a chat tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3.checkpoint import save_draft
+from eagle3.errors import Eagle3Error
+from eagle3.evaluate import drafter_name, main, parse_benches
+from eagle3.model import DraftConfig, Eagle3Draft
+
+REPO = Path(__file__).resolve().parents[2]
+GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+
+
+def _tiny_chat():
+    spec = importlib.util.spec_from_file_location(
+        "tiny_chat", REPO / "tests" / "datagen" / "tiny_chat.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def chat_target_dir(tiny_llama_dir, tmp_path_factory):
+    tiny_chat = _tiny_chat()
+    out = tmp_path_factory.mktemp("chat_target")
+    return tiny_chat.chat_model_dir(tiny_llama_dir, out, tiny_chat.chatml_tokenizer(256))
+
+
+def make_ckpt(
+    target_dir: Path, out: Path, aux=(1, 3, 4), vocab: int = 256, hidden: int = 64
+) -> Path:
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(target_dir)
+    hf.vocab_size, hf.hidden_size = vocab, hidden
+    cfg = DraftConfig.from_target_config(hf, 200, list(aux))
+    return save_draft(Eagle3Draft(cfg), out, extra_config={"target": "tiny-llama"})
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "mine.jsonl"
+    records = [
+        {"id": "a", "turns": ["hello what is 2 + 3 ?", "tell me a joke"]},  # MT-bench shape
+        {"id": "b", "prompt": "write code def add two numbers"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_parse_benches():
+    assert parse_benches("mt_bench,humaneval") == [
+        ("mt_bench", "mt_bench"),
+        ("humaneval", "humaneval"),
+    ]
+    assert parse_benches("gsm8k=/x/test.jsonl") == [("gsm8k", "/x/test.jsonl")]
+    with pytest.raises(Eagle3Error, match="gsm8k=../shared"):
+        parse_benches("gsm8k")
+    with pytest.raises(Eagle3Error, match="unknown benchmark 'nope'"):
+        parse_benches("nope")
+    if GSM8K.is_file():  # a generic file stem takes its directory's name
+        assert parse_benches(str(GSM8K)) == [("gsm8k", str(GSM8K))]
+    assert drafter_name("/runs/exp1/final") == "exp1/final"
+    assert drafter_name("prompt-lookup") == "prompt-lookup"
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_evaluate_cli_reports_every_drafter_and_benchmark(
+    mode, chat_target_dir, prompts_file, tmp_path, capsys
+):
+    ckpt = make_ckpt(chat_target_dir, tmp_path / "exp" / "final")
+    benches = f"mine={prompts_file}"
+    if GSM8K.is_file():
+        benches += f",gsm8k={GSM8K}"
+    out = tmp_path / "eval.json"
+    argv = [
+        "--target", str(chat_target_dir), "--device", "cpu",
+        "--draft", str(ckpt), "--draft", "prompt-lookup,none",
+        "--bench", benches, "--limit", "2", "--max-new-tokens", "10",
+        "--mode", mode, "--steps", "3", "--topk", "3", "--total-tokens", "10", "--depth", "3",
+        "--json", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0].startswith("| drafter | bench | τ | α1 | α2 | α3 |")
+    report = json.loads(out.read_text())
+    rows = {(r["drafter"], r["bench"]): r for r in report["results"]}
+    expected_benches = ["mine"] + (["gsm8k"] if GSM8K.is_file() else [])
+    assert set(rows) == {
+        (d, b) for d in ("exp/final", "prompt-lookup", "none") for b in expected_benches
+    }
+    mine = rows[("exp/final", "mine")]
+    assert mine["prompts"] == 2 and mine["turns"] == 3  # both MT-bench-style turns were answered
+    assert mine["tokens"] == mine["plain_tokens"] == 30  # T=0: the same tokens, 10 per turn
+    assert len(mine["alpha"]) == 3 and mine["tau"] >= 1 and mine["speedup"] > 0
+    assert rows[("none", "mine")]["tau"] == 1.0 and rows[("none", "mine")]["alpha"] == []
+    assert report["config"]["mode"] == mode and report["target"] == chat_target_dir.name
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(aux=(0, 3, 4)), r"aux layers \[0, 3, 4\] vs \[1, 3, 4\]"),
+        (dict(vocab=300), "vocab 300 vs the target's 256"),
+        (dict(hidden=32), "target hidden size 32 vs 64"),
+    ],
+)
+def test_drafter_for_another_target_is_refused(
+    change, message, chat_target_dir, prompts_file, tmp_path, capsys
+):
+    ckpt = make_ckpt(chat_target_dir, tmp_path / "other", **change)
+    argv = [
+        "--target",
+        str(chat_target_dir),
+        "--device",
+        "cpu",
+        "--draft",
+        str(ckpt),
+        "--bench",
+        str(prompts_file),
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # above it: HF's loading bar
+    assert err.startswith("error: drafter ")
+    assert "trained for tiny-llama" in err
+    import re
+
+    assert re.search(message, err), err
+
+
+def test_wandb_offline_logs_to_the_training_run_and_compare_reads_it(
+    chat_target_dir, prompts_file, tmp_path, monkeypatch, capsys
+):
+    from eagle3.compare import main as compare_main
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    run_dir = tmp_path / "exp"  # looks like a training out_dir: run id + config.yaml
+    ckpt = make_ckpt(chat_target_dir, run_dir / "final")
+    (run_dir / "wandb_run_id").write_text("abc123")
+    (run_dir / "config.yaml").write_text("wandb:\n  project: p1\n  group: g1\n")
+    argv = [
+        "--target", str(chat_target_dir), "--device", "cpu", "--draft", str(ckpt),
+        "--bench", str(prompts_file), "--limit", "1", "--max-new-tokens", "4", "--steps", "2", "--wandb",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    logged = list((run_dir / "wandb").rglob("eagle3_eval.json"))
+    assert logged and "abc123" in str(logged[0])
+    capsys.readouterr()
+    assert compare_main([str(run_dir / "wandb"), "--out", str(tmp_path / "cmp")]) == 0
+    assert "| exp/final | " in capsys.readouterr().out
+    assert (tmp_path / "cmp" / "tau.png").is_file() and (
+        tmp_path / "cmp" / "acceptance.png"
+    ).is_file()
+
+
+def test_module_entry_point_prints_usage():
+    out = subprocess.run(
+        [sys.executable, "-m", "eagle3.evaluate", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert out.returncode == 0 and "--total-tokens" in out.stdout

@@ -1,0 +1,84 @@
+"""The quickstart end to end at a tiny scale, through the same entry point users type.
+
+It is killed once in the middle (SIGKILL of the whole process group during capture) and run
+again: the finished stage is skipped, the rest resumes, and every artifact must be there.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def quickstart(run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "eagle3.quickstart", "--scale", "tiny", "--run-dir", str(run_dir)]
+
+
+def stage_status(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "manifest.json").read_text())["stages"]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+@pytest.mark.slow
+def test_quickstart_tiny_killed_then_resumed(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        quickstart(run_dir),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 600
+    while stage_status(run_dir).get("capture", {}).get("status") != "running":
+        assert proc.poll() is None, "quickstart ended before reaching the capture stage"
+        assert time.monotonic() < deadline, "quickstart never reached the capture stage"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert stage_status(run_dir)["generate"]["status"] == "done"
+
+    done = subprocess.run(quickstart(run_dir), cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "generate: done, skipped" in done.stdout
+    stages = stage_status(run_dir)
+    assert [stages[s]["status"] for s in ("generate", "capture", "train", "evaluate")] == [
+        "done"
+    ] * 4
+
+    # Every artifact exists and parses.
+    records = [json.loads(line) for line in (run_dir / "responses" / "sharegpt.jsonl").open()]
+    assert len(records) == 4 and len({r["id"] for r in records}) == 4
+    meta = json.loads((run_dir / "shards" / "meta.json").read_text())
+    assert meta["complete"] and meta["target"] == "smollm2-135m-q4"
+    index = (run_dir / "shards" / "index.jsonl").read_text().splitlines()
+    assert len(index) == 4
+    final = run_dir / "train" / "final"
+    config = json.loads((final / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert (final / "model.safetensors").is_file()
+    assert (run_dir / "train" / "metrics.jsonl").read_text().strip()
+    report = json.loads((run_dir / "eval.json").read_text())
+    cells = {(r["drafter"], r["bench"]) for r in report["results"]}
+    assert {b for _, b in cells} == {"mt_bench", "humaneval"}
+    assert len(cells) == 6  # drafter, prompt lookup and plain decoding on both benchmarks
+    assert all(r["tau"] >= 1.0 for r in report["results"])
+    table = (run_dir / "results.md").read_text()
+    assert table.startswith("| drafter | bench | τ |") and table in done.stdout
+    assert "Rerun any stage by hand" in (run_dir / "README.md").read_text()
+
+    # A third run skips everything and prints the same table.
+    again = subprocess.run(quickstart(run_dir), cwd=REPO, env=env, capture_output=True, text=True)
+    assert again.returncode == 0
+    assert again.stdout.count("done, skipped") == 4 and table in again.stdout
