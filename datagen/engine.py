@@ -16,6 +16,11 @@ Cost when the outcome is unknown: a client timeout is counted at the reservation
 may still run and be billed upstream); HTTP errors, connection drops and unparsable bodies carry
 no usage and are taken as not billed (OpenRouter does not bill failed generations).
 A prompt is written (whole conversation, one line) only when its last turn is done.
+
+Provider audit (``--audit-every N``): every written record goes to the :class:`Auditor`; when it
+says a check is due, the check runs in a thread (one at a time) while generation goes on. A
+provider it flags is added to the rule's ``ignore`` list in place, so every request sent after
+that carries it, and the decision (provider, slugs, reason) is appended to ``DIR/audit.jsonl``.
 """
 
 from __future__ import annotations
@@ -31,13 +36,15 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
 
 import aiohttp
 
 from datagen import retry
 from datagen.ledger import Ledger, Reservation, upper_prompt_tokens, worst_case_usd
 from datagen.prompts import Prompt
-from datagen.providers import Prices
+from datagen.providers import Prices, slug_matches
 from datagen.store import ResultStore, make_failure, make_record
 
 log = logging.getLogger("datagen.openrouter")
@@ -69,11 +76,24 @@ class Settings:
     log_every: float = 30.0  # seconds between plain progress lines (not a TTY)
     progress_bar: bool | None = None  # None = when stderr is a TTY
     seed: int | None = None
+    # Provider audit: where decisions go, display name (lower case) -> endpoint slugs, and the
+    # slugs of the allowed endpoints (when the audit has excluded all of them, the run stops).
+    audit_log: Path | None = None
+    provider_slugs: dict = field(default_factory=dict)
+    allowed_slugs: list = field(default_factory=list)
+
+
+class Auditor(Protocol):
+    """What the engine needs of :class:`datagen.audit.OnlineAudit`."""
+
+    def add(self, record: dict) -> bool: ...  # True when a check is due
+
+    def check(self) -> dict[str, str]: ...  # blocking; newly flagged {display name: reason}
 
 
 @dataclass
 class Outcome:
-    stop: str | None = None  # "budget" | "credits" | "interrupted" | None
+    stop: str | None = None  # "budget" | "credits" | "interrupted" | "audit" | None
     stop_detail: str = ""
     capped: set = field(default_factory=set)  # datasets that hit their token budget
     done: int = 0  # prompts finished in this run
@@ -83,6 +103,8 @@ class Outcome:
     retries: Counter = field(default_factory=Counter)
     errors: Counter = field(default_factory=Counter)
     length: int = 0  # finished turns with finish_reason length (kept, flagged)
+    excluded: dict = field(default_factory=dict)  # provider -> {"slugs", "reason"} (audit)
+    audit_failures: int = 0  # audit checks that raised (logged; generation went on)
 
 
 class Throttle:
@@ -177,8 +199,11 @@ class Engine:
         prompts: Sequence[Sequence[Prompt]],
         store: ResultStore,
         ledger: Ledger,
+        audit: Auditor | None = None,
     ):
         self.s = settings
+        self.audit = audit
+        self._audit_task: asyncio.Task | None = None
         self.store = store
         self.ledger = ledger
         self.total = sum(len(g) for g in prompts)
@@ -248,6 +273,8 @@ class Engine:
                 self._workers = [asyncio.create_task(self._worker()) for _ in range(n)]
                 ticker = asyncio.create_task(progress.tick())
                 results = await asyncio.gather(*self._workers, return_exceptions=True)
+                if self._audit_task is not None:  # a check still running: keep its verdict
+                    await self._audit_task
                 ticker.cancel()
                 for r in results:
                     if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
@@ -305,6 +332,55 @@ class Engine:
         )
         if self.store.append(prompt.dataset, record):
             self.out.done += 1
+            if self.audit is not None and self.audit.add(record) and self._audit_task is None:
+                self._audit_task = asyncio.create_task(self._audit_check())
+
+    # ------------------------------------------------------------------ provider audit
+
+    async def _audit_check(self) -> None:
+        """One audit check in a thread; exclude what it flags. Never raises: a failed check
+        is logged and generation goes on."""
+        try:
+            flagged = await asyncio.to_thread(self.audit.check)
+        except Exception as err:  # the audit is advisory: it must not end a paid run
+            self.out.audit_failures += 1
+            log.warning("audit: check failed, generation goes on: %s: %s", type(err).__name__, err)
+            return
+        finally:
+            self._audit_task = None
+        for provider, reason in flagged.items():
+            self.exclude(provider, reason)
+
+    def exclude(self, provider: str, reason: str) -> None:
+        """Stop routing to ``provider`` (a display name, as responses report it): add its
+        endpoint slugs to the rule's ``ignore`` list in place and record the decision."""
+        slugs = list(self.s.provider_slugs.get(provider.lower(), []))
+        ignore = self.s.provider.setdefault("ignore", [])
+        ignore.extend(s for s in slugs if s not in ignore)  # the next payload carries them
+        if slugs:
+            log.info("audit: excluding %s (%s)", ", ".join(slugs), reason)
+        else:
+            log.warning(
+                "audit: provider %r is flagged but matches no endpoint of %s, so it cannot be "
+                "ignored by slug (%s)",
+                provider,
+                self.s.model,
+                reason,
+            )
+        self.out.excluded[provider] = {"slugs": slugs, "reason": reason}
+        if self.s.audit_log is not None:
+            line = {
+                "t": "exclude",
+                "provider": provider,
+                "slugs": slugs,
+                "reason": reason,
+                "time": round(time.time(), 3),
+            }
+            with open(self.s.audit_log, "a", encoding="utf-8") as f:
+                f.write(json.dumps(line) + "\n")
+        allowed = self.s.allowed_slugs
+        if allowed and all(slug_matches(tag, ignore) for tag in allowed):
+            self.stop("audit", "the audit has excluded every allowed provider")
 
     def _payload(self, conversation: list[dict]) -> bytes:
         body = {
@@ -358,7 +434,6 @@ class Engine:
 
     async def _request(self, prompt: Prompt, conversation: list[dict]) -> Turn | None:
         s, out = self.s, self.out
-        body = self._payload(conversation)
         worst = worst_case_usd(
             upper_prompt_tokens(conversation),
             s.max_tokens,
@@ -375,6 +450,7 @@ class Engine:
                     return None
                 out.requests += 1
                 sent_at = asyncio.get_running_loop().time()
+                body = self._payload(conversation)  # now: the audit may have extended ignore
                 status, headers, raw, exc = await self._post(body)
             finally:
                 self.throttle.release()

@@ -52,7 +52,8 @@ DEFAULT_CONCURRENCY = 32  # requests in flight per server
 DEFAULT_MAX_ATTEMPTS = 6
 DEFAULT_TIMEOUT_S = 1800.0  # per request: long reasoning answers take minutes on a busy server
 LOG_EVERY_S = 30.0
-CHUNK_BATCHES = 8  # in-process: prompts taken at a time = batch size x this (sorted together)
+CHUNK_BATCHES = 2  # in-process: prompts taken at a time = batch size x this (sorted together);
+# small, because records are written when their chunk is done: a kill loses at most one chunk
 
 
 @dataclass
@@ -363,6 +364,18 @@ def run_inprocess(args, prompts: list[Prompt], store: ResultStore, stats: Stats)
 # ----------------------------------------------------------------------------- main
 
 
+def first_user_turns(prompt: Prompt, n: int) -> Prompt:
+    """The prompt cut after its n-th user turn (same id: resume treats it as the same prompt)."""
+    kept, users = [], 0
+    for msg in prompt.messages:
+        if msg["role"] == "user":
+            if users == n:
+                break
+            users += 1
+        kept.append(msg)
+    return Prompt(id=prompt.id, dataset=prompt.dataset, messages=kept)
+
+
 def select_prompts(args) -> list[Prompt]:
     prompts: list[Prompt] = []
     for source in args.prompts:
@@ -370,6 +383,8 @@ def select_prompts(args) -> list[Prompt]:
         log.info("%s", loaded.report.summary())
         prompts.extend(loaded)
     prompts = dedupe(prompts)
+    if args.max_turns:
+        prompts = [first_user_turns(p, args.max_turns) for p in prompts]
     if args.split != "all":
         train, evals = split_prompts(prompts, args.eval_fraction, seed=args.split_seed)
         prompts = train if args.split == "train" else evals
@@ -396,6 +411,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=["all", "train", "eval"],
         default="all",
         help="deterministic train/eval split of the prompts",
+    )
+    p.add_argument(
+        "--max-turns",
+        type=int,
+        help="answer only the first N user turns of multi-turn prompts (default: all)",
     )
     p.add_argument("--eval-fraction", type=float, default=0.05)
     p.add_argument("--split-seed", type=int, default=0)

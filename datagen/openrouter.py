@@ -3,7 +3,7 @@
     OPENROUTER_API_KEY=sk-or-... python -m datagen.openrouter --budget 100 \\
         [--config configs/datagen/kimi-k2.5.yaml] [--prompts FILE.jsonl ...] [--out DIR] \\
         [--concurrency 2000] [--max-tokens N] [--tokens-per-dataset N] [--model SLUG] \\
-        [--base-url URL] [--plan]
+        [--base-url URL] [--plan] [--audit-every N [--audit-target NAME_OR_PATH]]
 
 Reads the model's endpoints, keeps only providers at or above the native precision (see
 datagen.providers), and generates every prompt of the config's dataset mix (plus ``--prompts``
@@ -11,10 +11,17 @@ files) into ``DIR/<dataset>.jsonl``; every charged request goes to ``DIR/ledger.
 ``--budget`` is what DIR may spend over all runs; re-running the same command resumes.
 ``--plan`` prints the provider table and what the budget buys, and sends no chat request.
 
+``--audit-every N`` loads a local copy of the target (``--audit-target``, default the config's
+``audit_target``) and, every N finished prompts, scores a sample of each provider's responses
+under it (datagen.audit.OnlineAudit). A provider whose responses stand out is added to the
+rule's ``ignore`` list for the rest of the run, and the decision and its reason are appended to
+``DIR/audit.jsonl``; later runs on DIR read that file and keep ignoring it (audit on or off).
+
 Exit codes: 0 all work done; 75 stopped with work left (budget, a dataset's token budget, 402
-out of credits, Ctrl-C/SIGTERM), nothing lost, re-run to continue; 2 bad input or
-configuration (one line ``error: ...``); 1 anything unexpected. The last line printed is the
-summary: prompts done / remaining, output tokens, dollars spent of the budget.
+out of credits, Ctrl-C/SIGTERM, the audit excluded every provider), nothing lost, re-run to
+continue; 2 bad input or configuration (one line ``error: ...``); 1 anything unexpected. The
+last line printed is the summary: prompts done / remaining, output tokens, dollars spent of the
+budget (and the providers the audit has excluded for DIR).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ log = logging.getLogger("datagen.openrouter")
 PUBLIC_BASE_URL = "https://openrouter.ai/api/v1"
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs/datagen/kimi-k2.5.yaml"
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_TEMPFAIL = 0, 1, 2, 75
+AUDIT_LOG = "audit.jsonl"  # in --out: audit checks and exclusions
 
 
 class ConfigError(Eagle3Error):
@@ -77,6 +85,8 @@ class GenConfig:
     expected_output_tokens: int = 2000
     tokens_per_dataset: int = 10_000_000
     out_dir: str = "data/openrouter/kimi-k2.5"
+    audit_target: str | None = None  # local copy of the target for --audit-every
+    audit_device_map: str | None = None  # e.g. auto: spread the audit target over the GPUs
     datasets: list = field(default_factory=list)  # DatasetSpec
 
 
@@ -137,6 +147,9 @@ def load_config(path: str | Path) -> GenConfig:
         isinstance(values["ignore"], list) and all(isinstance(s, str) for s in values["ignore"])
     ):
         problems.append("ignore must be a list of provider slugs")
+    for k in ("audit_target", "audit_device_map"):
+        if values.get(k) is not None and not (isinstance(values[k], str) and values[k]):
+            problems.append(f"{k} must be a string or null, got {values[k]!r}")
     if values.get("reasoning") is not None and not isinstance(values["reasoning"], dict):
         problems.append("reasoning must be a mapping such as {effort: high}, or null")
     datasets = []
@@ -195,6 +208,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--plan", action="store_true", help="print providers and projection; no chat")
     ap.add_argument("--grace", type=float, default=None, help="seconds for in-flight on Ctrl-C")
     ap.add_argument("--log-every", type=float, default=None, help="seconds between log lines")
+    ap.add_argument(
+        "--audit-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="audit providers against the local target every N prompts; 0 = off (default)",
+    )
+    ap.add_argument(
+        "--audit-target", default=None, help="target for the audit (default: config audit_target)"
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return ap.parse_args(argv)
 
@@ -224,6 +247,15 @@ def _apply_overrides(cfg: GenConfig, args: argparse.Namespace) -> GenConfig:
     if args.tokens_per_dataset is not None:
         for d in cfg.datasets:
             d.tokens = None  # the flag overrides every dataset
+    if args.audit_every < 0:
+        problems.append(f"--audit-every must be >= 0 (0 = off), got {args.audit_every}")
+    if args.audit_target is not None:
+        cfg.audit_target = args.audit_target
+    if args.audit_every > 0 and not cfg.audit_target:
+        problems.append(
+            "--audit-every needs a local copy of the target: pass --audit-target NAME_OR_PATH "
+            "or set audit_target in the config"
+        )
     if args.datasets is not None:
         wanted = [n for n in args.datasets.split(",") if n]
         names = {d.name for d in cfg.datasets}
@@ -256,6 +288,47 @@ def load_all_prompts(cfg: GenConfig, files: list[str]) -> dict[str, list[Prompt]
         name = prompts.report.dataset
         groups.setdefault(name, []).extend(prompts)
     return {name: dedupe(ps) for name, ps in groups.items()}
+
+
+def earlier_exclusions(path: Path) -> dict[str, dict]:
+    """provider -> {"slugs", "reason"} from the exclusion lines of DIR/audit.jsonl (a partial
+    last line left by a kill is skipped)."""
+    out: dict[str, dict] = {}
+    if not path.is_file():
+        return out
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and entry.get("t") == "exclude" and entry.get("provider"):
+            out[str(entry["provider"])] = {
+                "slugs": [str(s) for s in entry.get("slugs") or []],
+                "reason": str(entry.get("reason") or ""),
+            }
+    return out
+
+
+def provider_slugs(endpoints: list[providers.Endpoint]) -> dict[str, list[str]]:
+    """Display name (lower case; what responses report) -> the slugs of its endpoints."""
+    out: dict[str, list[str]] = {}
+    for e in endpoints:
+        slugs = out.setdefault(e.provider.lower(), [])
+        if e.tag not in slugs:
+            slugs.append(e.tag)
+    return out
+
+
+def make_audit(target: str, every: int, log_path: Path, device_map: str | None = None):
+    """Load the audit target once and wrap it in an OnlineAudit (tests replace this)."""
+    from datagen.audit import OnlineAudit
+    from eagle3.target import load_target
+
+    log.info("audit: loading target %s; a check every %d prompts", target, every)
+    model = load_target(target, device_map=device_map)
+    if model.tokenizer is None:
+        raise ConfigError(f"audit target {target} has no tokenizer; pass a target that has one")
+    return OnlineAudit(model, every=every, log_path=log_path)
 
 
 def token_budget(cfg: GenConfig, dataset: str) -> int:
@@ -420,12 +493,23 @@ def plan_text(
     return "\n".join(lines)
 
 
-def summary_line(done: int, total: int, failed: int, tokens: int, spent: float, budget: float):
+def summary_line(
+    done: int,
+    total: int,
+    failed: int,
+    tokens: int,
+    spent: float,
+    budget: float,
+    excluded: list[str] | None = None,
+):
     remaining = total - done - failed
-    return (
+    line = (
         f"summary: {done}/{total} prompts done, {remaining} remaining, {failed} failed; "
         f"{tokens:,} output tokens; ${spent:.2f} spent of ${budget:.2f} budget"
     )
+    if excluded:
+        line += f"; audit excluded {', '.join(excluded)}"
+    return line
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -442,6 +526,18 @@ async def run(args: argparse.Namespace) -> int:
         raise ConfigError("no prompts: the config has no datasets and no --prompts was given")
 
     endpoints = await read_endpoints(base_url, cfg.model)
+    slugs_of = provider_slugs(endpoints)
+    earlier = earlier_exclusions(out_dir / AUDIT_LOG)
+    for name, entry in earlier.items():  # an earlier run's audit verdicts hold for DIR
+        slugs = sorted(set(entry["slugs"]) | set(slugs_of.get(name.lower(), [])))
+        new = [s for s in slugs if s not in cfg.ignore]
+        cfg.ignore = cfg.ignore + new
+        log.info(
+            "audit: ignoring %s, excluded by an earlier run (%s); see %s",
+            ", ".join(slugs) or f"nothing ({name} matches no endpoint)",
+            entry["reason"],
+            out_dir / AUDIT_LOG,
+        )
     allowed = providers.select(endpoints, cfg.native_precision, cfg.ignore, cfg.max_tokens)
 
     if args.plan:
@@ -485,6 +581,11 @@ async def run(args: argparse.Namespace) -> int:
         block = providers.provider_block(endpoints, cfg.native_precision, cfg.ignore)
         names = ", ".join(e.provider for e in allowed)
         log.info("allowed providers: %s; rule %s", names, block)
+        audit = None
+        if args.audit_every > 0 and any(todo):
+            audit = make_audit(
+                cfg.audit_target, args.audit_every, out_dir / AUDIT_LOG, cfg.audit_device_map
+            )
         settings = Settings(
             base_url=base_url,
             api_key=api_key,
@@ -503,8 +604,11 @@ async def run(args: argparse.Namespace) -> int:
             request_timeout=cfg.request_timeout_s,
             grace=cfg.grace_s,
             log_every=cfg.log_every_s,
+            audit_log=out_dir / AUDIT_LOG,
+            provider_slugs=slugs_of,
+            allowed_slugs=[e.tag for e in allowed],
         )
-        outcome = await Engine(settings, todo, store, ledger).run()
+        outcome = await Engine(settings, todo, store, ledger, audit).run()
         spent = ledger.spent_usd + ledger.reserved_usd  # open reservations now are abandoned
         tokens = sum(ledger.tokens.values())
         remaining = total - done_before - outcome.done - outcome.failed
@@ -517,8 +621,17 @@ async def run(args: argparse.Namespace) -> int:
         ledger.close()
         store.close()
     sys.stderr.flush()
+    excluded = [*earlier, *(p for p in outcome.excluded if p not in earlier)]
     print(
-        summary_line(done_before + outcome.done, total, outcome.failed, tokens, spent, args.budget),
+        summary_line(
+            done_before + outcome.done,
+            total,
+            outcome.failed,
+            tokens,
+            spent,
+            args.budget,
+            excluded,
+        ),
         flush=True,
     )
     return code
@@ -535,6 +648,13 @@ async def stop_messages(
     groups: dict[str, list[Prompt]],
 ) -> list[str]:
     lines = []
+    for provider, entry in out.excluded.items():
+        lines.append(
+            f"note: the audit excluded {provider} ({', '.join(entry['slugs']) or 'no slug'}): "
+            f"{entry['reason']}; see {AUDIT_LOG} in the output directory"
+        )
+    if out.audit_failures:
+        lines.append(f"note: {out.audit_failures} audit check(s) failed (logged above)")
     if out.length:
         lines.append(
             f"note: {out.length} answer(s) hit max_tokens (finish_reason length, "
@@ -566,6 +686,11 @@ async def stop_messages(
     elif out.stop == "budget":
         lines.append(
             f"stopped: budget reached ({out.stop_detail}); raise --budget and re-run to continue"
+        )
+    elif out.stop == "audit":
+        lines.append(
+            f"stopped: {out.stop_detail}; see {AUDIT_LOG} in the output directory, and "
+            "check the target or the audit before re-running"
         )
     elif out.stop == "interrupted":
         lines.append(

@@ -51,7 +51,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FAILED = "failed"
-RESERVED = frozenset({FAILED, "ledger"})  # DIR/ledger.jsonl belongs to datagen.ledger
+# Not datasets: DIR/ledger.jsonl belongs to datagen.ledger, DIR/audit.jsonl to the on-the-fly
+# provider audit (datagen.openrouter --audit-every).
+RESERVED = frozenset({FAILED, "ledger", "audit"})
 LOCK_NAME = ".store.lock"
 TAIL_BLOCK = 1 << 16  # bytes read at a time when searching backwards for the last newline
 

@@ -80,6 +80,8 @@ def stage_commands(args: argparse.Namespace, run: Path) -> list[tuple[str, list[
                 str(args.prompts),
                 "--split",
                 "train",
+                "--max-turns",  # first user turn only: every extra turn is another CPU answer
+                "1",
                 "--max-new-tokens",
                 str(args.max_new_tokens),
                 "--temperature",
@@ -279,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")  # the embedded target needs no hub; never wait on it
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONUNBUFFERED"] = "1"  # stage progress shows live, not when a pipe buffer fills
     if args.wandb and not env.get("WANDB_API_KEY"):
         env.setdefault("WANDB_MODE", "offline")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))

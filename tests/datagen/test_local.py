@@ -65,6 +65,15 @@ def test_next_turns_walks_user_turns_in_order():
     assert local.next_turns(p, conv) is None
 
 
+def test_max_turns_keeps_the_first_user_turns():
+    p = Prompt("x", "d", [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+                          {"role": "user", "content": "u2"}, {"role": "user", "content": "u3"}])  # fmt: skip
+    assert local.first_user_turns(p, 1).messages == p.messages[:2]
+    assert local.first_user_turns(p, 2).messages == p.messages[:3]
+    assert local.first_user_turns(p, 5).messages == p.messages
+    assert local.first_user_turns(p, 1).id == "x"
+
+
 def test_servers_round_robin_retries_reasoning_resume(servers, prompts_file, tmp_path):
     one, two = servers
     out = tmp_path / "out"
