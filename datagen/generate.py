@@ -96,7 +96,7 @@ class Generator:
             do_sample=sampling,
             temperature=temperature if sampling else None,
             top_p=top_p if sampling else None,
-            top_k=0,  # no top-k (None would become transformers' default of 50)
+            top_k=0 if sampling else None,  # no top-k (None would become transformers' 50)
             eos_token_id=self.eot,
             pad_token_id=self.pad_id,
             use_cache=True,

@@ -63,6 +63,7 @@ class Stats:
     requests: int = 0
     completion_tokens: int = 0
     length: int = 0  # turns cut at max tokens (kept, flagged in the record)
+    too_long: int = 0  # prompts over --max-prompt-tokens (skipped, in failed.jsonl)
     retries: Counter = field(default_factory=Counter)
     started: float = field(default_factory=time.monotonic)
 
@@ -72,6 +73,7 @@ class Stats:
         return (
             f"{self.done} done, {self.failed} failed, {self.completion_tokens:,} tokens "
             f"({rate:,.0f} tok/s), {self.length} cut at max tokens, {retries} retries"
+            + (f", {self.too_long} prompts too long (skipped)" if self.too_long else "")
         )
 
 
@@ -328,11 +330,22 @@ def run_inprocess(args, prompts: list[Prompt], store: ResultStore, stats: Stats)
             prompt_ids = []
             for i in list(ready):
                 try:
-                    prompt_ids.append(gen.prompt(convs[i]))
+                    ids = gen.prompt(convs[i])
                 except RenderError as err:  # one bad prompt: fail it, keep the rest
                     store.append_failed(make_failure(group[i], err.reason, detail=str(err)))
                     stats.failed += 1
                     ready.remove(i)
+                    continue
+                if args.max_prompt_tokens and len(ids) > args.max_prompt_tokens:
+                    # One 6k-token ShareGPT prompt makes its whole batch crawl on a CPU.
+                    store.append_failed(
+                        make_failure(group[i], "prompt too long", tokens=len(ids),
+                                     max_prompt_tokens=args.max_prompt_tokens)
+                    )  # fmt: skip
+                    stats.too_long += 1
+                    ready.remove(i)
+                    continue
+                prompt_ids.append(ids)
             answers = gen.generate_ids(prompt_ids) if prompt_ids else []
             for i, turn in zip(ready, answers):
                 convs[i].append(
@@ -429,6 +442,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="model name sent to the servers / written in records (default: the server's or the target's)",
     )
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        help="in-process: skip turns whose rendered prompt is longer (listed in failed.jsonl)",
+    )
     p.add_argument(
         "--temperature",
         type=float,

@@ -82,6 +82,8 @@ def stage_commands(args: argparse.Namespace, run: Path) -> list[tuple[str, list[
                 "train",
                 "--max-turns",  # first user turn only: every extra turn is another CPU answer
                 "1",
+                "--max-prompt-tokens",  # ShareGPT's long tail (up to 6k tokens) crawls on a CPU
+                "384",
                 "--max-new-tokens",
                 str(args.max_new_tokens),
                 "--temperature",

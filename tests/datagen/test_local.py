@@ -172,6 +172,27 @@ def test_in_process_generation(chat_llama, prompts_file, tmp_path):
     before = (out / "chat.jsonl").read_text()
     assert local.main(argv(out, 2)) == 0
     assert (out / "chat.jsonl").read_text() == before
+    # --max-prompt-tokens: over-long prompts are skipped into failed.jsonl, the rest generate
+    lengths = {k: len(tc_prompt_ids(chat_llama, r["messages"])) for k, r in got.items()}
+    cut = sorted(lengths.values())[2]
+    short = tmp_path / "short"
+    assert local.main([*argv(short, 2), "--max-prompt-tokens", str(cut)]) == 0
+    kept = set(records(short))
+    failed = [json.loads(line) for line in (short / "failed.jsonl").open()]
+    assert kept and failed and kept.isdisjoint(f["id"] for f in failed)
+    assert all(f["reason"] == "prompt too long" for f in failed)
+    assert kept | {f["id"] for f in failed} == set(got)
+
+
+def tc_prompt_ids(target_dir, messages):
+    """Rendered length of a record's first prompt (system + first user turn)."""
+    from transformers import AutoTokenizer
+
+    from datagen.chat import prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    first = messages[: [m["role"] for m in messages].index("assistant")]
+    return prompt_ids(tok, first)
 
 
 def test_split_reasoning_at_the_think_tag():
