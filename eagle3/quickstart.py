@@ -1,6 +1,6 @@
 """The whole pipeline on the embedded default target, one command, resumable.
 
-    python -m eagle3.quickstart [--run-dir runs/quickstart] [--scale small|default|large]
+    python -m eagle3.quickstart [--run-dir runs/quickstart] [--scale tiny|default|large]
                                 [--prompts N] [--epochs E] [--target smollm2-135m-q4]
 
 Stages, each the real CLI run as a subprocess (the exact command is printed and saved in the
@@ -48,7 +48,7 @@ class Scale:
 # Sized on 2 CPU cores (README "Quickstart" has the measured stage times).
 SCALES = {
     "tiny": Scale(prompts=4, max_new_tokens=16, epochs=1, eval_limit=1, eval_tokens=12),
-    "default": Scale(prompts=240, max_new_tokens=128, epochs=3, eval_limit=10, eval_tokens=128),
+    "default": Scale(prompts=240, max_new_tokens=128, epochs=6, eval_limit=5, eval_tokens=96),
     "large": Scale(prompts=4000, max_new_tokens=256, epochs=4, eval_limit=80, eval_tokens=256),
 }
 

@@ -303,7 +303,8 @@ class EagleDrafter:
                 break
             # node i (depth i+1) is fed at position (L-1) + (i+1)
             pos = torch.tensor([[self.length + i]], device=ids.device)
-            hidden, lg, cache = self.draft(ids, hidden, pos, cache)
+            # the draft embeds target ids: map the drafted draft-vocab id back first
+            hidden, lg, cache = self.draft(self.draft.draft_to_target(ids), hidden, pos, cache)
             logits = lg[0, -1]
         tree.tokens = self.draft.draft_to_target(torch.stack(draft_ids)).tolist()
         return tree
@@ -357,7 +358,10 @@ class EagleDrafter:
                     mask[0, r, L + entry_of[a]] = True
                     a = parents[a]
                 mask[0, r, L + n_prev + r] = True
-            input_ids = torch.tensor([[tok[n] for n in frontier]], device=dev)
+            # tok holds draft-vocab ids; the draft embeds target ids
+            input_ids = self.draft.draft_to_target(
+                torch.tensor([[tok[n] for n in frontier]], device=dev)
+            )
             hidden = torch.stack([hidden_of[parents[n]] for n in frontier])[None]
             pos = torch.full((1, len(frontier)), L - 1 + d, device=dev)
             out, logits, (k_cache, v_cache) = self.draft(

@@ -10,11 +10,14 @@ import json
 import logging
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
+
+LINE_EVERY_S = 30.0  # plain progress lines when stderr is not a terminal
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,10 @@ class MetricsLog:
         _truncate_after(self.path, start_step)
         if wandb_cfg is not None and wandb_mode(wandb_cfg.mode) != "disabled":
             self.run = _init_wandb(Path(out_dir), wandb_cfg, config or {}, provenance or {})
+        self.total_steps, self.start_step = total_steps, start_step
+        self.t0 = self.last_line = time.monotonic()
+        # Without a terminal the bar is off; a plain line every LINE_EVERY_S shows progress.
+        self.plain = progress and not sys.stderr.isatty()
         if progress:
             self.bar = tqdm(
                 total=total_steps,
@@ -73,6 +80,17 @@ class MetricsLog:
         if self.bar is not None:
             self.bar.set_postfix(
                 loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc_0']:.2f}", refresh=False
+            )
+        now = time.monotonic()
+        if self.plain and (now - self.last_line >= LINE_EVERY_S or step >= self.total_steps):
+            self.last_line = now
+            rate = (step - self.start_step) / max(now - self.t0, 1e-9)  # steps/s this session
+            eta = (self.total_steps - step) / rate if rate > 0 else float("nan")
+            print(
+                f"step {step}/{self.total_steps}: loss {metrics['loss']:.3f}, "
+                f"acc_0 {metrics['acc_0']:.2f}, {metrics.get('tokens_per_s', 0):.0f} tok/s, "
+                f"eta {eta / 60:.1f} min",
+                flush=True,
             )
 
     def advance(self, n: int = 1) -> None:

@@ -259,6 +259,42 @@ def test_rejected_tokens_never_stay_in_either_cache(shape):
     assert 1 < dec.stats.tau < cfg.max_depth + 1
 
 
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_chained_draft_steps_feed_target_ids_not_draft_vocab_ids(shape):
+    """Drafted tokens are draft-vocab indices; the next draft step must embed their target
+    ids (draft_to_target), exactly as TTT training does. Greedy reference chain by hand."""
+    target = tiny_target()
+    draft = random_draft(target, draft_vocab=8)  # draft id i = target id 2i
+    drafter = EagleDrafter(draft, DecodeConfig(**shape))
+    fed: list[list[int]] = []
+    real = draft.forward
+
+    def spy(input_ids, *args, **kwargs):
+        fed.append(input_ids[0].tolist())
+        return real(input_ids, *args, **kwargs)
+
+    prompt = torch.randint(0, 16, (12,)).tolist()
+    with torch.no_grad():
+        out = target.model(torch.tensor([prompt]), output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[i + 1][0] for i in target.aux_layer_ids], dim=-1)
+    drafter.update(prompt + [3], aux)  # aux h_s pairs with token x_{s+1}
+    draft.forward = spy
+    tree = drafter.propose(prompt + [3])
+    draft.forward = real
+    for ids in fed:  # every fed token is a drafted one: an even (in-vocab) target id
+        assert all(i % 2 == 0 for i in ids), fed
+    if shape is CHAIN:
+        want, hidden, logits, cache = [], drafter.last_hidden, drafter.last_logits, drafter.cache
+        with torch.no_grad():
+            for i in range(CHAIN["steps"]):
+                tok = draft.draft_to_target(logits.argmax(-1, keepdim=True))[None]  # (1, 1)
+                want.append(int(tok))
+                pos = torch.tensor([[drafter.length + i]])
+                hidden, lg, cache = draft(tok, hidden, pos, cache)
+                logits = lg[0, -1]
+        assert tree.tokens == want
+
+
 def test_draft_steps_never_rerun_the_prefix():
     target = tiny_target()
     prompt = torch.randint(0, 16, (30,)).tolist()
