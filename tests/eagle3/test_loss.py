@@ -50,8 +50,9 @@ def test_step_weights_and_denominators():
     iv = torch.ones(1, T, dtype=torch.bool)
     loss, m = ttt_loss(logits, probs, iv, ones, step_weight=0.5)
     assert loss.item() == pytest.approx(m["loss_0"] + 0.5 * m["loss_1"], rel=1e-5)
-    half, _ = ttt_loss(logits, probs, iv, ones, step_weight=0.5,
-                       denominators=[2 * m["count_0"], 2 * m["count_1"]])
+    half, _ = ttt_loss(
+        logits, probs, iv, ones, step_weight=0.5, denominators=[2 * m["count_0"], 2 * m["count_1"]]
+    )
     assert half.item() == pytest.approx(loss.item() / 2, rel=1e-5)
 
 
