@@ -139,12 +139,19 @@ def spawn_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
     )
 
 
+def argv(budget, config, prompts, out, server, *extra) -> list:
+    """The usual command line against a fake server (``cli(*h.argv(...))``)."""
+    return ["--budget", budget, "--config", config, "--prompts", prompts, "--out", out,
+            "--base-url", server.server.url, *extra]  # fmt: skip
+
+
 @pytest.fixture
 def h():
     """The helpers above, for test modules (conftest is not importable by name)."""
     from types import SimpleNamespace
 
     return SimpleNamespace(
+        argv=argv,
         write_config=write_config,
         write_prompts=write_prompts,
         read_jsonl=read_jsonl,

@@ -37,18 +37,7 @@ def test_generates_every_prompt_once_multi_turn_and_reasoning(tmp_path, fake, cl
     cfg = h.write_config(tmp_path / "c.yaml")
     ids = h.write_prompts(tmp_path / "chat.jsonl", 30, multi_every=3)
     out = tmp_path / "out"
-    code, stdout, stderr = cli(
-        "--budget",
-        5,
-        "--config",
-        cfg,
-        "--prompts",
-        tmp_path / "chat.jsonl",
-        "--out",
-        out,
-        "--base-url",
-        server.server.url,
-    )
+    code, stdout, stderr = cli(*h.argv(5, cfg, tmp_path / "chat.jsonl", out, server))
     assert code == 0, stderr
     assert last_line(stdout).startswith("summary: 30/30 prompts done, 0 remaining, 0 failed;")
     records = h.read_jsonl(out / "chat.jsonl")
@@ -71,18 +60,7 @@ def test_generates_every_prompt_once_multi_turn_and_reasoning(tmp_path, fake, cl
     assert server.stats.violations == 0
     # a re-run has nothing to do and charges nothing
     before = server.stats.chat
-    code, stdout, _ = cli(
-        "--budget",
-        5,
-        "--config",
-        cfg,
-        "--prompts",
-        tmp_path / "chat.jsonl",
-        "--out",
-        out,
-        "--base-url",
-        server.server.url,
-    )
+    code, stdout, _ = cli(*h.argv(5, cfg, tmp_path / "chat.jsonl", out, server))
     assert code == 0 and server.stats.chat == before
     assert "30/30 prompts done" in last_line(stdout)
 
@@ -96,18 +74,7 @@ def test_every_failure_shape_is_retried(tmp_path, fake, cli, h, kind):
     cfg = h.write_config(tmp_path / "c.yaml", concurrency=8)
     ids = h.write_prompts(tmp_path / "p.jsonl", 12)
     out = tmp_path / "out"
-    code, stdout, stderr = cli(
-        "--budget",
-        5,
-        "--config",
-        cfg,
-        "--prompts",
-        tmp_path / "p.jsonl",
-        "--out",
-        out,
-        "--base-url",
-        server.server.url,
-    )
+    code, stdout, stderr = cli(*h.argv(5, cfg, tmp_path / "p.jsonl", out, server))
     assert code == 0, stderr
     assert server.stats.faults[kind] > 0
     records = h.read_jsonl(out / "p.jsonl")
@@ -140,18 +107,7 @@ def test_non_retryable_error_marks_prompt_failed_and_run_goes_on(tmp_path, fake,
 
     server.server._chat = reject_q3
     out = tmp_path / "out"
-    code, stdout, _ = cli(
-        "--budget",
-        5,
-        "--config",
-        cfg,
-        "--prompts",
-        tmp_path / "p.jsonl",
-        "--out",
-        out,
-        "--base-url",
-        server.server.url,
-    )
+    code, stdout, _ = cli(*h.argv(5, cfg, tmp_path / "p.jsonl", out, server))
     assert code == 0
     assert "4/5 prompts done, 0 remaining, 1 failed" in last_line(stdout)
     (failed,) = h.read_jsonl(out / "failed.jsonl")
@@ -162,18 +118,7 @@ def test_excluded_providers_never_used(tmp_path, fake, cli, h):
     server = fake(faults={"429": 0.1, "502": 0.1}, seed=3)
     cfg = h.write_config(tmp_path / "c.yaml")
     h.write_prompts(tmp_path / "p.jsonl", 40)
-    code, _, _ = cli(
-        "--budget",
-        5,
-        "--config",
-        cfg,
-        "--prompts",
-        tmp_path / "p.jsonl",
-        "--out",
-        tmp_path / "out",
-        "--base-url",
-        server.server.url,
-    )
+    code, _, _ = cli(*h.argv(5, cfg, tmp_path / "p.jsonl", tmp_path / "out", server))
     assert code == 0
     assert server.stats.violations == 0
     assert set(server.stats.providers) <= ALLOWED
@@ -207,18 +152,7 @@ def test_length_kept_but_flagged(tmp_path, fake, cli, h):
     server = fake(completion_tokens=(200, 400))  # max_tokens 256 in the test config
     cfg = h.write_config(tmp_path / "c.yaml")
     h.write_prompts(tmp_path / "p.jsonl", 20)
-    code, _, stderr = cli(
-        "--budget",
-        5,
-        "--config",
-        cfg,
-        "--prompts",
-        tmp_path / "p.jsonl",
-        "--out",
-        tmp_path / "out",
-        "--base-url",
-        server.server.url,
-    )
+    code, _, stderr = cli(*h.argv(5, cfg, tmp_path / "p.jsonl", tmp_path / "out", server))
     assert code == 0
     records = h.read_jsonl(tmp_path / "out" / "p.jsonl")
     cut = [r for r in records if r["finish_reason"] == "length"]
@@ -350,18 +284,7 @@ def test_429_storm_slows_the_client_and_completes(tmp_path, fake, cli, h):
     cfg = h.write_config(tmp_path / "c.yaml", concurrency=120, max_attempts=200)
     ids = h.write_prompts(tmp_path / "p.jsonl", 120)
     out = tmp_path / "out"
-    code, stdout, stderr = cli(
-        "--budget",
-        5,
-        "--config",
-        cfg,
-        "--prompts",
-        tmp_path / "p.jsonl",
-        "--out",
-        out,
-        "--base-url",
-        server.server.url,
-    )
+    code, stdout, stderr = cli(*h.argv(5, cfg, tmp_path / "p.jsonl", out, server))
     assert code == 0, stderr
     assert sorted(ids_in(out, h, "p")) == sorted(ids)
     assert "429: concurrency limit now" in stderr
@@ -498,18 +421,7 @@ def test_rejected_key(tmp_path, cli, h, fake):
     server = fake(api_key="the-right-key")
     cfg = h.write_config(tmp_path / "c.yaml")
     h.write_prompts(tmp_path / "p.jsonl", 2)
-    code, _, stderr = cli(
-        "--budget",
-        1,
-        "--config",
-        cfg,
-        "--prompts",
-        tmp_path / "p.jsonl",
-        "--out",
-        tmp_path / "out",
-        "--base-url",
-        server.server.url,
-    )
+    code, _, stderr = cli(*h.argv(1, cfg, tmp_path / "p.jsonl", tmp_path / "out", server))
     assert code == 2 and "rejected the API key (401)" in error_line(stderr)
     assert server.stats.chat == 0
 
