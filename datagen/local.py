@@ -52,7 +52,7 @@ DEFAULT_CONCURRENCY = 32  # requests in flight per server
 DEFAULT_MAX_ATTEMPTS = 6
 DEFAULT_TIMEOUT_S = 1800.0  # per request: long reasoning answers take minutes on a busy server
 LOG_EVERY_S = 30.0
-CHUNK_BATCHES = 2  # in-process: prompts taken at a time = batch size x this (sorted together);
+CHUNK_BATCHES = 4  # in-process: prompts taken at a time = batch size x this (sorted together);
 # small, because records are written when their chunk is done: a kill loses at most one chunk
 
 
@@ -448,6 +448,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="in-process: skip turns whose rendered prompt is longer (listed in failed.jsonl)",
     )
     p.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="also retry prompts listed in OUT/failed.jsonl (skipped on resume by default)",
+    )
+    p.add_argument(
         "--temperature",
         type=float,
         default=DEFAULT_TEMPERATURE,
@@ -490,11 +495,14 @@ def run(args) -> int:
     stats = Stats()
     with ResultStore(args.out) as store:
         done = store.done_ids()
-        todo = [p for p in prompts if p.id not in done]
+        failed = set() if args.retry_failed else store.failed_ids() - done
+        todo = [p for p in prompts if p.id not in done and p.id not in failed]
         log.info(
-            "%d prompts, %d already done, %d to generate",
+            "%d prompts, %d already done, %d failed before (skipped; --retry-failed to retry), "
+            "%d to generate",
             len(prompts),
-            len(prompts) - len(todo),
+            len(done & {p.id for p in prompts}),
+            len(failed & {p.id for p in prompts}),
             len(todo),
         )
         if todo:

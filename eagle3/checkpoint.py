@@ -64,7 +64,7 @@ def checkpoint_config(model: Eagle3Draft, extra_config: dict[str, Any] | None = 
         "torch_dtype": _dtype_name(model.fc.weight.dtype),
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-            "use_aux_hidden_state": True,
+            "use_aux_hidden_state": cfg.feature == "aux",
         },
         "speculators_config": {
             "algorithm": "eagle3",

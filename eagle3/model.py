@@ -30,6 +30,8 @@ from torch import nn
 
 from eagle3.errors import Eagle3Error
 
+FEATURES = ("aux", "last")
+
 
 @dataclass
 class DraftConfig:
@@ -40,10 +42,14 @@ class DraftConfig:
     head_dim: int
     vocab_size: int  # target vocab (embedding rows, t2d length)
     draft_vocab_size: int  # lm_head rows
-    target_hidden_size: int  # fc input is 3 * target_hidden_size
+    target_hidden_size: int  # fc input is 3 * target_hidden_size (feature "aux")
     aux_layer_ids: list[int] = field(
         default_factory=list
     )  # SGLang eagle_aux_hidden_state_layer_ids
+    # "aux": EAGLE-3, fc fuses the 3 aux layers. "last": the EAGLE-1/2 feature, the target's
+    # final post-norm hidden state alone (fc is H -> H); kept for the ablation, SGLang and vLLM
+    # load only "aux" drafters.
+    feature: str = "aux"
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
@@ -62,8 +68,15 @@ class DraftConfig:
                 f"draft_vocab_size {self.draft_vocab_size} is larger than the target vocab "
                 f"{self.vocab_size}; choose draft_vocab_size <= {self.vocab_size}"
             )
+        if self.feature not in FEATURES:
+            raise Eagle3Error(f"feature {self.feature!r} is not one of {FEATURES}")
         if len(self.aux_layer_ids) != 3:
             raise Eagle3Error(f"EAGLE-3 fuses exactly 3 aux layers, got {self.aux_layer_ids}")
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target features the fc layer takes."""
+        return (3 if self.feature == "aux" else 1) * self.target_hidden_size
 
     @classmethod
     def from_target_config(
@@ -245,7 +258,7 @@ class Eagle3Draft(nn.Module):
         # Frozen copy of the target's token embeddings; never saved in the checkpoint.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
+        self.fc = nn.Linear(cfg.feature_size, H, bias=False)
         self.midlayer = DecoderLayer(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
@@ -285,7 +298,7 @@ class Eagle3Draft(nn.Module):
 
     # -- running ------------------------------------------------------------------------
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
-        """Fused target features (B, T, 3*Ht) -> draft hidden (B, T, H)."""
+        """Target features (B, T, 3*Ht), or (B, T, Ht) for feature "last" -> (B, T, H)."""
         return self.fc(aux_hidden.to(self.fc.weight.dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

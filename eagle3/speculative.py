@@ -248,6 +248,7 @@ class EagleDrafter:
         self.draft = draft.eval()
         self.cfg = cfg
         self.name = name
+        self.feature = draft.config.feature  # which target features update() takes
         vd = draft.config.draft_vocab_size
         self.vocab_ids = draft.draft_to_target(torch.arange(vd, device=draft.d2t.device))
         self.reset()
@@ -483,8 +484,11 @@ class SpeculativeDecoder:
                 f"tree verification needs a custom attention mask, which {attn} cannot take; "
                 "load the target with attn_implementation='sdpa' or use --mode chain"
             )
-        self.layers = _decoder(self.model).layers
+        decoder = _decoder(self.model)
+        self.layers, self.final_norm = decoder.layers, decoder.norm
         self.aux_ids = list(target.aux_layer_ids)
+        # "aux": the 3 aux layers (EAGLE-3); "last": the final post-norm state (ablation drafters)
+        self.feature = getattr(drafter, "feature", "aux")
         self.eos = eos_token_ids(target) if eos_ids is None else set(eos_ids)
         self.cache_kw = _cache_kwarg(self.model)
         self.device = target.device
@@ -499,8 +503,8 @@ class SpeculativeDecoder:
     def _forward(
         self, ids: list[int], positions: torch.Tensor, mask: torch.Tensor | None, last_only: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (logits [S or 1, V], aux [S, 3H]); appends S entries to self.cache."""
-        captured: dict[int, torch.Tensor] = {}
+        """-> (logits [S or 1, V], features [S, 3H] or [S, H]); appends S entries to self.cache."""
+        captured: dict = {}
 
         def hook_for(i):
             def hook(module, args, output):
@@ -508,7 +512,10 @@ class SpeculativeDecoder:
 
             return hook
 
-        handles = [self.layers[i].register_forward_hook(hook_for(i)) for i in set(self.aux_ids)]
+        if self.feature == "last":
+            handles = [self.final_norm.register_forward_hook(hook_for("last"))]
+        else:
+            handles = [self.layers[i].register_forward_hook(hook_for(i)) for i in set(self.aux_ids)]
         try:
             out = self.model(
                 input_ids=torch.tensor([ids], device=self.device),
@@ -521,6 +528,8 @@ class SpeculativeDecoder:
         finally:
             for h in handles:
                 h.remove()
+        if self.feature == "last":
+            return out.logits[0], captured["last"][0].to(self.device)
         aux = torch.cat([captured[i][0].to(self.device) for i in self.aux_ids], dim=-1)
         return out.logits[0], aux
 

@@ -4,8 +4,9 @@
     python scripts/bench_generate.py --threads 2 --prompts 64 --max-new-tokens 256
 
 Prints aggregate tokens/s: generated tokens (up to and including each row's end-of-turn token)
-over wall time, prefill included, as a run of `datagen.local` sees it. Goal on 2 CPU cores:
->= 150 tok/s at batch 16. The load average is printed too: other processes on the same cores
+over wall time, prefill included, as a run of `datagen.local` sees it, for the continuous-
+batching generator and (unless --no-baseline) for transformers' `generate` over length-sorted
+batches of the same prompts, and their ratio. Goal on 2 CPU cores: >= 150 tok/s. The load average is printed too: other processes on the same cores
 slow it down a lot (CPU threads spin-wait on each other), so compare runs on a quiet machine.
 """
 
@@ -25,14 +26,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m-q4")
-    p.add_argument("--prompts", type=int, default=32, help="number of prompts (first user turns)")
+    p.add_argument("--prompts", type=int, default=64, help="number of prompts (first user turns)")
     p.add_argument("--source", default="mt_bench", help="prompt source (datagen.prompts)")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--device", help="cpu, cuda (default: cuda when there is one)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--model-dtype", help="float32 (CPU default) or bfloat16")
+    p.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time transformers' generate on the same prompts and print the ratio",
+    )
     args = p.parse_args()
 
     from datagen.generate import Generator
@@ -59,6 +66,13 @@ def main() -> None:
     t0 = time.perf_counter()
     turns = gen.generate(conversations)
     seconds = time.perf_counter() - t0
+    base = None
+    if args.baseline:
+        gen._plain_cache = False  # the model.generate path
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
+        base_turns = gen.generate(conversations)
+        base = sum(t.completion_tokens for t in base_turns) / (time.perf_counter() - t0)
     load_after = os.getloadavg()[0]
     generated = sum(t.completion_tokens for t in turns)
     prefill = sum(t.prompt_tokens for t in turns)
@@ -72,6 +86,11 @@ def main() -> None:
         f"{generated:,} generated ({stopped} stopped at end-of-turn, max {args.max_new_tokens})"
     )
     print(f"wall {seconds:.1f} s -> {generated / seconds:,.1f} generated tok/s aggregate")
+    if base is not None:
+        print(
+            f"transformers generate, same prompts: {base:,.1f} tok/s -> continuous batching is "
+            f"{generated / seconds / base:.2f}x"
+        )
     print(f"load average (1 min) before {load_before:.2f}, after {load_after:.2f}")
 
 

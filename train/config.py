@@ -57,6 +57,9 @@ class ModelConfig:
     )
     init_from: str | None = None  # fine-tune: start from this SGLang-format draft checkpoint
     ttt_steps: int = 7  # training-time-test unroll length
+    # aux: EAGLE-3's fused low/mid/high features. last: the target's final hidden state only
+    # (EAGLE-1/2's feature; with ttt_steps 1 this is the EAGLE-2-style ablation).
+    feature: str = "aux"
     step_weight: float = 0.8  # loss = sum_k step_weight^k * CE_k
     intermediate_size: int | None = None  # None: the target's (dense) MLP width
 
@@ -251,6 +254,7 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
     need(len(o.betas) == 2, f"optim.betas must have 2 values, got {o.betas}")
     need(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    need(m.feature in ("aux", "last"), f"model.feature must be 'aux' or 'last', got {m.feature!r}")
     need(0 < m.step_weight <= 1, f"model.step_weight must be in (0, 1], got {m.step_weight}")
     need(
         cfg.target.aux_layer_ids is None or len(cfg.target.aux_layer_ids) == 3,

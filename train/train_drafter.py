@@ -268,15 +268,20 @@ def train(cfg: Config) -> None:
 
     # ---- draft vocab (built once per run, saved, reused) and model ----
     vocab = setup_vocab(cfg, accelerator, dataset, facts["vocab_size"], out_dir)
-    overrides = (
-        {"intermediate_size": cfg.model.intermediate_size} if cfg.model.intermediate_size else {}
-    )
+    overrides = {"feature": cfg.model.feature}
+    if cfg.model.intermediate_size:
+        overrides["intermediate_size"] = cfg.model.intermediate_size
     draft_cfg = DraftConfig.from_target_config(facts["hf_config"], vocab.size, aux_ids, **overrides)
     if cfg.model.init_from is not None:
         from eagle3.checkpoint import load_draft
 
         draft = load_draft(cfg.model.init_from, embed_weight=embed.float().cpu())
         draft_cfg = draft.config
+        if draft_cfg.feature != cfg.model.feature:
+            raise Eagle3Error(
+                f"model.init_from {cfg.model.init_from} takes feature {draft_cfg.feature!r} but "
+                f"model.feature is {cfg.model.feature!r}; set model.feature={draft_cfg.feature}"
+            )
     else:
         draft = Eagle3Draft(draft_cfg)
         draft.set_embeddings(embed.float().cpu())  # the target's, frozen
@@ -369,7 +374,7 @@ def train(cfg: Config) -> None:
         mask = batch["loss_mask"].to(device)
         return {
             "input_ids": ids,
-            "aux": aux,
+            "aux": aux if draft_cfg.feature == "aux" else last,
             "probs": probs,
             "in_vocab": in_vocab,
             "loss_mask": mask,

@@ -182,6 +182,11 @@ def test_in_process_generation(chat_llama, prompts_file, tmp_path):
     assert kept and failed and kept.isdisjoint(f["id"] for f in failed)
     assert all(f["reason"] == "prompt too long" for f in failed)
     assert kept | {f["id"] for f in failed} == set(got)
+    # resume skips what failed for good (no duplicate failed lines); --retry-failed retries
+    assert local.main([*argv(short, 2), "--max-prompt-tokens", str(cut)]) == 0
+    assert len((short / "failed.jsonl").read_text().splitlines()) == len(failed)
+    assert local.main([*argv(short, 2), "--retry-failed"]) == 0
+    assert set(records(short)) == set(got)
 
 
 def tc_prompt_ids(target_dir, messages):

@@ -204,3 +204,24 @@ def test_embeddings_saved_by_other_exporters_are_used(saved):
 def test_wrong_embedding_shape_is_rejected(saved):
     with pytest.raises(Eagle3Error, match="another target"):
         load_draft(saved[1], embed_weight=torch.zeros(V + 1, H))
+
+
+def test_last_feature_drafter_round_trips(tmp_path):
+    """The EAGLE-2-style ablation (feature "last"): fc is H wide, flagged in config.json."""
+    base = make_draft().config
+    cfg = DraftConfig(**{**base.to_dict(), "feature": "last"})
+    model = Eagle3Draft(cfg)
+    assert model.fc.in_features == cfg.target_hidden_size
+    save_draft(model, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["feature"] == "last" and raw["eagle_config"]["use_aux_hidden_state"] is False
+    loaded = load_draft(tmp_path, embed_weight=model.embed_tokens.weight)
+    assert loaded.config == cfg
+    ids = torch.randint(0, cfg.vocab_size, (1, 5))
+    feats = torch.randn(1, 5, cfg.target_hidden_size)
+    with torch.no_grad():
+        want = model.ttt_forward(ids, feats, 2)
+        got = loaded.ttt_forward(ids, feats, 2)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    with pytest.raises(Eagle3Error, match="feature"):
+        DraftConfig(**{**base.to_dict(), "feature": "middle"})

@@ -82,3 +82,18 @@ def test_quickstart_tiny_killed_then_resumed(tmp_path):
     again = subprocess.run(quickstart(run_dir), cwd=REPO, env=env, capture_output=True, text=True)
     assert again.returncode == 0
     assert again.stdout.count("done, skipped") == 4 and table in again.stdout
+
+    # --ablation on the same run: data, capture and the EAGLE-3 training are reused; the
+    # EAGLE-2-style drafter is trained on the same shards and evaluated beside it.
+    ablation = subprocess.run(
+        [*quickstart(run_dir), "--ablation"], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert ablation.returncode == 0, ablation.stdout[-3000:] + ablation.stderr[-3000:]
+    assert ablation.stdout.count("done, skipped") == 3  # generate, capture, train
+    eagle2 = json.loads((run_dir / "train-eagle2" / "final" / "config.json").read_text())
+    assert eagle2["feature"] == "last"
+    report = json.loads((run_dir / "eval.json").read_text())
+    drafters = {r["drafter"] for r in report["results"]}
+    assert {"train/final", "train-eagle2/final", "prompt-lookup", "none"} == drafters
+    table = (run_dir / "results.md").read_text()
+    assert "τ EAGLE-3 / EAGLE-2-style (same data and steps): mt_bench " in table

@@ -397,3 +397,30 @@ def test_greedy_equals_plain_on_embedded_smollm2(smollm2_target):
                 out = SpeculativeDecoder(target, drafter, cfg).generate(ids)
                 assert out.tokens == plain, (prompt.id, shape["mode"], drafter.name)
                 assert drafter is not oracle or out.stats.tau > 1  # acceptances happened
+
+
+def test_last_feature_drafter_is_fed_the_final_hidden_state():
+    """An EAGLE-2-style drafter (feature "last") gets the target's final post-norm state, the
+    same tensor training reads from the shards; T=0 output stays plain greedy."""
+    target = tiny_target()
+    cfg = DraftConfig.from_target_config(
+        target.model.config, target.vocab_size, target.aux_layer_ids, feature="last"
+    )
+    draft = Eagle3Draft(cfg).eval()
+    draft.set_embeddings(target.embed_weight)
+    seen = []
+
+    class Spy(EagleDrafter):
+        def update(self, tokens, aux):
+            seen.append(aux.clone())
+            super().update(tokens, aux)
+
+    prompt = torch.randint(0, 16, (10,)).tolist()
+    plain = plain_generate(target, prompt, 20, eos_ids=set()).tokens
+    dcfg = DecodeConfig(max_new_tokens=20, **CHAIN)
+    out = SpeculativeDecoder(target, Spy(draft, dcfg), dcfg, eos_ids=set()).generate(prompt)
+    assert out.tokens == plain
+    ids = torch.tensor([prompt])
+    _, last = target.capture(ids, torch.ones_like(ids))
+    assert seen[0].shape == (10, cfg.target_hidden_size)
+    torch.testing.assert_close(seen[0], last[0], rtol=1e-5, atol=1e-5)

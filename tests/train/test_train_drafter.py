@@ -138,3 +138,27 @@ def test_fine_tune_reuses_the_saved_vocab(tmp_path, helpers, tiny_llama_dir, rec
     assert d2t.numel() == 200  # model.draft_vocab_size=50 did not trigger a rebuild
     assert d2t.equal(load_file(str(tuned / "draft_vocab.safetensors"))["d2t"])
     assert helpers.losses(tuned)[0] < helpers.losses(base)[0]  # started from the trained weights
+
+
+def test_eagle2_style_ablation_trains_on_the_last_hidden_state(
+    tmp_path, helpers, tiny_llama_dir, shard_dir, records_file
+):
+    """model.feature=last: fc reads the final hidden state (H wide), offline == online."""
+    ablation = {"model.feature": "last", "model.ttt_steps": 1}
+    off, on = tmp_path / "offline", tmp_path / "online"
+    helpers.run_cli(
+        helpers.common_args(tiny_llama_dir, off, **helpers.offline(shard_dir), **ablation)
+    )
+    helpers.run_cli(
+        helpers.common_args(tiny_llama_dir, on, **helpers.online(records_file), **ablation)
+    )
+    off_loss, on_loss = helpers.losses(off), helpers.losses(on)
+    assert off_loss[-1] < off_loss[0]
+    assert on_loss == pytest.approx(off_loss, rel=2e-3)
+    config = json.loads((off / "final" / "config.json").read_text())
+    assert config["feature"] == "last"
+    assert config["eagle_config"]["use_aux_hidden_state"] is False
+    fc = load_file(str(off / "final" / "model.safetensors"))["fc.weight"]
+    assert fc.shape[1] == config["target_hidden_size"]  # H, not 3H
+    record = json.loads((off / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "loss_0" in record and "loss_1" not in record  # ttt_steps 1
