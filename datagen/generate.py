@@ -4,8 +4,9 @@ Prompts are rendered with the target's chat template (:func:`datagen.chat.prompt
 decoded with continuous batching (:meth:`Generator._continuous`): up to ``batch_size`` rows
 decode together, a row leaves at its end-of-turn token or ``max_new_tokens`` and waiting
 prompts take the free slots, prefilled in buckets of similar length so little is padding. On
-a CPU this is 1.4-1.5x transformers' ``generate`` over length-sorted batches (the fallback for
-sliding-window or hybrid caches; ``scripts/bench_generate.py`` measures both in one run). A reasoning target (Kimi-K2.5: the generation prompt opens ``<think>``)
+a CPU this and oneDNN-packed linear weights (:class:`PackedLinear`) make it about 2x
+transformers' ``generate`` over length-sorted batches (the fallback for sliding-window or
+hybrid caches; ``scripts/bench_generate.py`` measures both in one run). A reasoning target (Kimi-K2.5: the generation prompt opens ``<think>``)
 writes ``reasoning</think>answer``; the text before the think-closing tag becomes the turn's
 ``reasoning``, the rest its ``content``, as OpenRouter and SGLang return them.
 
@@ -79,10 +80,13 @@ class Generator:
         batch_size: int = DEFAULT_BATCH_SIZE,
         chat_template: str | None = None,
         template_kwargs: dict | None = None,
+        pack_weights: bool = True,
     ):
         from transformers import GenerationConfig
 
         self.model = model.eval()
+        if pack_weights:
+            pack_linear_weights(self.model, batch_size)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.chat_template = chat_template
@@ -295,6 +299,46 @@ class Generator:
             reasoning, content = split_reasoning(self.tokenizer, body)
             turns.append(Turn(content, reasoning, finish, len(p), used))
         return turns
+
+
+class PackedLinear(torch.nn.Module):
+    """nn.Linear with its weight pre-packed for oneDNN (CPU, fp32): the same product, but
+    small-batch decode matmuls stop re-packing the weight on every call (1.4x on the
+    decoder's matmuls, 2.8x on the 49k-row lm_head at 32 rows, measured on 2 Zen 4 cores)."""
+
+    def __init__(self, linear: torch.nn.Linear, rows_hint: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # kept for code that reads it (embeddings tied to lm_head)
+        self.bias = linear.bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows_hint)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def pack_linear_weights(model: torch.nn.Module, rows_hint: int) -> int:
+    """Swap the fp32 CPU nn.Linear layers of `model` for PackedLinear -> how many were packed.
+
+    A no-op on GPUs, for other dtypes, and where this torch build has no oneDNN linear.
+    """
+    ops = getattr(torch.ops, "mkldnn", None)
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")):
+        return 0
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is torch.nn.Linear
+        and child.weight.device.type == "cpu"
+        and child.weight.dtype == torch.float32
+    ]
+    with torch.no_grad():
+        for parent, name, child in swaps:
+            setattr(parent, name, PackedLinear(child, rows_hint))
+    return len(swaps)
 
 
 def _sample(weights: torch.Tensor) -> torch.Tensor:

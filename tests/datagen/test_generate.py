@@ -119,3 +119,17 @@ def test_buckets_bound_padding():
     for part in parts:
         width = lengths[part[0]]
         assert width * len(part) <= 1.1 * sum(lengths[j] for j in part)
+
+
+def test_packed_linear_computes_the_same_product():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
+    x = torch.randn(3, 5, 24)
+    with torch.no_grad():
+        want = model(x)
+        packed = G.pack_linear_weights(model, rows_hint=4)
+        got = model(x)
+    if packed == 0:
+        pytest.skip("this torch build has no oneDNN linear")
+    assert packed == 2 and isinstance(model[0], G.PackedLinear)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

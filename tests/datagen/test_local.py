@@ -107,7 +107,9 @@ def test_servers_round_robin_retries_reasoning_resume(servers, prompts_file, tmp
     )
 
     sent = len(one.requests) + len(two.requests)
-    assert local.main(argv) == 0  # resume: only the failed prompt is tried again
+    assert local.main(argv) == 0  # resume: done and failed-for-good prompts are skipped
+    assert len(one.requests) + len(two.requests) == sent
+    assert local.main([*argv, "--retry-failed"]) == 0  # only the failed prompt is tried again
     assert len(one.requests) + len(two.requests) == sent + 1
     assert sorted(records(out)) == ["p0", "p1", "p2", "p3"]
 
