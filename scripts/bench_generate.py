@@ -50,6 +50,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype=args.model_dtype, device=args.device)
+
     def generator(pack_weights: bool) -> Generator:
         return Generator(
             target.model,
