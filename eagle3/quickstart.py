@@ -50,7 +50,7 @@ class Scale:
 SCALES = {
     "tiny": Scale(prompts=4, max_new_tokens=16, epochs=1, eval_limit=1, eval_tokens=12),
     "default": Scale(prompts=240, max_new_tokens=128, epochs=6, eval_limit=5, eval_tokens=96),
-    "large": Scale(prompts=2000, max_new_tokens=128, epochs=3, eval_limit=8, eval_tokens=128),
+    "large": Scale(prompts=2000, max_new_tokens=128, epochs=3, eval_limit=5, eval_tokens=128),
 }
 
 FOLDERS = {
