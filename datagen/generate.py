@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from datagen.chat import THINK_CLOSE, end_of_turn_ids, prompt_ids
+from eagle3.speculative import _cache_kwarg
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class Generator:
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = pad if pad is not None else self.eot[0]
         self._plain_cache: bool | None = None  # decided on first use (_probe_cache)
+        self._cache_kw = _cache_kwarg(self.model)  # "cache" (transformers 5) or "past_key_values"
         sampling = temperature > 0
         self.config = GenerationConfig(
             max_new_tokens=max_new_tokens,
@@ -133,9 +135,6 @@ class Generator:
         batches through ``model.generate``.
         """
         if self._plain_cache is None:
-            from eagle3.speculative import _cache_kwarg
-
-            self._cache_kw = _cache_kwarg(self.model)
             self._plain_cache = self._probe_cache()
         if self._plain_cache:
             return self._continuous(prompts)

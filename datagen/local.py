@@ -494,15 +494,16 @@ def run(args) -> int:
     prompts = select_prompts(args)
     stats = Stats()
     with ResultStore(args.out) as store:
-        done = store.done_ids()
-        failed = set() if args.retry_failed else store.failed_ids() - done
+        ids = {p.id for p in prompts}
+        done = store.done_ids() & ids
+        failed = set() if args.retry_failed else (store.failed_ids() & ids) - done
         todo = [p for p in prompts if p.id not in done and p.id not in failed]
         log.info(
             "%d prompts, %d already done, %d failed before (skipped; --retry-failed to retry), "
             "%d to generate",
             len(prompts),
-            len(done & {p.id for p in prompts}),
-            len(failed & {p.id for p in prompts}),
+            len(done),
+            len(failed),
             len(todo),
         )
         if todo:

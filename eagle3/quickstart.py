@@ -64,8 +64,11 @@ FOLDERS = {
 }
 
 
+def wandb_group(args: argparse.Namespace, run: Path) -> str:
+    return args.wandb_group or f"quickstart-{run.name}"
+
+
 def train_command(args: argparse.Namespace, run: Path, out: str, *overrides: str) -> list[str]:
-    group = args.wandb_group or f"quickstart-{run.name}"
     return [
         sys.executable,
         "-m",
@@ -88,7 +91,7 @@ def train_command(args: argparse.Namespace, run: Path, out: str, *overrides: str
         f"train.out_dir={run / out}",
         f"train.epochs={args.epochs}",
         "train.resume_from=latest",
-        f"wandb.group={group}",
+        f"wandb.group={wandb_group(args, run)}",
         *overrides,
         *args.train_override,
     ]
@@ -96,7 +99,7 @@ def train_command(args: argparse.Namespace, run: Path, out: str, *overrides: str
 
 def stage_commands(args: argparse.Namespace, run: Path) -> list[tuple[str, list[str]]]:
     py = sys.executable
-    group = args.wandb_group or f"quickstart-{run.name}"
+    group = wandb_group(args, run)
     # The ablation: same shards, recipe and steps, but EAGLE-2's recipe (the final hidden state
     # only, no training-time test); evaluated next to the EAGLE-3 drafter.
     ablation = [("train-eagle2", train_command(args, run, "train-eagle2", *ABLATION))]

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from eagle3.errors import Eagle3Error
+from eagle3.model import FEATURES
 
 
 class ConfigError(Eagle3Error):
@@ -254,7 +255,7 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
     need(len(o.betas) == 2, f"optim.betas must have 2 values, got {o.betas}")
     need(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
-    need(m.feature in ("aux", "last"), f"model.feature must be 'aux' or 'last', got {m.feature!r}")
+    need(m.feature in FEATURES, f"model.feature must be 'aux' or 'last', got {m.feature!r}")
     need(0 < m.step_weight <= 1, f"model.step_weight must be in (0, 1], got {m.step_weight}")
     need(
         cfg.target.aux_layer_ids is None or len(cfg.target.aux_layer_ids) == 3,
