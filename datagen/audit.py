@@ -6,7 +6,7 @@ The provider rule of ``datagen.openrouter`` trusts what providers declare. A pro
 silently serves another quantization, kernel or revision produces responses from a different
 distribution, and a drafter trained on them accepts poorly against the real target. The local
 copy of the target is the referee: every sampled assistant turn is rendered with the same chat
-template and loss mask as capture (``datagen.chat.render_record``) and scored token by token:
+template and loss mask as capture (``eagle3.data.chat.render_record``) and scored token by token:
 
 - ``nll``: mean negative log-likelihood (nats/token) of the response tokens under the target;
 - ``argmax``: fraction of tokens that are the target's greedy choice (~1 for a faithful provider
@@ -48,7 +48,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from datagen.chat import RenderError, load_chat_template, render_record
+from eagle3.data.chat import RenderError, load_chat_template, render_record
+from eagle3.data.records import read_records
 from eagle3.errors import Eagle3Error
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ def score_records(
     chat_template: str | None = None,
     skipped: Counter | None = None,
 ) -> list[RecordScore]:
-    """Score records (datagen.store format) under the target; unrenderable or empty ones are
+    """Score records (eagle3.data.records format) under the target; unrenderable or empty ones are
     counted in ``skipped`` (reason -> n) and left out."""
     skipped = skipped if skipped is not None else Counter()
     kept, sequences = [], []
@@ -361,41 +362,18 @@ def format_tables(
 
 
 # -- reading records ---------------------------------------------------------------------------
-def _read_jsonl(path: Path, skipped: Counter) -> Iterable[dict]:
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                skipped["bad json line"] += 1
-
-
-def read_records(paths: Sequence[str | Path], skipped: Counter | None = None) -> list[dict]:
-    """Records from result-store directories (every DIR/<dataset>.jsonl, as datagen.store
-    reads them) and/or .jsonl files. Lines without a messages list are skipped."""
-    from datagen.store import ResultStore
-
-    skipped = skipped if skipped is not None else Counter()
-    records: list[dict] = []
-    for raw in paths:
-        path = Path(raw).expanduser()
-        if path.is_dir():
-            found = ResultStore(path, readonly=True).iter_records()
-        elif path.is_file():
-            found = _read_jsonl(path, skipped)
+def load_records(paths: Sequence[str | Path], skipped: Counter) -> list[dict]:
+    """The conversations to audit (records with a messages list), or one AuditError."""
+    records = []
+    for record in read_records(paths, skipped):
+        if isinstance(record.get("messages"), list):
+            records.append(record)
         else:
-            raise AuditError(f"--data {raw}: no such file or directory")
-        for record in found:
-            if isinstance(record, dict) and isinstance(record.get("messages"), list):
-                records.append(record)
-            else:
-                skipped["not a record"] += 1
+            skipped["not a record"] += 1
     if not records:
         raise AuditError(
             f"no records in {', '.join(map(str, paths))}: pass a datagen output directory "
-            "or .jsonl files of records (datagen.store format)"
+            "or .jsonl files of records (eagle3.data.records format)"
         )
     return records
 
@@ -586,7 +564,7 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         raise AuditError("; ".join(problems))
     skipped: Counter = Counter()
-    records = sample_records(read_records(args.data, skipped), args.sample or None, args.seed)
+    records = sample_records(load_records(args.data, skipped), args.sample or None, args.seed)
 
     from eagle3.target import load_target
 

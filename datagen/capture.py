@@ -1,10 +1,10 @@
 """``python -m datagen.capture``: run the target over finished conversations, store hidden states.
 
-Each record (``datagen.store`` format, from ``datagen.openrouter`` or ``datagen.local``) is
-rendered with the target's chat template into token ids and a loss mask (:mod:`datagen.chat`),
+Each record (``eagle3.data.records`` format, from ``datagen.openrouter`` or ``datagen.local``) is
+rendered with the target's chat template into token ids and a loss mask (:mod:`eagle3.data.chat`),
 the target runs once over it (:meth:`eagle3.target.Target.capture`: the 3 aux layers and the
 final post-norm hidden state, no lm_head), and the result is written as shards
-(:mod:`datagen.shards`, layout, dtypes and bytes per token there)::
+(:mod:`eagle3.data.shards`, layout, dtypes and bytes per token there)::
 
     python -m datagen.capture --target smollm2-135m-q4 --data out/responses --out out/shards
     python -m datagen.capture --target kimi-k2.5 --estimate --tokens 40M       # before anything
@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
-from datagen.chat import RenderError, load_chat_template, render_record
-from datagen.shards import (
+from eagle3.data.chat import RenderError, load_chat_template, render_record
+from eagle3.data.records import read_records
+from eagle3.data.shards import (
     DTYPES,
     ShardWriter,
     bytes_per_token,
@@ -47,7 +48,6 @@ from datagen.shards import (
     read_index,
     read_meta,
 )
-from datagen.store import ResultStore
 from eagle3.errors import Eagle3Error
 
 log = logging.getLogger("datagen.capture")
@@ -68,28 +68,6 @@ class Item:
 
 
 # ----------------------------------------------------------------------------- records
-
-
-def read_records(paths: list[str]) -> tuple[list[dict], list[str]]:
-    """Records of datagen result files or directories (every ``<dataset>.jsonl`` in them)."""
-    records, sources = [], []
-    for raw in paths:
-        path = Path(raw).expanduser()
-        if path.is_dir():
-            records.extend(ResultStore(path, readonly=True).iter_records())
-        elif path.is_file():
-            with open(path, "rb") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.endswith(b"\n") or not line.strip():
-                        continue  # a partial last line is a write in progress
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        log.warning("%s:%d: unreadable line skipped", path, lineno)
-        else:
-            raise Eagle3Error(f"--data {raw} does not exist; pass result files or directories")
-        sources.append(str(path.resolve()))
-    return records, sources
 
 
 def render_all(records: list[dict], tokenizer: Any, args, stats: Counter) -> list[Item]:
@@ -302,7 +280,7 @@ def run_estimate(args) -> int:
     if args.tokens:
         tokens, how = args.tokens, "given"
     elif args.data:
-        records, _ = read_records(args.data)
+        records = read_records(args.data)
         tokens, how = count_tokens(records, args.target, args)
         if args.limit:
             tokens = tokens * min(1.0, args.limit / max(len(records), 1))
@@ -424,7 +402,8 @@ def run(args) -> int:
     state = _state()
     rank, world = state.process_index, state.num_processes
     out = Path(args.out)
-    records, sources = read_records(args.data)
+    records = read_records(args.data)
+    sources = [str(Path(p).expanduser().resolve()) for p in args.data]
     if args.limit is not None:
         records = records[: args.limit]
 

@@ -43,9 +43,9 @@ import aiohttp
 
 from datagen import retry
 from datagen.ledger import Ledger, Reservation, upper_prompt_tokens, worst_case_usd
-from datagen.prompts import Prompt
 from datagen.providers import Prices, slug_matches
-from datagen.store import ResultStore, make_failure, make_record
+from eagle3.data.prompts import Prompt
+from eagle3.data.records import ResultStore, make_failure, make_record
 
 log = logging.getLogger("datagen.openrouter")
 

@@ -1,6 +1,6 @@
 """In-process batched generation with ``transformers`` (``datagen.local --target``).
 
-Prompts are rendered with the target's chat template (:func:`datagen.chat.prompt_ids`) and
+Prompts are rendered with the target's chat template (:func:`eagle3.data.chat.prompt_ids`) and
 decoded with continuous batching (:meth:`Generator._continuous`): up to ``batch_size`` rows
 decode together, a row leaves at its end-of-turn token or ``max_new_tokens`` and waiting
 prompts take the free slots, prefilled in buckets of similar length so little is padding. On
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from datagen.chat import THINK_CLOSE, end_of_turn_ids, prompt_ids
+from eagle3.data.chat import THINK_CLOSE, end_of_turn_ids, prompt_ids
 from eagle3.speculative import _cache_kwarg
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """``python -m datagen.local``: regenerate responses with the target itself, locally.
 
-Two backends, one output format (the ``datagen.store`` records ``datagen.openrouter`` writes,
+Two backends, one output format (the ``eagle3.data.records`` records ``datagen.openrouter`` writes,
 resumed the same way: prompts already in ``--out`` are skipped)::
 
     # any OpenAI-compatible server(s): SGLang, vLLM; round-robin, --concurrency per server
@@ -35,15 +35,15 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from datagen import retry
-from datagen.chat import RenderError, load_chat_template
 from datagen.generate import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
 )
-from datagen.prompts import Prompt, dedupe, load_prompts, split_prompts
-from datagen.store import ResultStore, make_failure, make_record
+from eagle3.data.chat import RenderError, load_chat_template, next_turns
+from eagle3.data.prompts import Prompt, dedupe, load_prompts, split_prompts
+from eagle3.data.records import ResultStore, make_failure, make_record
 from eagle3.errors import Eagle3Error
 
 log = logging.getLogger("datagen.local")
@@ -75,17 +75,6 @@ class Stats:
             f"({rate:,.0f} tok/s), {self.length} cut at max tokens, {retries} retries"
             + (f", {self.too_long} prompts too long (skipped)" if self.too_long else "")
         )
-
-
-def next_turns(prompt: Prompt, conversation: list[dict]) -> list[dict] | None:
-    """The prompt's messages that come before the next assistant answer (up to and including
-    the next user turn), or None when every user turn has its answer."""
-    answered = sum(1 for m in conversation if m["role"] == "assistant")
-    users = [i for i, m in enumerate(prompt.messages) if m["role"] == "user"]
-    if answered >= len(users):
-        return None
-    start = users[answered - 1] + 1 if answered else 0
-    return [dict(m) for m in prompt.messages[start : users[answered] + 1]]
 
 
 def _usage_add(total: Counter, prompt_tokens: int, completion_tokens: int, usage: dict) -> None:
@@ -416,7 +405,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="sources: sharegpt, mt_bench, humaneval, FILE, hf:org/name",
     )
     p.add_argument(
-        "--out", required=True, help="result directory (datagen.store format; resumable)"
+        "--out", required=True, help="result directory (eagle3.data.records format; resumable)"
     )
     p.add_argument("--limit", type=int, help="at most this many prompts per source")
     p.add_argument(

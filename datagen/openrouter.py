@@ -42,8 +42,8 @@ import yaml
 from datagen import providers
 from datagen.engine import Engine, Outcome, Settings
 from datagen.ledger import Ledger
-from datagen.prompts import Prompt, dedupe, load_prompts
-from datagen.store import ResultStore
+from eagle3.data.prompts import Prompt, dedupe, load_prompts
+from eagle3.data.records import ResultStore
 from eagle3.errors import Eagle3Error
 
 log = logging.getLogger("datagen.openrouter")

@@ -3,3 +3,8 @@
 
 class Eagle3Error(Exception):
     """A mistake in input or configuration; CLIs print it as one line and exit 2."""
+
+
+class ConfigError(Eagle3Error):
+    """A config problem (or several, joined with '; '), found before any model or data is
+    touched."""

@@ -159,7 +159,7 @@ def run_benchmark(
     seed: int,
 ) -> tuple[Tally, dict[str, Tally]]:
     """-> (plain tally, drafter name -> speculative tally) over every turn of every prompt."""
-    from datagen.chat import prompt_ids
+    from eagle3.data.chat import prompt_ids
 
     eos = eos_token_ids(target)
     decoders = {n: SpeculativeDecoder(target, d, cfg, eos_ids=eos) for n, d in drafters.items()}
@@ -197,7 +197,7 @@ def _rate(gen: Generation) -> str:
 
 def warm_up(target, drafters: dict[str, Any], prompts: list, cfg: DecodeConfig) -> None:
     """One short untimed run of each decoder, so no timing pays for first-call setup."""
-    from datagen.chat import prompt_ids
+    from eagle3.data.chat import prompt_ids
 
     system, users = turns(prompts[0].messages)
     ids = prompt_ids(target.tokenizer, system + users[:1])
@@ -374,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from datagen.prompts import load_prompts
+    from eagle3.data.prompts import load_prompts
     from eagle3.target import load_target
 
     cfg = DecodeConfig(

@@ -54,7 +54,7 @@ SCALES = {
 }
 
 FOLDERS = {
-    "responses/": "generated conversations (datagen.store format: <dataset>.jsonl, failed.jsonl)",
+    "responses/": "generated conversations (eagle3.data.records format: <dataset>.jsonl, failed.jsonl)",
     "shards/": "captured hidden states (datagen.capture: meta.json, index.jsonl, shard-*.safetensors)",
     "train/": "training run: config.yaml, metrics.jsonl, checkpoints/, final/ (SGLang EAGLE-3 draft)",
     "train-eagle2/": "with --ablation: the EAGLE-2-style drafter (last hidden state, ttt_steps 1)",

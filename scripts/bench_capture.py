@@ -32,7 +32,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m-q4")
     p.add_argument("--records", type=int, default=32)
-    p.add_argument("--source", default="sharegpt", help="prompt source (datagen.prompts)")
+    p.add_argument("--source", default="sharegpt", help="prompt source (eagle3.data.prompts)")
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--batch-tokens", type=int, default=4096)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp8"])
@@ -42,9 +42,9 @@ def main() -> None:
     args = p.parse_args()
 
     from datagen.capture import Item, batches, capture_items, pad
-    from datagen.chat import render_conversation
-    from datagen.prompts import load_prompts
-    from datagen.shards import ShardWriter, bytes_per_token
+    from eagle3.data.chat import render_conversation
+    from eagle3.data.prompts import load_prompts
+    from eagle3.data.shards import ShardWriter, bytes_per_token
     from eagle3.target import load_target
 
     if args.threads:

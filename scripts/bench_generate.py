@@ -27,7 +27,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m-q4")
     p.add_argument("--prompts", type=int, default=64, help="number of prompts (first user turns)")
-    p.add_argument("--source", default="mt_bench", help="prompt source (datagen.prompts)")
+    p.add_argument("--source", default="mt_bench", help="prompt source (eagle3.data.prompts)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.7)
@@ -43,8 +43,8 @@ def main() -> None:
     args = p.parse_args()
 
     from datagen.generate import Generator
-    from datagen.local import next_turns
-    from datagen.prompts import load_prompts
+    from eagle3.data.chat import next_turns
+    from eagle3.data.prompts import load_prompts
     from eagle3.target import load_target
 
     if args.threads:

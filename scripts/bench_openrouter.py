@@ -55,8 +55,8 @@ async def run_engine(url: str, n: int, concurrency: int, out: Path) -> tuple[flo
     from datagen.engine import Engine, Settings
     from datagen.ledger import Ledger
     from datagen.openrouter import read_endpoints
-    from datagen.prompts import Prompt
-    from datagen.store import ResultStore
+    from eagle3.data.prompts import Prompt
+    from eagle3.data.records import ResultStore
 
     endpoints = await read_endpoints(url, "moonshotai/kimi-k2.5")
     allowed = providers.select(endpoints, "int4", ["fireworks", "baseten"], 256)

@@ -49,8 +49,8 @@ class OracleDrafter:
 
 
 def main() -> int:
-    from datagen.chat import prompt_ids
-    from datagen.prompts import load_prompts
+    from eagle3.data.chat import prompt_ids
+    from eagle3.data.prompts import load_prompts
     from eagle3.errors import Eagle3Error
     from eagle3.evaluate import load_drafter, turns
     from eagle3.target import load_target

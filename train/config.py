@@ -10,20 +10,14 @@ is a single line, before any model or data is touched.
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from eagle3.errors import Eagle3Error
+from eagle3.config import load_typed
 from eagle3.model import FEATURES
-
-
-class ConfigError(Eagle3Error):
-    """A config problem (or several, joined with '; '): the CLI prints it and exits 2."""
 
 
 @dataclass
@@ -116,101 +110,6 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-# -- parsing and type checking ------------------------------------------------------------
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is list:
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
-    return "null" if tp is type(None) else tp.__name__
-
-
-def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
-    """(ok, value) for `value` against a field annotation; ints are accepted as floats."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            ok, out = _coerce(value, arg)
-            if ok:
-                return True, out
-        return False, None
-    if origin is list:
-        if not isinstance(value, list):
-            return False, None
-        items = [_coerce(v, typing.get_args(tp)[0]) for v in value]
-        return all(ok for ok, _ in items), [v for _, v in items]
-    if tp is type(None):
-        return value is None, None
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads 5e-5 (no dot) as a string
-            try:
-                return True, float(value)
-            except ValueError:
-                return False, None
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return ok, float(value) if ok else None
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    return isinstance(value, tp), value
-
-
-def _fill(obj: Any, raw: Any, prefix: str, problems: list[str]) -> None:
-    """Set fields of dataclass `obj` from the mapping `raw`, appending problems."""
-    if not isinstance(raw, dict):
-        problems.append(f"{prefix or 'config'}: expected a mapping, got {raw!r}")
-        return
-    hints = typing.get_type_hints(type(obj))
-    names = {f.name for f in dataclasses.fields(obj)}
-    for key, value in raw.items():
-        dotted = f"{prefix}{key}"
-        if key not in names:
-            problems.append(f"unknown key {dotted} (known: {', '.join(sorted(names))})")
-            continue
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            _fill(current, value, f"{dotted}.", problems)
-            continue
-        ok, coerced = _coerce(value, hints[key])
-        if not ok:
-            problems.append(f"{dotted}: expected {_type_name(hints[key])}, got {value!r}")
-            continue
-        setattr(obj, key, coerced)
-
-
-def parse_overrides(overrides: list[str], problems: list[str]) -> dict[str, Any]:
-    """["optim.lr=5e-5", "data.shard_dirs=[a,b]"] -> nested dict; values parsed as YAML."""
-    nested: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            problems.append(f"override {item!r} is not key=value (e.g. optim.lr=5e-5)")
-            continue
-        try:
-            value = yaml.safe_load(text) if text else None
-        except yaml.YAMLError:
-            value = text
-        node = nested
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                problems.append(f"override {item!r} conflicts with another override")
-                break
-        else:
-            node[leaf] = value
-    return nested
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
     """Value checks that need no model or data (paths exist, enums, ranges)."""
 
@@ -292,22 +191,9 @@ def load_config(
 
     `check_paths=False` skips the checks that input paths exist (to lint a recipe elsewhere).
     """
-    problems: list[str] = []
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from err
-    raw = _merge(raw, parse_overrides(list(overrides), problems))
-    cfg = Config()
-    _fill(cfg, raw, "", problems)
-    # a field with a type problem kept its (valid) default, so value checks are safe
-    _check_values(cfg, problems, check_paths)
-    if problems:
-        where = f"{path}: " if path is not None else ""
-        raise ConfigError(where + "; ".join(problems))
-    return cfg
+    return load_typed(
+        Config,
+        path,
+        overrides,
+        check=lambda cfg, problems: _check_values(cfg, problems, check_paths),
+    )

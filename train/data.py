@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
+from eagle3.data.chat import RenderError, render_record
+from eagle3.data.records import read_records
 from eagle3.errors import Eagle3Error
 from eagle3.vocab import count_tokens
 
@@ -34,7 +36,7 @@ def load_shards(
     shard_dirs: list[str], dtype: torch.dtype = torch.float32
 ) -> tuple[Dataset, list[int], list[dict[str, Any]]]:
     """-> (one dataset over all dirs, lengths, each dir's meta); hidden states read as `dtype`."""
-    from datagen.shards import ShardDataset
+    from eagle3.data.shards import ShardDataset
 
     parts = [ShardDataset(d, dtype=dtype) for d in shard_dirs]
     lengths = [n for p in parts for n in p.lengths]
@@ -77,19 +79,17 @@ def check_shard_meta(
 class TokenRecords(Dataset):
     """Records as {"input_ids", "loss_mask"} LongTensors, truncated to max_length.
 
-    `paths` are JSONL files or datagen result directories (datagen.store). A record holds
+    `paths` are JSONL files or datagen result directories (eagle3.data.records). A record holds
     either `input_ids` + `loss_mask` (already tokenized) or `messages` (a datagen
     conversation, rendered here with the target's chat template exactly as datagen.capture
     renders it). Records that cannot be rendered or have no loss tokens are skipped (counted).
     """
 
     def __init__(self, paths: list[str], max_length: int, tokenizer: Any = None):
-        from datagen.capture import read_records
-        from datagen.chat import RenderError, render_record
 
         self.items: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.skipped = 0
-        records, _ = read_records(paths)
+        records = read_records(paths)
         for record in records:
             if "input_ids" in record:
                 ids, mask = record["input_ids"], record["loss_mask"]
@@ -130,7 +130,7 @@ def token_counts(dataset: Dataset, vocab_size: int) -> torch.Tensor:
     counts = torch.zeros(vocab_size, dtype=torch.long)
     parts = dataset.datasets if isinstance(dataset, ConcatDataset) else [dataset]
     for part in parts:
-        if hasattr(part, "index") and hasattr(part, "dir"):  # datagen.shards.ShardDataset
+        if hasattr(part, "index") and hasattr(part, "dir"):  # eagle3.data.shards.ShardDataset
             counts += _shard_token_counts(part, vocab_size)
             continue
         for i in range(len(part)):

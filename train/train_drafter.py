@@ -37,12 +37,12 @@ from accelerate.utils import GradientAccumulationPlugin, set_seed
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from eagle3.errors import Eagle3Error
+from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.loss import simulated_acceptance, target_probs, ttt_loss
 from eagle3.model import DraftConfig, Eagle3Draft
 from eagle3.vocab import DraftVocab, build_draft_vocab, vocab_from_d2t
 from train import data as D
-from train.config import Config, ConfigError, load_config
+from train.config import Config, load_config
 from train.metrics import MetricsLog
 
 VOCAB_FILE = "draft_vocab.safetensors"

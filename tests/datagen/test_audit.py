@@ -182,7 +182,7 @@ def drop_layers(model, keep: list[int]):
 
 
 def generate_records(model, tokenizer, provider: str, *, seed: int) -> list[dict]:
-    """12 prompts x 48 new tokens, sampled at T=1, as datagen.store records."""
+    """12 prompts x 48 new tokens, sampled at T=1, as eagle3.data.records records."""
     tokenizer.padding_side = "left"
     texts = [
         tokenizer.apply_chat_template(
@@ -240,7 +240,7 @@ def provider_records(smollm2_target):
 
 @pytest.mark.slow
 def test_audit_flags_requantized_and_different_models(provider_records, tmp_path, capsys):
-    from datagen.store import ResultStore
+    from eagle3.data.records import ResultStore
 
     with ResultStore(tmp_path / "out") as store:
         for records in provider_records.values():

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from datagen import capture
-from datagen.chat import render_record
-from datagen.shards import ShardDataset, read_index, read_meta
+from eagle3.data.chat import render_record
+from eagle3.data.shards import ShardDataset, read_index, read_meta
 from eagle3.target import load_target
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _helper():
     spec = importlib.util.spec_from_file_location(
-        "tiny_chat", Path(__file__).with_name("tiny_chat.py")
+        "tiny_chat", Path(__file__).resolve().parents[1] / "tiny_chat.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -232,7 +232,7 @@ def test_estimate_counts_the_records(chat_llama, tmp_path, capsys):
 KILLED = textwrap.dedent(
     """
     import os, signal, sys
-    import datagen.shards as shards
+    import eagle3.data.shards as shards
     from datagen import capture
 
     calls = [0]

@@ -1,5 +1,5 @@
 """`python -m datagen.local`: OpenAI-compatible servers over real sockets (a fake on 127.0.0.1)
-and in-process generation on a tiny random model; same records and resume as datagen.store."""
+and in-process generation on a tiny random model; same records and resume as eagle3.data.records."""
 
 from __future__ import annotations
 
@@ -11,19 +11,20 @@ import pytest
 
 from datagen import local
 from datagen.generate import split_reasoning
-from datagen.prompts import Prompt
-from datagen.store import ResultStore
+from eagle3.data.chat import next_turns
+from eagle3.data.prompts import Prompt
+from eagle3.data.records import ResultStore
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-tc = _load("tiny_chat")
-FakeOpenAIServer = _load("fake_openai_server").FakeOpenAIServer
+tc = _load(Path(__file__).resolve().parents[1] / "tiny_chat.py")
+FakeOpenAIServer = _load(Path(__file__).with_name("fake_openai_server.py")).FakeOpenAIServer
 
 PROMPTS = [
     {"id": "p0", "messages": [{"role": "user", "content": "what is 2 + 3 ?"}]},
@@ -57,12 +58,12 @@ def records(out: Path) -> dict[str, dict]:
 def test_next_turns_walks_user_turns_in_order():
     p = Prompt("x", "d", [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
                           {"role": "user", "content": "u2"}])  # fmt: skip
-    conv = local.next_turns(p, [])
+    conv = next_turns(p, [])
     assert conv == p.messages[:2]
     conv = conv + [{"role": "assistant", "content": "a1"}]
-    assert local.next_turns(p, conv) == [{"role": "user", "content": "u2"}]
+    assert next_turns(p, conv) == [{"role": "user", "content": "u2"}]
     conv += [{"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]
-    assert local.next_turns(p, conv) is None
+    assert next_turns(p, conv) is None
 
 
 def test_max_turns_keeps_the_first_user_turns():
@@ -195,7 +196,7 @@ def tc_prompt_ids(target_dir, messages):
     """Rendered length of a record's first prompt (system + first user turn)."""
     from transformers import AutoTokenizer
 
-    from datagen.chat import prompt_ids
+    from eagle3.data.chat import prompt_ids
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     first = messages[: [m["role"] for m in messages].index("assistant")]

@@ -3,7 +3,7 @@
 import asyncio
 
 from datagen.engine import MIN_CONCURRENCY, Throttle, interleave
-from datagen.prompts import Prompt
+from eagle3.data.prompts import Prompt
 
 
 def test_limit_cuts_once_per_round_and_gate_holds_everyone():

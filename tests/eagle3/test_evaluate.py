@@ -21,9 +21,7 @@ GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
 def _tiny_chat():
-    spec = importlib.util.spec_from_file_location(
-        "tiny_chat", REPO / "tests" / "datagen" / "tiny_chat.py"
-    )
+    spec = importlib.util.spec_from_file_location("tiny_chat", REPO / "tests" / "tiny_chat.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -382,8 +382,8 @@ def test_speculative_sampling_keeps_the_target_distribution(shape):
 def test_greedy_equals_plain_on_embedded_smollm2(smollm2_target):
     """The real 4-bit target: chain and tree, random drafts with the greedy continuation
     planted (partial acceptances, gathered tree paths) and prompt lookup."""
-    from datagen.chat import prompt_ids
-    from datagen.prompts import load_prompts
+    from eagle3.data.chat import prompt_ids
+    from eagle3.data.prompts import load_prompts
 
     target = smollm2_target
     draft = random_draft(target, draft_vocab=2048)

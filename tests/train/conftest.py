@@ -43,8 +43,8 @@ def records_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def shard_dir(tmp_path_factory, tiny_llama_dir, records_file) -> Path:
-    """The records captured through the tiny target into fp16 shards (datagen.shards format)."""
-    from datagen.shards import ShardWriter
+    """The records captured through the tiny target into fp16 shards (eagle3.data.shards format)."""
+    from eagle3.data.shards import ShardWriter
     from eagle3.target import load_target
 
     target = load_target(tiny_llama_dir, device="cpu")

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from train.config import ConfigError, load_config
+from eagle3.errors import ConfigError
+from train.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "configs" / "train").glob("*.yaml"))

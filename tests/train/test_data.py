@@ -81,7 +81,7 @@ def test_shard_token_counts_read_only_ids(shard_dir, records_file):
     """Streaming counts from the shards equal counts over the records themselves."""
     import json
 
-    from datagen.shards import ShardDataset
+    from eagle3.data.shards import ShardDataset
 
     records = [json.loads(x) for x in records_file.read_text().splitlines()]
     expected = torch.zeros(256, dtype=torch.long)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from datagen.shards import (
+from eagle3.data.shards import (
     ShardDataset,
     ShardWriter,
     bytes_per_token,
@@ -22,7 +22,7 @@ from datagen.shards import (
 )
 from eagle3.errors import Eagle3Error
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 H = 16
 META = {
     "target": "tiny",
@@ -135,8 +135,8 @@ def test_second_writer_of_the_same_part_is_refused(tmp_path):
 CRASH = textwrap.dedent(
     """
     import os, signal, sys
-    import datagen.shards as shards
-    from datagen.shards import ShardWriter
+    import eagle3.data.shards as shards
+    from eagle3.data.shards import ShardWriter
 
     out, where, nth = sys.argv[1], sys.argv[2], int(sys.argv[3])
     meta = json.loads(sys.argv[4])

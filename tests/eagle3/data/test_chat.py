@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from datagen.chat import RenderError, prompt_ids, render_conversation, render_record
+from eagle3.data.chat import RenderError, prompt_ids, render_conversation, render_record
 
 
 def _helper():
     spec = importlib.util.spec_from_file_location(
-        "tiny_chat", Path(__file__).with_name("tiny_chat.py")
+        "tiny_chat", Path(__file__).resolve().parents[2] / "tiny_chat.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

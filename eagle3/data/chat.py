@@ -35,6 +35,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from eagle3.data.prompts import Prompt
 from eagle3.errors import Eagle3Error
 
 # Tags that close a reasoning block, in the order tried.
@@ -67,6 +68,17 @@ class Rendered:
     loss_mask: list[int]  # 1 on tokens the target generated
     truncated: bool  # cut to max_length
     reasoning_dropped: bool = False  # the template has no place for the record's reasoning
+
+
+def next_turns(prompt: Prompt, conversation: list[dict]) -> list[dict] | None:
+    """The prompt's messages that come before the next assistant answer (up to and including
+    the next user turn), or None when every user turn has its answer."""
+    answered = sum(1 for m in conversation if m["role"] == "assistant")
+    users = [i for i, m in enumerate(prompt.messages) if m["role"] == "user"]
+    if answered >= len(users):
+        return None
+    start = users[answered - 1] + 1 if answered else 0
+    return [dict(m) for m in prompt.messages[start : users[answered] + 1]]
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -277,7 +289,7 @@ def render_record(
     chat_template: str | None = None,
     template_kwargs: dict | None = None,
 ) -> Rendered:
-    """A datagen record (datagen.store format): its last turn is left open when it was cut at
+    """A datagen record (eagle3.data.records format): its last turn is left open when it was cut at
     max tokens (``finish_reason == "length"``). Raises :class:`RenderError`."""
     messages = record.get("messages") if isinstance(record, dict) else None
     if not isinstance(messages, list):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from datagen.prompts import Prompt
-from datagen.store import (
+from eagle3.data.prompts import Prompt
+from eagle3.data.records import (
     ResultStore,
     StoreError,
     make_failure,
@@ -18,7 +18,7 @@ from datagen.store import (
     repair_tail,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def prompt(i: int, dataset: str = "chat") -> Prompt:
@@ -196,8 +196,8 @@ def test_repair_tail_cases(tmp_path):
 
 WRITER = """
 import sys
-from datagen.prompts import Prompt
-from datagen.store import ResultStore, make_record
+from eagle3.data.prompts import Prompt
+from eagle3.data.records import ResultStore, make_record
 out = sys.argv[1]
 store = ResultStore(out, fsync_interval=None)
 done = store.done_ids("chat")

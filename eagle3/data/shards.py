@@ -11,7 +11,7 @@ Directory layout (``format_version`` 1)::
 Tensors in a shard (N = tokens in the shard, H = target hidden size)::
 
     input_ids   int32  [N]
-    loss_mask   uint8  [N]      1 on tokens the target generated (datagen.chat)
+    loss_mask   uint8  [N]      1 on tokens the target generated (eagle3.data.chat)
     aux_hidden  dtype  [N, 3H]  outputs of the 3 aux decoder layers, concatenated in order
     last_hidden dtype  [N, H]   final hidden state after the last norm (lm_head input)
     aux_scale   fp32   [N, 3]   fp8 only: one scale per token and aux layer
@@ -57,7 +57,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from datagen.store import repair_tail
+from eagle3.data.records import repair_tail
 from eagle3.errors import Eagle3Error
 
 log = logging.getLogger(__name__)

