@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle3.cli import run_cli
 from eagle3.data.chat import RenderError, load_chat_template, render_record
 from eagle3.data.records import read_records
 from eagle3.errors import Eagle3Error
@@ -578,10 +579,10 @@ def run(args: argparse.Namespace) -> int:
     scores = score_records(
         target,
         records,
+        chat_template=load_chat_template(args.chat_template),
         top_p=args.top_p,
         max_length=args.max_length,
         batch_tokens=args.batch_tokens,
-        chat_template=load_chat_template(args.chat_template),
         skipped=skipped,
     )
     if not scores:
@@ -622,11 +623,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return run(parse_args(argv))
-    except Eagle3Error as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_cli(lambda: run(parse_args(argv)))
 
 
 if __name__ == "__main__":

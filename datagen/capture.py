@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from eagle3.cli import run_cli
 from eagle3.data.chat import RenderError, load_chat_template, render_record
 from eagle3.data.records import read_records
 from eagle3.data.shards import (
@@ -47,8 +48,10 @@ from eagle3.data.shards import (
     finalize,
     read_index,
     read_meta,
+    target_meta,
 )
 from eagle3.errors import Eagle3Error
+from eagle3.target import Target, load_target, resolve, target_facts
 
 log = logging.getLogger("datagen.capture")
 
@@ -224,29 +227,19 @@ def estimate_text(
 
 
 def target_dims(name: str) -> tuple[str, int]:
-    """(display name, hidden size) without loading weights."""
-    from eagle3.target import resolve
-
-    display, hf_dir, spec = resolve(name)
+    """(display name, hidden size) without loading weights. A registry entry's hidden_size
+    needs no config.json, so --estimate for a hub-only target (kimi-k2.5) downloads nothing."""
+    display, _, spec = resolve(name)
     if spec and spec.get("hidden_size"):
         return display, int(spec["hidden_size"])
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(
-            hf_dir, trust_remote_code=bool(spec and spec.get("trust_remote_code"))
-        )
-    except (OSError, ValueError) as err:
-        raise Eagle3Error(f"cannot read the config of {name}: {err}".splitlines()[0]) from err
-    config = getattr(config, "text_config", None) or config
-    return display, int(config.hidden_size)
+    facts = target_facts(name)
+    return facts["name"], int(facts["hidden_size"])
 
 
-def count_tokens(records: list[dict], name: str, args) -> tuple[int, str]:
-    """Tokens of the records: rendered with the target's tokenizer when it is at hand, else the
-    records' usage counts (prompt + completion tokens of the last turn)."""
-    from eagle3.target import resolve
-
+def count_record_tokens(records: list[dict], name: str, args) -> tuple[int, str]:
+    """Total tokens of the records and how they were counted: rendered with the target's
+    tokenizer when it is at hand, else the records' usage counts (prompt + completion tokens
+    of the last turn)."""
     try:
         from transformers import AutoTokenizer
 
@@ -266,6 +259,7 @@ def count_tokens(records: list[dict], name: str, args) -> tuple[int, str]:
 
 
 def free_bytes(path: Path) -> int | None:
+    """Free disk space where `path` is (or will be created); None if it cannot be read."""
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -276,12 +270,13 @@ def free_bytes(path: Path) -> int | None:
 
 
 def run_estimate(args) -> int:
+    """--estimate: print tokens, bytes and hours of a capture without loading the target."""
     name, hidden = target_dims(args.target)
     if args.tokens:
         tokens, how = args.tokens, "given"
     elif args.data:
         records = read_records(args.data)
-        tokens, how = count_tokens(records, args.target, args)
+        tokens, how = count_record_tokens(records, args.target, args)
         if args.limit:
             tokens = tokens * min(1.0, args.limit / max(len(records), 1))
         tokens = int(tokens)
@@ -349,9 +344,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens-per-s", type=float, help="capture speed for --estimate")
     args = p.parse_args(argv)
     args.chat_template = load_chat_template(args.chat_template)
-    if not args.estimate:
-        if not args.data or not args.out:
-            p.error("--data and --out are required (or use --estimate)")
+    if not args.estimate and not (args.data and args.out):
+        p.error("--data and --out are required (or use --estimate)")
     return args
 
 
@@ -363,6 +357,7 @@ def _state():
 
 
 def _gather(state, obj: Any) -> list[Any]:
+    """`obj` of every process, in rank order (a plain list of one without a process group)."""
     if state.num_processes == 1:
         return [obj]
     import torch.distributed as dist
@@ -373,6 +368,7 @@ def _gather(state, obj: Any) -> list[Any]:
 
 
 def summary_text(stats: Counter, meta: dict) -> str:
+    """The one-line summary printed at the end: this run's counts, then the directory's totals."""
     kept = stats.get("kept", 0)
     skipped = {k[len("skipped: ") :]: v for k, v in stats.items() if k.startswith("skipped: ")}
     notes = {k[len("kept: ") :]: v for k, v in stats.items() if k.startswith("kept: ")}
@@ -394,22 +390,15 @@ def summary_text(stats: Counter, meta: dict) -> str:
     return "; ".join(parts)
 
 
-def run(args) -> int:
-    if args.estimate:
-        return run_estimate(args)
-    from eagle3.target import load_target
-
-    state = _state()
-    rank, world = state.process_index, state.num_processes
-    out = Path(args.out)
-    records = read_records(args.data)
-    sources = [str(Path(p).expanduser().resolve()) for p in args.data]
-    if args.limit is not None:
-        records = records[: args.limit]
-
+def check_resumable(out: Path, settings: dict) -> None:
+    """Refuse to add to a capture in `out` made with other settings (dtype, target, ...)."""
     old = read_meta(out)
-    if old is not None:  # before loading a large target: settings that need no model
-        check_meta(old, {"dtype": args.dtype, "max_length": args.max_length}, out)
+    if old is not None:
+        check_meta(old, settings, out)
+
+
+def load_capture_target(args, state) -> Target:
+    """The target on this process's device, with a tokenizer and a chat template to render with."""
     device = args.device or (None if args.device_map else str(state.device))
     target = load_target(
         args.target,
@@ -424,60 +413,104 @@ def run(args) -> int:
         raise Eagle3Error(
             f"target {args.target}'s tokenizer has no chat template; pass --chat-template FILE"
         )
-    meta = {
-        "target": target.name,
-        "vocab_size": target.vocab_size,
-        "target_hidden_size": target.hidden_size,
-        "aux_layer_ids": list(target.aux_layer_ids),
-        "num_layers": target.num_layers,
+    return target
+
+
+def capture_meta(target: Target, args) -> dict:
+    """meta.json of this capture: the target's identity plus how the records were rendered."""
+    return {
+        **target_meta(target),
         "max_length": args.max_length,
         "dtype": args.dtype,
         "bytes_per_token": bytes_per_token(target.hidden_size, args.dtype),
         "chat_template": "given" if args.chat_template else "tokenizer",
         "template_kwargs": args.template_kwargs or {},
     }
-    old = read_meta(out)
-    if old is not None:
-        check_meta(old, meta, out)
 
-    # Process 0 creates (or re-opens) the directory first; then every process reads what is
-    # done before anyone writes, so all of them split the same remaining records.
-    writer = None
-    if rank == 0:
-        writer = ShardWriter(
-            out, meta, args.dtype, args.shard_mb << 20, part=f"{rank:03d}", finalize_on_close=False
-        )
-    state.wait_for_everyone()
-    if rank != 0:
-        writer = ShardWriter(
-            out, meta, args.dtype, args.shard_mb << 20, part=f"{rank:03d}", finalize_on_close=False
-        )
-    stats: Counter = Counter()
-    pending = select(records, {e["id"] for e in read_index(out)}, stats)
-    state.wait_for_everyone()
 
-    mine = my_slice(pending, rank, world)
-    items = render_all(mine, target.tokenizer, args, stats)
+def check_disk(state, items: list[Item], hidden_size: int, args, out: Path) -> None:
+    """Refuse to start (on every process alike) when all processes' tokens will not fit."""
     tokens = sum(_gather(state, sum(len(it.input_ids) for it in items)))
-    size = tokens * bytes_per_token(target.hidden_size, args.dtype)
+    size = tokens * bytes_per_token(hidden_size, args.dtype)
     free = free_bytes(out)
-    if rank == 0:
+    if state.process_index == 0:
         log.info(
             "capturing %s tokens (%s in %s) with %d process(es)",
             f"{tokens:,}",
             human_bytes(size),
             args.dtype,
-            world,
+            state.num_processes,
         )
-    if free is not None and size > free and not args.no_disk_check:  # same verdict everywhere
+    if free is not None and size > free and not args.no_disk_check:
         raise Eagle3Error(
             f"the capture needs about {human_bytes(size)} but {out} has {human_bytes(free)} "
             "free; free space, use --dtype fp8, or train online (see --estimate)"
         )
-    by_id = {str(r["id"]): r for r in mine}
+
+
+def response_origins(records: list[dict], items: list[Item]) -> tuple[Counter, Counter]:
+    """How many of the captured items each model and each provider wrote (provenance)."""
+    by_id = {str(r["id"]): r for r in records}
     kept = {it.id for it in items}
     models = Counter(str(by_id[i].get("model")) for i in kept)
     providers = Counter(str(by_id[i].get("provider")) for i in kept)
+    return models, providers
+
+
+def merge_provenance(
+    out: Path, gathered: list, sources: list[str], processes: int
+) -> tuple[Counter, dict]:
+    """Process 0, once every writer closed: add this run's sources, origins and counts (from
+    every process) to the directory's, merge the index and mark it complete.
+
+    -> (this run's counts over all processes, the final meta)."""
+    stats, models, providers = Counter(), Counter(), Counter()
+    for s, m, p in gathered:
+        stats.update(s)
+        models.update(m)
+        providers.update(p)
+    old = read_meta(out) or {}
+    final = finalize(
+        out,
+        {
+            "sources": sorted(set(old.get("sources") or []) | set(sources)),
+            "models": dict(Counter(old.get("models") or {}) + models),
+            "providers": dict(Counter(old.get("providers") or {}) + providers),
+            "summary": dict(stats),
+            "processes": processes,
+        },
+    )
+    return stats, final
+
+
+def run(args) -> int:
+    """Capture this process's share of the records; process 0 merges and prints the summary."""
+    if args.estimate:
+        return run_estimate(args)
+    state = _state()
+    rank, world = state.process_index, state.num_processes
+    out = Path(args.out)
+    records = read_records(args.data)
+    if args.limit is not None:
+        records = records[: args.limit]
+    # settings that need no model are checked before a large target loads
+    check_resumable(out, {"dtype": args.dtype, "max_length": args.max_length})
+    target = load_capture_target(args, state)
+    meta = capture_meta(target, args)
+    check_resumable(out, meta)
+
+    with state.main_process_first():  # process 0 creates (or re-opens) the directory
+        writer = ShardWriter(
+            out, meta, args.dtype, args.shard_mb << 20, part=f"{rank:03d}", finalize_on_close=False
+        )
+    stats: Counter = Counter()
+    pending = select(records, {e["id"] for e in read_index(out)}, stats)
+    state.wait_for_everyone()  # all read what is done before anyone writes: the same split
+    mine = my_slice(pending, rank, world)
+    items = render_all(mine, target.tokenizer, args, stats)
+    check_disk(state, items, target.hidden_size, args, out)
+    models, providers = response_origins(mine, items)
+
     t0 = time.monotonic()
     with writer:  # on an error or Ctrl-C, what was captured is written: re-run to resume
         captured = capture_items(target, items, writer, args.batch_tokens)
@@ -492,38 +525,16 @@ def run(args) -> int:
 
     gathered = _gather(state, (stats, models, providers))
     state.wait_for_everyone()
-    if rank != 0:
-        return 0
-    total_stats, total_models, total_providers = Counter(), Counter(), Counter()
-    for s, m, p in gathered:
-        total_stats.update(s)
-        total_models.update(m)
-        total_providers.update(p)
-    old = read_meta(out) or {}
-    merged_models = Counter(old.get("models") or {}) + total_models
-    merged_providers = Counter(old.get("providers") or {}) + total_providers
-    final = finalize(
-        out,
-        {
-            "sources": sorted(set(old.get("sources") or []) | set(sources)),
-            "models": dict(merged_models),
-            "providers": dict(merged_providers),
-            "summary": dict(total_stats),
-            "processes": world,
-        },
-    )
-    print(summary_text(total_stats, final))
+    if rank == 0:
+        sources = [str(Path(p).expanduser().resolve()) for p in args.data]
+        stats, final = merge_provenance(out, gathered, sources, world)
+        print(summary_text(stats, final))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except Eagle3Error as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_cli(lambda: run(parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,9 @@ Provider audit (``--audit-every N``): every written record goes to the :class:`A
 says a check is due, the check runs in a thread (one at a time) while generation goes on. A
 provider it flags is added to the rule's ``ignore`` list in place, so every request sent after
 that carries it, and the decision (provider, slugs, reason) is appended to ``DIR/audit.jsonl``.
+
+:class:`Reply`, :func:`parse_reply` and :class:`Transcript` (a prompt answered turn by turn) are
+shared with ``datagen.local``, which talks to its own OpenAI-compatible servers.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ import aiohttp
 from datagen import retry
 from datagen.ledger import Ledger, Reservation, upper_prompt_tokens, worst_case_usd
 from datagen.providers import Prices, slug_matches
+from eagle3.data.chat import next_turns
 from eagle3.data.prompts import Prompt
-from eagle3.data.records import ResultStore, make_failure, make_record
+from eagle3.data.records import ResultStore, make_record, sum_usage
 
 log = logging.getLogger("datagen.openrouter")
 
@@ -68,9 +72,7 @@ class Settings:
     budget: float  # USD for the output directory, all runs
     token_budgets: dict  # dataset -> output tokens (None = unlimited)
     concurrency: int = 2000
-    max_attempts: int = 6
-    retry_initial: float = retry.INITIAL_DELAY_S  # backoff: first wait and cap, seconds
-    retry_max: float = retry.MAX_DELAY_S
+    retry_policy: retry.Policy = field(default_factory=retry.Policy)  # attempts and backoff
     request_timeout: float = 900.0
     grace: float = 30.0  # seconds in-flight requests get after Ctrl-C / SIGTERM
     log_every: float = 30.0  # seconds between plain progress lines (not a TTY)
@@ -184,12 +186,67 @@ def interleave(groups: Sequence[Sequence[Prompt]]) -> Iterator[Prompt]:
 
 
 @dataclass
-class Turn:
+class Reply:
+    """One assistant turn as a chat-completion server returned it."""
+
     message: dict  # {"role": "assistant", "content", "reasoning"}
-    usage: dict
-    provider: str | None
-    model: str | None
+    usage: dict  # the request's usage, as the server reported it
     finish_reason: str | None
+    provider: str | None = None  # who served it: OpenRouter's provider, or a local server
+    model: str | None = None
+
+
+def parse_reply(body: dict) -> Reply:
+    """The reply in a response body that :func:`datagen.retry.check` found OK. Reasoning comes
+    as ``reasoning`` (OpenRouter) or ``reasoning_content`` (SGLang/vLLM); it is kept apart."""
+    choice = body["choices"][0]
+    msg = choice.get("message") or {}
+    message = {
+        "role": "assistant",
+        "content": msg.get("content") or "",
+        "reasoning": msg.get("reasoning") or msg.get("reasoning_content") or "",
+    }
+    usage = body.get("usage") or {}
+    return Reply(
+        message, usage, choice.get("finish_reason"), body.get("provider"), body.get("model")
+    )
+
+
+@dataclass
+class Transcript:
+    """A prompt being answered turn by turn: every user turn is asked with the conversation so
+    far, the model's own earlier answers included."""
+
+    prompt: Prompt
+    messages: list[dict] = field(default_factory=list)
+    replies: list[Reply] = field(default_factory=list)
+
+    def advance(self) -> bool:
+        """Append the prompt's turns up to the next unanswered user turn; False when all are
+        answered."""
+        turns = next_turns(self.prompt, self.messages)
+        if turns is None:
+            return False
+        self.messages.extend(turns)
+        return True
+
+    def add(self, reply: Reply) -> None:
+        self.messages.append(reply.message)
+        self.replies.append(reply)
+
+    def complete(self) -> bool:
+        return bool(self.replies) and next_turns(self.prompt, self.messages) is None
+
+    def providers(self) -> list[str]:
+        """Who served the turns, each once, in order."""
+        return list(dict.fromkeys(r.provider for r in self.replies if r.provider))
+
+    def record(self, model: str, provider: str | None) -> dict:
+        """The finished prompt's record: "length" when any turn was cut, usage summed."""
+        finishes = [r.finish_reason for r in self.replies]
+        finish = "length" if "length" in finishes else finishes[-1]
+        usage = sum_usage(r.usage for r in self.replies)
+        return make_record(self.prompt, self.messages, model, provider, finish, usage)
 
 
 class Engine:
@@ -201,7 +258,7 @@ class Engine:
         ledger: Ledger,
         audit: Auditor | None = None,
     ):
-        self.s = settings
+        self.settings = settings
         self.audit = audit
         self._audit_task: asyncio.Task | None = None
         self.store = store
@@ -238,7 +295,7 @@ class Engine:
             self._cancel_workers()
             return
         self.stop("interrupted", f"signal {signal.Signals(signum).name}")
-        asyncio.get_running_loop().call_later(self.s.grace, self._cancel_workers)
+        asyncio.get_running_loop().call_later(self.settings.grace, self._cancel_workers)
 
     def _cancel_workers(self) -> None:
         pending = [t for t in self._workers if not t.done()]
@@ -258,18 +315,18 @@ class Engine:
 
     async def run(self) -> Outcome:
         loop = asyncio.get_running_loop()
-        self.throttle = Throttle(self.s.concurrency)
+        self.throttle = Throttle(self.settings.concurrency)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
-        connector = aiohttp.TCPConnector(limit=self.s.concurrency, keepalive_timeout=75)
-        timeout = aiohttp.ClientTimeout(total=self.s.request_timeout)
+        connector = aiohttp.TCPConnector(limit=self.settings.concurrency, keepalive_timeout=75)
+        timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout)
         progress = Progress(self)
         try:
             async with aiohttp.ClientSession(
                 connector=connector, timeout=timeout, headers=self.headers
             ) as session:
                 self.session = session
-                n = max(1, min(self.s.concurrency, self.total))
+                n = max(1, min(self.settings.concurrency, self.total))
                 self._workers = [asyncio.create_task(self._worker()) for _ in range(n)]
                 ticker = asyncio.create_task(progress.tick())
                 results = await asyncio.gather(*self._workers, return_exceptions=True)
@@ -295,41 +352,15 @@ class Engine:
             await self._generate(prompt)
 
     async def _generate(self, prompt: Prompt) -> None:
-        conversation: list[dict] = []
-        usage = Counter()
-        cost = 0.0
-        providers: list[str] = []
-        finish, model = None, None
-        for msg in prompt.messages:
-            conversation.append(dict(msg))
-            if msg["role"] != "user":
-                continue
-            turn = await self._request(prompt, conversation)
-            if turn is None:
+        transcript = Transcript(prompt)
+        while transcript.advance():
+            reply = await self._request(prompt, transcript.messages)
+            if reply is None:
                 return  # failed (written to failed.jsonl), stopped, or its dataset is capped
-            conversation.append(turn.message)
-            u = turn.usage
-            cost += float(u.get("cost") or 0.0)
-            usage["prompt_tokens"] += int(u.get("prompt_tokens") or 0)
-            usage["completion_tokens"] += int(u.get("completion_tokens") or 0)
-            usage["reasoning_tokens"] += int(
-                (u.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
-            )
-            usage["cached_tokens"] += int(
-                (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-            )
-            if turn.provider and turn.provider not in providers:
-                providers.append(turn.provider)
-            finish = "length" if "length" in (finish, turn.finish_reason) else turn.finish_reason
-            model = turn.model or model
-        record = make_record(
-            prompt,
-            conversation,
-            model or self.s.model,
-            ", ".join(providers) or None,
-            finish,
-            {**usage, "cost": cost},
-        )
+            transcript.add(reply)
+        model = next((r.model for r in reversed(transcript.replies) if r.model), None)
+        provider = ", ".join(transcript.providers()) or None
+        record = transcript.record(model or self.settings.model, provider)
         if self.store.append(prompt.dataset, record):
             self.out.done += 1
             if self.audit is not None and self.audit.add(record) and self._audit_task is None:
@@ -354,8 +385,8 @@ class Engine:
     def exclude(self, provider: str, reason: str) -> None:
         """Stop routing to ``provider`` (a display name, as responses report it): add its
         endpoint slugs to the rule's ``ignore`` list in place and record the decision."""
-        slugs = list(self.s.provider_slugs.get(provider.lower(), []))
-        ignore = self.s.provider.setdefault("ignore", [])
+        slugs = list(self.settings.provider_slugs.get(provider.lower(), []))
+        ignore = self.settings.provider.setdefault("ignore", [])
         ignore.extend(s for s in slugs if s not in ignore)  # the next payload carries them
         if slugs:
             log.info("audit: excluding %s (%s)", ", ".join(slugs), reason)
@@ -364,11 +395,11 @@ class Engine:
                 "audit: provider %r is flagged but matches no endpoint of %s, so it cannot be "
                 "ignored by slug (%s)",
                 provider,
-                self.s.model,
+                self.settings.model,
                 reason,
             )
         self.out.excluded[provider] = {"slugs": slugs, "reason": reason}
-        if self.s.audit_log is not None:
+        if self.settings.audit_log is not None:
             line = {
                 "t": "exclude",
                 "provider": provider,
@@ -376,23 +407,23 @@ class Engine:
                 "reason": reason,
                 "time": round(time.time(), 3),
             }
-            with open(self.s.audit_log, "a", encoding="utf-8") as f:
+            with open(self.settings.audit_log, "a", encoding="utf-8") as f:
                 f.write(json.dumps(line) + "\n")
-        allowed = self.s.allowed_slugs
+        allowed = self.settings.allowed_slugs
         if allowed and all(slug_matches(tag, ignore) for tag in allowed):
             self.stop("audit", "the audit has excluded every allowed provider")
 
     def _payload(self, conversation: list[dict]) -> bytes:
         body = {
-            "model": self.s.model,
+            "model": self.settings.model,
             "messages": [{"role": m["role"], "content": m["content"]} for m in conversation],
-            "max_tokens": self.s.max_tokens,
-            "temperature": self.s.temperature,
+            "max_tokens": self.settings.max_tokens,
+            "temperature": self.settings.temperature,
             "stream": False,
-            "provider": self.s.provider,
+            "provider": self.settings.provider,
         }
-        if self.s.reasoning is not None:
-            body["reasoning"] = self.s.reasoning
+        if self.settings.reasoning is not None:
+            body["reasoning"] = self.settings.reasoning
         return json.dumps(body, ensure_ascii=False).encode("utf-8")
 
     async def _reserve(self, usd: float, dataset: str) -> Reservation | None:
@@ -401,16 +432,20 @@ class Engine:
             if self._stopping.is_set() or dataset in self.out.capped:
                 return None
             res = self.ledger.reserve(
-                usd, self.s.max_tokens, dataset, self.s.budget, self.s.token_budgets.get(dataset)
+                usd,
+                self.settings.max_tokens,
+                dataset,
+                self.settings.budget,
+                self.settings.token_budgets.get(dataset),
             )
             if isinstance(res, Reservation):
                 return res
             if res == "budget" and self.ledger.open == 0:
-                left = self.s.budget - self.ledger.spent_usd
+                left = self.settings.budget - self.ledger.spent_usd
                 self.stop(
                     "budget",
                     f"${left:.4f} left, a request may cost up to ${usd:.4f} "
-                    f"(max_tokens {self.s.max_tokens} at the dearest allowed price)",
+                    f"(max_tokens {self.settings.max_tokens} at the dearest allowed price)",
                 )
                 return None
             if res == "tokens" and self.ledger.open_by_dataset[dataset] == 0:
@@ -432,17 +467,20 @@ class Engine:
         except aiohttp.ClientError as err:
             return None, {}, b"", f"connection error ({type(err).__name__})"
 
-    async def _request(self, prompt: Prompt, conversation: list[dict]) -> Turn | None:
-        s, out = self.s, self.out
+    async def _request(self, prompt: Prompt, conversation: list[dict]) -> Reply | None:
+        """One assistant turn, retried as :mod:`datagen.retry` says; None when the prompt
+        failed for good (written to failed.jsonl), the run is stopping or its dataset capped."""
+        settings, out = self.settings, self.out
+        prices = settings.prices
         worst = worst_case_usd(
             upper_prompt_tokens(conversation),
-            s.max_tokens,
-            s.prices.prompt,
-            s.prices.completion,
-            s.prices.request,
+            settings.max_tokens,
+            prices.prompt,
+            prices.completion,
+            prices.request,
         )
-        verdict = retry.Verdict(retry.RETRY, "not sent")
-        for attempt in range(1, s.max_attempts + 1):
+
+        async def send(attempt: int) -> retry.Attempt | None:
             await self.throttle.acquire()
             try:
                 res = await self._reserve(worst, prompt.dataset)
@@ -460,55 +498,56 @@ class Engine:
             else:
                 verdict = retry.check(status, payload)
             self._settle(res, prompt, verdict, payload, headers, exc)
-
             if verdict.action == retry.OK:
                 self.throttle.on_success()
-                choice = payload["choices"][0]
-                msg = choice.get("message") or {}
-                if choice.get("finish_reason") == "length":
-                    out.length += 1
-                return Turn(
-                    {
-                        "role": "assistant",
-                        "content": msg.get("content") or "",
-                        "reasoning": msg.get("reasoning") or msg.get("reasoning_content") or "",
-                    },
-                    payload.get("usage") or {},
-                    payload.get("provider"),
-                    payload.get("model"),
-                    choice.get("finish_reason"),
-                )
-            out.errors[verdict.reason] += 1
-            if verdict.action == retry.NO_CREDITS:
-                self.stop("credits", verdict.detail)
-                return None
-            if verdict.action == retry.FAIL:
-                return self._fail(prompt, verdict, status, attempt)
-            # retry
-            if status == 429 or verdict.reason.endswith("429"):
+            else:
+                out.errors[verdict.reason] += 1
+            if verdict.action == retry.RETRY and (status == 429 or verdict.reason.endswith("429")):
                 hint = retry.server_hint(headers, payload, now=time.time())
                 self.throttle.on_rate_limit(hint, sent_at)
-            if attempt == s.max_attempts:
-                break
-            out.retries[verdict.reason] += 1
-            wait = retry.delay(
-                attempt,
-                headers,
-                payload,
-                now=time.time(),
-                rng=self.rng,
-                initial=s.retry_initial,
-                maximum=s.retry_max,
-            )
+            return retry.Attempt(verdict, status, headers, payload)
+
+        def on_retry(attempt: int, last: retry.Attempt, wait: float) -> None:
+            out.retries[last.verdict.reason] += 1
             log.debug(
-                "%s: attempt %d: %s; retry in %.2fs", prompt.id, attempt, verdict.reason, wait
+                "%s: attempt %d: %s; retry in %.2fs", prompt.id, attempt, last.verdict.reason, wait
             )
-            try:
-                await asyncio.wait_for(self._stopping.wait(), timeout=wait)
-                return None  # stopping: leave the prompt for the next run
-            except TimeoutError:
-                pass
-        return self._fail(prompt, verdict, None, s.max_attempts, gave_up=True)
+
+        sent = await retry.send_with_retries(
+            send, settings.retry_policy, self.rng, pause=self._pause, on_retry=on_retry
+        )
+        if sent is None:
+            return None
+        last, attempts = sent
+        verdict = last.verdict
+        if verdict.action == retry.OK:
+            reply = parse_reply(last.body)
+            if reply.finish_reason == "length":
+                out.length += 1
+            return reply
+        if verdict.action == retry.NO_CREDITS:
+            self.stop("credits", verdict.detail)
+            return None
+        gave_up = verdict.action == retry.RETRY
+        retry.fail_prompt(
+            self.store,
+            prompt,
+            verdict,
+            status=None if gave_up else last.status,
+            attempts=attempts,
+            gave_up=gave_up,
+        )
+        out.failed += 1
+        return None
+
+    async def _pause(self, seconds: float) -> bool:
+        """Wait before a retry; False when the run starts stopping meanwhile (the prompt is
+        left for the next run)."""
+        try:
+            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
+        except TimeoutError:
+            return True
+        return False
 
     def _settle(self, res, prompt, verdict, payload, headers, exc) -> None:
         usage = payload.get("usage") if payload else None
@@ -543,24 +582,13 @@ class Engine:
             self.ledger.release(res)
         self._notify_settled()
 
-    def _fail(self, prompt, verdict, status, attempts, gave_up=False) -> None:
-        reason = verdict.reason
-        if gave_up:
-            reason = f"gave up after {attempts} attempts; last: {reason}"
-        self.store.append_failed(
-            make_failure(prompt, reason, status=status, detail=verdict.detail, attempts=attempts)
-        )
-        self.out.failed += 1
-        log.warning("%s/%s failed: %s %s", prompt.dataset, prompt.id, reason, verdict.detail)
-        return None
-
 
 class Progress:
     """A live tqdm line on a terminal; plain log lines every ``log_every`` s otherwise."""
 
     def __init__(self, engine: Engine):
-        self.e = engine
-        tty = engine.s.progress_bar
+        self.engine = engine
+        tty = engine.settings.progress_bar
         if tty is None:
             tty = sys.stderr.isatty()
         self.bar = None
@@ -570,29 +598,29 @@ class Progress:
             self.bar = tqdm(total=engine.total, unit="prompt", dynamic_ncols=True, file=sys.stderr)
 
     def line(self) -> str:
-        e, out = self.e, self.e.out
-        elapsed = max(1e-9, time.monotonic() - e._t0)
+        engine, out = self.engine, self.engine.out
+        elapsed = max(1e-9, time.monotonic() - engine._t0)
         errors = ", ".join(f"{k} {v}" for k, v in out.errors.most_common(4)) or "none"
         return (
-            f"in flight {e.throttle.active}/{e.throttle.limit}, "
+            f"in flight {engine.throttle.active}/{engine.throttle.limit}, "
             f"{out.output_tokens / elapsed:,.0f} tok/s, "
-            f"${e.ledger.spent_usd:.2f}/${e.s.budget:.2f}, "
+            f"${engine.ledger.spent_usd:.2f}/${engine.settings.budget:.2f}, "
             f"retries {sum(out.retries.values())}, failed {out.failed}, errors: {errors}"
         )
 
     async def tick(self) -> None:
-        interval = 0.5 if self.bar is not None else self.e.s.log_every
+        interval = 0.5 if self.bar is not None else self.engine.settings.log_every
         while True:
             await asyncio.sleep(interval)
             self.show()
 
     def show(self) -> None:
-        out = self.e.out
+        out = self.engine.out
         if self.bar is not None:
             self.bar.n = out.done + out.failed
             self.bar.set_postfix_str(self.line(), refresh=True)
         else:
-            log.info("done %d/%d, %s", out.done + out.failed, self.e.total, self.line())
+            log.info("done %d/%d, %s", out.done + out.failed, self.engine.total, self.line())
 
     def close(self) -> None:
         if self.bar is not None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from eagle3.data.chat import THINK_CLOSE, end_of_turn_ids, prompt_ids
-from eagle3.speculative import _cache_kwarg
+from eagle3.target import cache_kwarg
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,8 @@ DEFAULT_BATCH_SIZE = 32
 
 @dataclass
 class Turn:
+    """One assistant turn decoded in-process, with its token counts."""
+
     content: str
     reasoning: str
     finish_reason: str  # "stop" (end-of-turn token) or "length" (max_new_tokens)
@@ -98,7 +100,7 @@ class Generator:
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = pad if pad is not None else self.eot[0]
         self._plain_cache: bool | None = None  # decided on first use (_probe_cache)
-        self._cache_kw = _cache_kwarg(self.model)  # "cache" (transformers 5) or "past_key_values"
+        self._cache_kw = cache_kwarg(self.model)  # "cache" (transformers 5) or "past_key_values"
         sampling = temperature > 0
         self.config = GenerationConfig(
             max_new_tokens=max_new_tokens,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -35,15 +36,17 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from datagen import retry
+from datagen.engine import Reply, Transcript, parse_reply
 from datagen.generate import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
 )
-from eagle3.data.chat import RenderError, load_chat_template, next_turns
+from eagle3.cli import run_cli
+from eagle3.data.chat import RenderError, load_chat_template
 from eagle3.data.prompts import Prompt, dedupe, load_prompts, split_prompts
-from eagle3.data.records import ResultStore, make_failure, make_record
+from eagle3.data.records import ResultStore, make_failure
 from eagle3.errors import Eagle3Error
 
 log = logging.getLogger("datagen.local")
@@ -58,14 +61,20 @@ CHUNK_BATCHES = 4  # in-process: prompts taken at a time = batch size x this (so
 
 @dataclass
 class Stats:
-    done: int = 0
+    done: int = 0  # prompts
     failed: int = 0
-    requests: int = 0
-    completion_tokens: int = 0
-    length: int = 0  # turns cut at max tokens (kept, flagged in the record)
     too_long: int = 0  # prompts over --max-prompt-tokens (skipped, in failed.jsonl)
-    retries: Counter = field(default_factory=Counter)
+    retries: Counter = field(default_factory=Counter)  # requests retried, by reason
+    requests: int = 0
+    completion_tokens: int = 0  # over all turns
+    length: int = 0  # turns cut at max tokens (kept, flagged in the record)
     started: float = field(default_factory=time.monotonic)
+
+    def count(self, reply: Reply) -> None:
+        """Count one answered turn."""
+        self.completion_tokens += int(reply.usage.get("completion_tokens") or 0)
+        if reply.finish_reason == "length":
+            self.length += 1
 
     def line(self) -> str:
         rate = self.completion_tokens / max(time.monotonic() - self.started, 1e-9)
@@ -75,16 +84,6 @@ class Stats:
             f"({rate:,.0f} tok/s), {self.length} cut at max tokens, {retries} retries"
             + (f", {self.too_long} prompts too long (skipped)" if self.too_long else "")
         )
-
-
-def _usage_add(total: Counter, prompt_tokens: int, completion_tokens: int, usage: dict) -> None:
-    total["prompt_tokens"] += prompt_tokens
-    total["completion_tokens"] += completion_tokens
-    details = usage.get("completion_tokens_details") or {}
-    total["reasoning_tokens"] += int(details.get("reasoning_tokens") or 0)
-    total["cached_tokens"] += int(
-        (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    )
 
 
 # ----------------------------------------------------------------------------- servers
@@ -138,100 +137,76 @@ class ServerPool:
             body["chat_template_kwargs"] = a.template_kwargs
         return body
 
-    async def request(self, session, prompt: Prompt, conversation: list[dict], home: int):
-        """One assistant turn -> (message, usage, finish_reason, server) or None (failed)."""
+    async def request(
+        self, session: aiohttp.ClientSession, prompt: Prompt, conversation: list[dict], home: int
+    ) -> Reply | None:
+        """One assistant turn (its provider: the server that gave it), or None: failed for
+        good and written to failed.jsonl."""
         body = json.dumps(self.payload(conversation), ensure_ascii=False).encode("utf-8")
-        verdict = retry.Verdict(retry.RETRY, "not sent")
-        status = None
-        for attempt in range(1, self.args.max_attempts + 1):
-            url = self.urls[(home + attempt - 1) % len(self.urls)]  # retries move on
-            headers: dict = {}
-            payload = None
+
+        def server(attempt: int) -> str:
+            return self.urls[(home + attempt - 1) % len(self.urls)]  # retries move on
+
+        async def send(attempt: int) -> retry.Attempt:
             self.stats.requests += 1
             try:
                 async with session.post(
-                    chat_url(url), data=body, headers={"Content-Type": "application/json"}
+                    chat_url(server(attempt)),
+                    data=body,
+                    headers={"Content-Type": "application/json"},
                 ) as resp:
                     status, headers, raw = resp.status, dict(resp.headers), await resp.read()
+            except TimeoutError:
+                sent = retry.Attempt(retry.Verdict(retry.RETRY, "timeout"))
+            except aiohttp.ClientError as err:
+                reason = f"connection error ({type(err).__name__})"
+                sent = retry.Attempt(retry.Verdict(retry.RETRY, reason))
+            else:
                 payload = retry.parse_body(raw)
                 message = ((payload or {}).get("choices") or [{}])[0].get("message")
                 if isinstance(message, dict) and not message.get("reasoning"):
+                    # check() must see SGLang/vLLM's reasoning_content as reasoning
                     message["reasoning"] = message.get("reasoning_content") or ""
-                verdict = retry.check(status, payload)
-            except TimeoutError:
-                status, verdict = None, retry.Verdict(retry.RETRY, "timeout")
-            except aiohttp.ClientError as err:
-                status, verdict = (
-                    None,
-                    retry.Verdict(retry.RETRY, f"connection error ({type(err).__name__})"),
-                )
-            if verdict.action == retry.OK:
-                choice = payload["choices"][0]
-                return (
-                    choice["message"],
-                    payload.get("usage") or {},
-                    choice.get("finish_reason"),
-                    url,
-                )
-            if verdict.action != retry.RETRY:  # FAIL (or 402, which a local server never means)
-                return self.fail(prompt, verdict, status, attempt)
-            self.stats.retries[verdict.reason] += 1
-            if attempt < self.args.max_attempts:
-                wait = retry.delay(attempt, headers, payload, now=time.time(), rng=self.rng)
-                log.debug(
-                    "%s: attempt %d on %s: %s; retry in %.2fs",
-                    prompt.id,
-                    attempt,
-                    url,
-                    verdict.reason,
-                    wait,
-                )
-                await asyncio.sleep(wait)
-        return self.fail(prompt, verdict, status, self.args.max_attempts, gave_up=True)
+                sent = retry.Attempt(retry.check(status, payload), status, headers, payload)
+            if sent.verdict.action == retry.RETRY:
+                self.stats.retries[sent.verdict.reason] += 1
+            return sent
 
-    def fail(self, prompt, verdict, status, attempts, gave_up=False) -> None:
-        reason = (
-            f"gave up after {attempts} attempts; last: {verdict.reason}"
-            if gave_up
-            else verdict.reason
-        )
-        self.store.append_failed(
-            make_failure(prompt, reason, status=status, detail=verdict.detail, attempts=attempts)
+        def on_retry(attempt: int, last: retry.Attempt, wait: float) -> None:
+            log.debug(
+                "%s: attempt %d on %s: %s; retry in %.2fs",
+                prompt.id,
+                attempt,
+                server(attempt),
+                last.verdict.reason,
+                wait,
+            )
+
+        policy = retry.Policy(max_attempts=self.args.max_attempts)
+        last, attempts = await retry.send_with_retries(send, policy, self.rng, on_retry=on_retry)
+        if last.verdict.action == retry.OK:
+            return dataclasses.replace(parse_reply(last.body), provider=server(attempts))
+        # FAIL, RETRY (gave up), or 402, which a local server never means
+        retry.fail_prompt(
+            self.store,
+            prompt,
+            last.verdict,
+            status=last.status,
+            attempts=attempts,
+            gave_up=last.verdict.action == retry.RETRY,
         )
         self.stats.failed += 1
-        log.warning("%s/%s failed: %s %s", prompt.dataset, prompt.id, reason, verdict.detail)
         return None
 
-    async def conversation(self, session, prompt: Prompt, home: int) -> None:
-        conversation: list[dict] = []
-        usage: Counter = Counter()
-        servers: list[str] = []
-        finish = None
-        while (turns := next_turns(prompt, conversation)) is not None:
-            conversation.extend(turns)
-            got = await self.request(session, prompt, conversation, home)
-            if got is None:
+    async def conversation(self, session: aiohttp.ClientSession, prompt: Prompt, home: int) -> None:
+        transcript = Transcript(prompt)
+        while transcript.advance():
+            reply = await self.request(session, prompt, transcript.messages, home)
+            if reply is None:
                 return
-            message, u, turn_finish, url = got
-            conversation.append(
-                {
-                    "role": "assistant",
-                    "content": message.get("content") or "",
-                    "reasoning": message.get("reasoning") or "",
-                }
-            )
-            _usage_add(
-                usage, int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0), u
-            )
-            self.stats.completion_tokens += int(u.get("completion_tokens") or 0)
-            if turn_finish == "length":
-                self.stats.length += 1
-            finish = "length" if "length" in (finish, turn_finish) else turn_finish
-            if url not in servers:
-                servers.append(url)
-        record = make_record(
-            prompt, conversation, self.model, "local " + ", ".join(servers), finish, dict(usage)
-        )
+            transcript.add(reply)
+            self.stats.count(reply)
+        record = transcript.record(self.model, "local " + ", ".join(transcript.providers()))
         if self.store.append(prompt.dataset, record):
             self.stats.done += 1
 
@@ -287,15 +262,15 @@ def run_inprocess(args, prompts: list[Prompt], store: ResultStore, stats: Stats)
         raise Eagle3Error(
             f"target {args.target}'s tokenizer has no chat template; pass --chat-template FILE"
         )
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}  # as ServerPool.payload
     gen = Generator(
         target.model,
         target.tokenizer,
         max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
         batch_size=args.batch_size,
         chat_template=args.chat_template,
         template_kwargs=args.template_kwargs,
+        **sampling,
     )
     if args.seed is not None:
         torch.manual_seed(args.seed)
@@ -304,63 +279,52 @@ def run_inprocess(args, prompts: list[Prompt], store: ResultStore, stats: Stats)
     last_log = time.monotonic()
     log.info("%d prompts, in-process on %s, batch %d", len(prompts), target.name, args.batch_size)
     for start in range(0, len(prompts), chunk):
-        group = prompts[start : start + chunk]
-        convs: list[list[dict]] = [[] for _ in group]
-        usage = [Counter() for _ in group]
-        finish: list[str | None] = [None] * len(group)
-        alive = list(range(len(group)))
+        group = [Transcript(p) for p in prompts[start : start + chunk]]
+        alive = group
         while alive:  # one assistant turn for every conversation still open
-            ready = []
-            for i in alive:
-                turns = next_turns(group[i], convs[i])
-                if turns is not None:
-                    convs[i].extend(turns)
-                    ready.append(i)
-            prompt_ids = []
-            for i in list(ready):
+            ready, prompt_ids = [], []
+            for t in alive:
+                if not t.advance():
+                    continue
                 try:
-                    ids = gen.prompt(convs[i])
+                    ids = gen.prompt(t.messages)
                 except RenderError as err:  # one bad prompt: fail it, keep the rest
-                    store.append_failed(make_failure(group[i], err.reason, detail=str(err)))
+                    store.append_failed(make_failure(t.prompt, err.reason, detail=str(err)))
                     stats.failed += 1
-                    ready.remove(i)
                     continue
                 if args.max_prompt_tokens and len(ids) > args.max_prompt_tokens:
                     # One 6k-token ShareGPT prompt makes its whole batch crawl on a CPU.
                     store.append_failed(
-                        make_failure(group[i], "prompt too long", tokens=len(ids),
+                        make_failure(t.prompt, "prompt too long", tokens=len(ids),
                                      max_prompt_tokens=args.max_prompt_tokens)
                     )  # fmt: skip
                     stats.too_long += 1
-                    ready.remove(i)
                     continue
+                ready.append(t)
                 prompt_ids.append(ids)
             answers = gen.generate_ids(prompt_ids) if prompt_ids else []
-            for i, turn in zip(ready, answers):
-                convs[i].append(
-                    {"role": "assistant", "content": turn.content, "reasoning": turn.reasoning}
-                )
-                _usage_add(usage[i], turn.prompt_tokens, turn.completion_tokens, {})
-                stats.completion_tokens += turn.completion_tokens
-                if turn.finish_reason == "length":
-                    stats.length += 1
-                finish[i] = (
-                    "length" if "length" in (finish[i], turn.finish_reason) else turn.finish_reason
-                )
+            for t, turn in zip(ready, answers):
+                message = {
+                    "role": "assistant",
+                    "content": turn.content,
+                    "reasoning": turn.reasoning,
+                }
+                usage = {
+                    "prompt_tokens": turn.prompt_tokens,
+                    "completion_tokens": turn.completion_tokens,
+                }
+                reply = Reply(message, usage, turn.finish_reason, "transformers")
+                t.add(reply)
+                stats.count(reply)
             alive = ready
             if time.monotonic() - last_log >= LOG_EVERY_S:
                 last_log = time.monotonic()
                 log.info("%s", stats.line())
-        for i, prompt in enumerate(group):
-            if (
-                any(m["role"] == "assistant" for m in convs[i])
-                and next_turns(prompt, convs[i]) is None
+        for t in group:  # in prompt order; failed ones are in failed.jsonl
+            if t.complete() and store.append(
+                t.prompt.dataset, t.record(model_name, "transformers")
             ):
-                record = make_record(
-                    prompt, convs[i], model_name, "transformers", finish[i], dict(usage[i])
-                )
-                if store.append(prompt.dataset, record):
-                    stats.done += 1
+                stats.done += 1
 
 
 # ----------------------------------------------------------------------------- main
@@ -456,10 +420,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="JSON for the template, e.g. '{\"thinking\": true}' (servers: chat_template_kwargs)",
     )
     p.add_argument(
-        "--concurrency",
-        type=int,
-        default=DEFAULT_CONCURRENCY,
-        help="servers: requests in flight per server",
+        "--concurrency", type=int, default=DEFAULT_CONCURRENCY, help="requests in flight per server"
     )
     p.add_argument("--max-attempts", type=int, default=DEFAULT_MAX_ATTEMPTS)
     p.add_argument(
@@ -507,11 +468,7 @@ def run(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
-    try:
-        return run(args)
-    except Eagle3Error as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_cli(lambda: run(args))
 
 
 if __name__ == "__main__":

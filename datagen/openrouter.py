@@ -37,31 +37,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-import yaml
 
-from datagen import providers
+from datagen import providers, retry
 from datagen.engine import Engine, Outcome, Settings
 from datagen.ledger import Ledger
+from datagen.plan import plan_text
+from eagle3.cli import EXIT_ERROR, EXIT_OK, EXIT_TEMPFAIL, run_cli
+from eagle3.config import load_typed
 from eagle3.data.prompts import Prompt, dedupe, load_prompts
 from eagle3.data.records import ResultStore
-from eagle3.errors import Eagle3Error
+from eagle3.errors import ConfigError
 
 log = logging.getLogger("datagen.openrouter")
 
 PUBLIC_BASE_URL = "https://openrouter.ai/api/v1"
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs/datagen/kimi-k2.5.yaml"
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_TEMPFAIL = 0, 1, 2, 75
 AUDIT_LOG = "audit.jsonl"  # in --out: audit checks and exclusions
-
-
-class ConfigError(Eagle3Error):
-    """Bad configuration or input; printed as one line, exit 2."""
 
 
 @dataclass
 class DatasetSpec:
-    name: str
-    source: str  # embedded name, hf:org/name[:split], or a file
+    name: str = ""
+    source: str = ""  # embedded name, hf:org/name[:split], or a file
     columns: dict | None = None  # normalize's field -> the source's column
     limit: int | None = None
     tokens: int | None = None  # output-token budget; None = the config's tokens_per_dataset
@@ -71,10 +68,10 @@ class DatasetSpec:
 class GenConfig:
     model: str = "moonshotai/kimi-k2.5"
     native_precision: str = "int4"
-    ignore: list = field(default_factory=lambda: ["fireworks", "baseten"])
+    ignore: list[str] = field(default_factory=lambda: ["fireworks", "baseten"])
     max_tokens: int = 16384
     temperature: float = 0.7
-    reasoning: dict | None = None
+    reasoning: dict | None = None  # e.g. {effort: high}, sent as the request's reasoning
     concurrency: int = 2000
     max_attempts: int = 6
     retry_initial_s: float = 0.5
@@ -87,100 +84,62 @@ class GenConfig:
     out_dir: str = "data/openrouter/kimi-k2.5"
     audit_target: str | None = None  # local copy of the target for --audit-every
     audit_device_map: str | None = None  # e.g. auto: spread the audit target over the GPUs
-    datasets: list = field(default_factory=list)  # DatasetSpec
+    datasets: list[DatasetSpec] = field(default_factory=list)
+
+    def token_budget(self, dataset: str) -> int:
+        """Output tokens ``dataset`` may use: its own ``tokens``, else tokens_per_dataset."""
+        for d in self.datasets:
+            if d.name == dataset and d.tokens is not None:
+                return d.tokens
+        return self.tokens_per_dataset
 
 
-_INT_KEYS = (
-    "max_tokens",
-    "concurrency",
-    "max_attempts",
-    "expected_output_tokens",
-    "tokens_per_dataset",
-)
-_POS_KEYS = ("request_timeout_s", "log_every_s", "retry_initial_s", "retry_max_s")
-_DATASET_KEYS = {"name", "source", "columns", "limit", "tokens"}
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def check(cfg: GenConfig, problems: list[str]) -> None:
+    """Value checks of a config whose fields all have the right types."""
+    for key in (
+        "max_tokens",
+        "concurrency",
+        "max_attempts",
+        "expected_output_tokens",
+        "tokens_per_dataset",
+    ):
+        if getattr(cfg, key) <= 0:
+            problems.append(f"{key} must be a positive integer, got {getattr(cfg, key)!r}")
+    for key in ("request_timeout_s", "log_every_s", "retry_initial_s", "retry_max_s"):
+        if getattr(cfg, key) <= 0:
+            problems.append(f"{key} must be a positive number, got {getattr(cfg, key)!r}")
+    for key in ("temperature", "grace_s"):
+        if getattr(cfg, key) < 0:
+            problems.append(f"{key} must be a number >= 0, got {getattr(cfg, key)!r}")
+    if cfg.native_precision not in providers.QUANT_RANK:
+        problems.append(
+            f"native_precision {cfg.native_precision!r} is not one of "
+            f"{', '.join(providers.QUANT_RANK)}"
+        )
+    if "/" not in cfg.model:
+        problems.append(f"model must be 'author/slug', got {cfg.model!r}")
+    for key in ("audit_target", "audit_device_map"):
+        if getattr(cfg, key) == "":
+            problems.append(f"{key} must be a non-empty string or null, got ''")
+    names: set[str] = set()
+    for i, d in enumerate(cfg.datasets):
+        where = f"datasets[{i}]"
+        if not d.name:
+            problems.append(f"{where}: name is required")
+        elif d.name in names:
+            problems.append(f"{where}: duplicate dataset name {d.name!r}")
+        names.add(d.name)
+        if not d.source:
+            problems.append(f"{where}: source is required (sharegpt, hf:org/name, or a file)")
+        for key in ("limit", "tokens"):
+            value = getattr(d, key)
+            if value is not None and value <= 0:
+                problems.append(f"{where}: {key} must be a positive integer, got {value!r}")
 
 
 def load_config(path: str | Path) -> GenConfig:
     """Read and validate a datagen YAML config; every problem is reported in one error."""
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as err:
-        raise ConfigError(f"cannot read config {path}: {err.strerror}") from err
-    except yaml.YAMLError as err:
-        first = str(err).splitlines()[0]
-        raise ConfigError(f"config {path} is not valid YAML: {first}") from err
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config {path}: expected a mapping at the top level")
-    defaults = GenConfig()
-    known = set(defaults.__dataclass_fields__)
-    problems = [f"unknown key {k!r}" for k in raw if k not in known]
-    values = {k: v for k, v in raw.items() if k in known}
-    for k in _INT_KEYS:
-        if k in values and not (_is_int(values[k]) and values[k] > 0):
-            problems.append(f"{k} must be a positive integer, got {values[k]!r}")
-    for k in _POS_KEYS:
-        v = values.get(k, 1)
-        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
-            problems.append(f"{k} must be a positive number, got {v!r}")
-    v = values.get("temperature", 0.0)
-    if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0):
-        problems.append(f"temperature must be a number >= 0, got {v!r}")
-    v = values.get("grace_s", 0.0)
-    if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0):
-        problems.append(f"grace_s must be a number >= 0, got {v!r}")
-    if "native_precision" in values and values["native_precision"] not in providers.QUANT_RANK:
-        problems.append(
-            f"native_precision {values['native_precision']!r} is not one of "
-            f"{', '.join(providers.QUANT_RANK)}"
-        )
-    if "model" in values and not (isinstance(values["model"], str) and "/" in values["model"]):
-        problems.append(f"model must be 'author/slug', got {values['model']!r}")
-    if "ignore" in values and not (
-        isinstance(values["ignore"], list) and all(isinstance(s, str) for s in values["ignore"])
-    ):
-        problems.append("ignore must be a list of provider slugs")
-    for k in ("audit_target", "audit_device_map"):
-        if values.get(k) is not None and not (isinstance(values[k], str) and values[k]):
-            problems.append(f"{k} must be a string or null, got {values[k]!r}")
-    if values.get("reasoning") is not None and not isinstance(values["reasoning"], dict):
-        problems.append("reasoning must be a mapping such as {effort: high}, or null")
-    datasets = []
-    raw_ds = values.pop("datasets", []) or []
-    if not isinstance(raw_ds, list):
-        problems.append("datasets must be a list of {name, source, ...}")
-        raw_ds = []
-    names = set()
-    for i, d in enumerate(raw_ds):
-        where = f"datasets[{i}]"
-        if not isinstance(d, dict):
-            problems.append(f"{where} must be a mapping with name and source")
-            continue
-        problems += [f"{where}: unknown key {k!r}" for k in d if k not in _DATASET_KEYS]
-        name, source = d.get("name"), d.get("source")
-        if not isinstance(name, str) or not name:
-            problems.append(f"{where}: name is required")
-        elif name in names:
-            problems.append(f"{where}: duplicate dataset name {name!r}")
-        names.add(name)
-        if not isinstance(source, str) or not source:
-            problems.append(f"{where}: source is required (sharegpt, hf:org/name, or a file)")
-        if d.get("columns") is not None and not isinstance(d["columns"], dict):
-            problems.append(f"{where}: columns must be a mapping field -> column")
-        for k in ("limit", "tokens"):
-            if d.get(k) is not None and not (_is_int(d[k]) and d[k] > 0):
-                problems.append(f"{where}: {k} must be a positive integer, got {d[k]!r}")
-        datasets.append(DatasetSpec(**{k: d.get(k) for k in _DATASET_KEYS}))
-    if problems:
-        raise ConfigError(f"config {path}: " + "; ".join(problems))
-    return GenConfig(**values, datasets=datasets)
+    return load_typed(GenConfig, path, check=check)
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -331,13 +290,6 @@ def make_audit(target: str, every: int, log_path: Path, device_map: str | None =
     return OnlineAudit(model, every=every, log_path=log_path)
 
 
-def token_budget(cfg: GenConfig, dataset: str) -> int:
-    for d in cfg.datasets:
-        if d.name == dataset and d.tokens is not None:
-            return d.tokens
-    return cfg.tokens_per_dataset
-
-
 async def fetch_json(session: aiohttp.ClientSession, url: str, headers=None) -> tuple[int, dict]:
     async with session.get(url, headers=headers) as resp:
         try:
@@ -387,112 +339,6 @@ async def account(base_url: str, api_key: str) -> dict:
     return out
 
 
-def plan_text(
-    cfg: GenConfig,
-    endpoints: list[providers.Endpoint],
-    allowed: list[providers.Endpoint],
-    groups: dict[str, list[Prompt]],
-    done: dict[str, set[str]],
-    budget: float,
-    ledger: Ledger | None,
-) -> str:
-    lines = [f"providers of {cfg.model} (native precision {cfg.native_precision}):"]
-    lines.append(providers.format_table(endpoints, cfg.native_precision))
-    unknown = [e.provider for e in allowed if e.assumed_native]
-    if unknown:
-        lines.append(
-            f"note: {', '.join(unknown)} report no quantization; taken as native "
-            f"{cfg.native_precision} (the only public weights)"
-        )
-    if not allowed:
-        return "\n".join(lines)
-    lines.append(
-        "provider rule sent with every request: "
-        + json.dumps(providers.provider_block(endpoints, cfg.native_precision, cfg.ignore))
-    )
-    cheap, dear = providers.cheapest(allowed), providers.dearest(allowed)
-    spent = ledger.spent_usd if ledger else 0.0
-    left = max(0.0, budget - spent)
-    demands = []
-    for name, prompts in groups.items():
-        todo = [p for p in prompts if p.id not in done.get(name, set())]
-        inp = out = 0.0
-        for p in todo:
-            i, o = providers.conversation_tokens(p.messages, cfg.expected_output_tokens)
-            inp, out = inp + i, out + o
-        n = max(1, len(todo))
-        spent_tokens = ledger.spent_tokens(name) if ledger else 0
-        demands.append(
-            providers.DatasetDemand(
-                name, len(todo), inp / n, out / n, max(0, token_budget(cfg, name) - spent_tokens)
-            )
-        )
-    rows = providers.project(demands, left, cheap)
-    worst = providers.project(demands, left, dear)
-    wanted_tokens = sum(r.wanted_tokens for r in rows)
-    wanted_usd = sum(r.wanted_usd for r in rows)
-    in_per_out = (
-        sum(d.input_per_prompt * r.wanted_prompts for d, r in zip(demands, rows)) / wanted_tokens
-        if wanted_tokens
-        else 0.0
-    )
-    lines.append(
-        f"budget projection: ${left:.2f} left of ${budget:.2f} (spent ${spent:.2f}); "
-        f"~{cfg.expected_output_tokens} output tokens per answer assumed (expected_output_tokens)"
-    )
-    lines.append(
-        f"  at the cheapest allowed ${cheap.prompt * 1e6:.2f}/M in, ${cheap.completion * 1e6:.2f}"
-        f"/M out: ${left:.2f} buys {providers.tokens_for_budget(left, in_per_out, cheap) / 1e6:.1f}M"
-        f" output tokens; at the dearest allowed ${dear.prompt * 1e6:.2f}/M in, "
-        f"${dear.completion * 1e6:.2f}/M out: "
-        f"{providers.tokens_for_budget(left, in_per_out, dear) / 1e6:.1f}M"
-    )
-    lines.append(
-        f"  the datasets want {wanted_tokens / 1e6:.2f}M output tokens "
-        f"(${wanted_usd:.2f} at the cheapest allowed)"
-    )
-    header = (
-        "dataset",
-        "prompts",
-        "in tok/prompt",
-        "out tok/prompt",
-        "token budget",
-        "wanted tok",
-        "wanted $",
-        "buys tok",
-        "buys prompts",
-        "% of budget",
-        "worst-case tok",
-    )
-    table = [header]
-    for d, r, w in zip(demands, rows, worst):
-        pct = 100.0 * r.bought_tokens / d.token_budget_left if d.token_budget_left else 0.0
-        table.append(
-            (
-                d.name,
-                str(d.prompts),
-                f"{d.input_per_prompt:.0f}",
-                f"{d.output_per_prompt:.0f}",
-                f"{d.token_budget_left:,}",
-                f"{r.wanted_tokens:,.0f}",
-                f"{r.wanted_usd:.2f}",
-                f"{r.bought_tokens:,.0f}",
-                f"{r.bought_prompts:,.0f}",
-                f"{pct:.1f}%",
-                f"{w.bought_tokens:,.0f}",
-            )
-        )
-    widths = [max(len(t[i]) for t in table) for i in range(len(header))]
-    for t in table:
-        lines.append(
-            "  "
-            + "  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(t, widths))
-            )
-        )
-    return "\n".join(lines)
-
-
 def summary_line(
     done: int,
     total: int,
@@ -512,14 +358,80 @@ def summary_line(
     return line
 
 
-async def run(args: argparse.Namespace) -> int:
-    cfg = _apply_overrides(load_config(args.config), args)
+def connection(args: argparse.Namespace) -> tuple[str, str]:
+    """(base URL, API key) from the flags and the environment."""
     base_url = args.base_url or os.environ.get("OPENROUTER_BASE_URL") or PUBLIC_BASE_URL
     api_key = os.environ.get("OPENROUTER_API_KEY", "")
     if not args.plan and not api_key:
         raise ConfigError("OPENROUTER_API_KEY is not set: export your OpenRouter key")
     if not base_url.startswith(("http://", "https://")):
         raise ConfigError(f"--base-url {base_url!r} is not an http(s) URL")
+    return base_url, api_key
+
+
+def ignore_earlier_exclusions(
+    cfg: GenConfig, out_dir: Path, slugs_of: dict[str, list[str]]
+) -> dict[str, dict]:
+    """Add the providers an earlier run's audit excluded for ``out_dir`` to ``cfg.ignore``:
+    its verdicts hold for the directory. Returns them (provider -> {"slugs", "reason"})."""
+    earlier = earlier_exclusions(out_dir / AUDIT_LOG)
+    for name, entry in earlier.items():
+        slugs = sorted(set(entry["slugs"]) | set(slugs_of.get(name.lower(), [])))
+        cfg.ignore = cfg.ignore + [s for s in slugs if s not in cfg.ignore]
+        log.info(
+            "audit: ignoring %s, excluded by an earlier run (%s); see %s",
+            ", ".join(slugs) or f"nothing ({name} matches no endpoint)",
+            entry["reason"],
+            out_dir / AUDIT_LOG,
+        )
+    return earlier
+
+
+def show_plan(
+    cfg: GenConfig,
+    out_dir: Path,
+    endpoints: list[providers.Endpoint],
+    allowed: list[providers.Endpoint],
+    groups: dict[str, list[Prompt]],
+    budget: float,
+) -> int:
+    """Print the plan for what ``out_dir`` already holds; sends no chat request."""
+    ledger = Ledger(out_dir / "ledger.jsonl") if (out_dir / "ledger.jsonl").exists() else None
+    done = {}
+    if out_dir.is_dir():
+        reader = ResultStore(out_dir, readonly=True)
+        done = {name: reader.done_ids(name) for name in groups}
+    print(plan_text(cfg, endpoints, allowed, groups, done, budget, ledger))
+    if ledger:
+        ledger.close()
+    if not allowed:
+        raise ConfigError(f"no endpoint of {cfg.model} passes the provider rule (table above)")
+    return EXIT_OK
+
+
+def prompts_left(
+    store: ResultStore, groups: dict[str, list[Prompt]]
+) -> tuple[list[list[Prompt]], int]:
+    """Per dataset, the prompts not done in an earlier run; and how many were done."""
+    todo, done_before = [], 0
+    for name, prompts in groups.items():
+        done = store.done_ids(name)
+        left = [p for p in prompts if p.id not in done]
+        done_before += len(prompts) - len(left)
+        todo.append(left)
+        log.info(
+            "%s: %d prompts, %d done earlier, %d to generate",
+            name,
+            len(prompts),
+            len(prompts) - len(left),
+            len(left),
+        )
+    return todo, done_before
+
+
+async def run(args: argparse.Namespace) -> int:
+    cfg = _apply_overrides(load_config(args.config), args)
+    base_url, api_key = connection(args)
     out_dir = Path(args.out or cfg.out_dir)
     groups = load_all_prompts(cfg, args.prompts)
     if not groups:
@@ -527,92 +439,54 @@ async def run(args: argparse.Namespace) -> int:
 
     endpoints = await read_endpoints(base_url, cfg.model)
     slugs_of = provider_slugs(endpoints)
-    earlier = earlier_exclusions(out_dir / AUDIT_LOG)
-    for name, entry in earlier.items():  # an earlier run's audit verdicts hold for DIR
-        slugs = sorted(set(entry["slugs"]) | set(slugs_of.get(name.lower(), [])))
-        new = [s for s in slugs if s not in cfg.ignore]
-        cfg.ignore = cfg.ignore + new
-        log.info(
-            "audit: ignoring %s, excluded by an earlier run (%s); see %s",
-            ", ".join(slugs) or f"nothing ({name} matches no endpoint)",
-            entry["reason"],
-            out_dir / AUDIT_LOG,
-        )
+    earlier = ignore_earlier_exclusions(cfg, out_dir, slugs_of)
     allowed = providers.select(endpoints, cfg.native_precision, cfg.ignore, cfg.max_tokens)
-
     if args.plan:
-        ledger = Ledger(out_dir / "ledger.jsonl") if (out_dir / "ledger.jsonl").exists() else None
-        done = {}
-        if out_dir.is_dir():
-            reader = ResultStore(out_dir, readonly=True)
-            done = {name: reader.done_ids(name) for name in groups}
-        print(plan_text(cfg, endpoints, allowed, groups, done, args.budget, ledger))
-        if ledger:
-            ledger.close()
-        if not allowed:
-            raise ConfigError(f"no endpoint of {cfg.model} passes the provider rule (table above)")
-        return EXIT_OK
+        return show_plan(cfg, out_dir, endpoints, allowed, groups, args.budget)
     if not allowed:
         raise ConfigError(
             f"no endpoint of {cfg.model} passes the provider rule: run with --plan to see why"
         )
-
     acct = await account(base_url, api_key)
     if acct["key_status"] == 401:
         raise ConfigError("OpenRouter rejected the API key (401): check OPENROUTER_API_KEY")
 
+    block = providers.provider_block(endpoints, cfg.native_precision, cfg.ignore)
+    settings = Settings(
+        base_url=base_url,
+        api_key=api_key,
+        model=cfg.model,
+        max_tokens=cfg.max_tokens,
+        temperature=cfg.temperature,
+        reasoning=cfg.reasoning,
+        provider=block,
+        prices=providers.dearest(allowed),
+        budget=args.budget,
+        token_budgets={name: cfg.token_budget(name) for name in groups},
+        concurrency=cfg.concurrency,
+        retry_policy=retry.Policy(cfg.max_attempts, cfg.retry_initial_s, cfg.retry_max_s),
+        request_timeout=cfg.request_timeout_s,
+        grace=cfg.grace_s,
+        log_every=cfg.log_every_s,
+        audit_log=out_dir / AUDIT_LOG,
+        provider_slugs=slugs_of,
+        allowed_slugs=[e.tag for e in allowed],
+    )
+    total = sum(len(prompts) for prompts in groups.values())
     store = ResultStore(out_dir, fsync_interval=1.0)
     ledger = Ledger(out_dir / "ledger.jsonl")
     try:
-        todo, total, done_before = [], 0, 0
-        for name, prompts in groups.items():
-            done = store.done_ids(name)
-            total += len(prompts)
-            left = [p for p in prompts if p.id not in done]
-            done_before += len(prompts) - len(left)
-            todo.append(left)
-            log.info(
-                "%s: %d prompts, %d done earlier, %d to generate",
-                name,
-                len(prompts),
-                len(prompts) - len(left),
-                len(left),
-            )
-        block = providers.provider_block(endpoints, cfg.native_precision, cfg.ignore)
-        names = ", ".join(e.provider for e in allowed)
-        log.info("allowed providers: %s; rule %s", names, block)
+        todo, done_before = prompts_left(store, groups)
+        log.info("allowed providers: %s; rule %s", ", ".join(e.provider for e in allowed), block)
         audit = None
         if args.audit_every > 0 and any(todo):
             audit = make_audit(
                 cfg.audit_target, args.audit_every, out_dir / AUDIT_LOG, cfg.audit_device_map
             )
-        settings = Settings(
-            base_url=base_url,
-            api_key=api_key,
-            model=cfg.model,
-            max_tokens=cfg.max_tokens,
-            temperature=cfg.temperature,
-            reasoning=cfg.reasoning,
-            provider=block,
-            prices=providers.dearest(allowed),
-            budget=args.budget,
-            token_budgets={name: token_budget(cfg, name) for name in groups},
-            concurrency=cfg.concurrency,
-            max_attempts=cfg.max_attempts,
-            retry_initial=cfg.retry_initial_s,
-            retry_max=cfg.retry_max_s,
-            request_timeout=cfg.request_timeout_s,
-            grace=cfg.grace_s,
-            log_every=cfg.log_every_s,
-            audit_log=out_dir / AUDIT_LOG,
-            provider_slugs=slugs_of,
-            allowed_slugs=[e.tag for e in allowed],
-        )
         outcome = await Engine(settings, todo, store, ledger, audit).run()
         spent = ledger.spent_usd + ledger.reserved_usd  # open reservations now are abandoned
         tokens = sum(ledger.tokens.values())
         remaining = total - done_before - outcome.done - outcome.failed
-        code = EXIT_OK if remaining == 0 else EXIT_TEMPFAIL
         for line in await stop_messages(
             outcome, remaining, spent, args.budget, base_url, api_key, store, groups
         ):
@@ -622,19 +496,11 @@ async def run(args: argparse.Namespace) -> int:
         store.close()
     sys.stderr.flush()
     excluded = [*earlier, *(p for p in outcome.excluded if p not in earlier)]
+    done = done_before + outcome.done
     print(
-        summary_line(
-            done_before + outcome.done,
-            total,
-            outcome.failed,
-            tokens,
-            spent,
-            args.budget,
-            excluded,
-        ),
-        flush=True,
+        summary_line(done, total, outcome.failed, tokens, spent, args.budget, excluded), flush=True
     )
-    return code
+    return EXIT_OK if remaining == 0 else EXIT_TEMPFAIL
 
 
 async def stop_messages(
@@ -704,6 +570,18 @@ async def stop_messages(
     return lines
 
 
+def run_sync(args: argparse.Namespace) -> int:
+    """``run`` on a new event loop; an unexpected failure is one line and exit 1."""
+    try:
+        return asyncio.run(run(args))
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return EXIT_ERROR
+    except KeyboardInterrupt:  # before the engine took over the signals: nothing was sent
+        print("error: interrupted before generation started", file=sys.stderr, flush=True)
+        return EXIT_TEMPFAIL
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)  # on the package logger: main() may run twice
@@ -712,16 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     pkg.addHandler(handler)
     pkg.setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:
-        return asyncio.run(run(args))
-    except Eagle3Error as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
-    except RuntimeError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return EXIT_ERROR
-    except KeyboardInterrupt:  # before the engine took over the signals: nothing was sent
-        print("error: interrupted before generation started", file=sys.stderr, flush=True)
-        return EXIT_TEMPFAIL
+        return run_cli(lambda: run_sync(args))
     finally:
         pkg.removeHandler(handler)
 

@@ -1,7 +1,7 @@
-"""Retry policy for OpenRouter responses: pure functions, no I/O, no clock of their own.
+"""Retry policy for chat-completion responses, and the one retry loop both clients use.
 
 ``check(status, body)`` sorts every response into one of four verdicts, listing the reasons
-flatly (see ../shared/reference/OPENROUTER.md, "Errors" and "Errors inside HTTP 200"):
+flatly (OpenRouter documents errors both as HTTP statuses and as an ``error`` inside HTTP 200):
 
 - ``OK``: usable data;
 - ``RETRY``: 408/429/5xx, connection errors, timeouts, and HTTP 200 bodies that are failures
@@ -14,16 +14,31 @@ flatly (see ../shared/reference/OPENROUTER.md, "Errors" and "Errors inside HTTP 
 hint when it gives one (``Retry-After`` seconds or HTTP date, ``X-RateLimit-Reset`` in epoch
 milliseconds, ``error.availability.retry_after``), capped at ``MAX_HINT_S``, else capped
 exponential backoff; both with jitter so 2000 waiting requests do not return in lockstep.
+
+These are pure functions. :func:`send_with_retries` is the loop around them that
+``datagen.engine`` (OpenRouter) and ``datagen.local`` (own servers) share; sending, waiting and
+bookkeeping are the caller's callbacks, so each keeps its own throttle, ledger and stop rules.
 """
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import json
+import logging
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from eagle3.data.records import make_failure
+
+if TYPE_CHECKING:
+    from eagle3.data.prompts import Prompt
+    from eagle3.data.records import ResultStore
+
+log = logging.getLogger(__name__)
 
 INITIAL_DELAY_S = 0.5  # first backoff
 MAX_DELAY_S = 8.0  # exponential backoff cap
@@ -105,12 +120,6 @@ def check(status: int, body: dict | None) -> Verdict:
     return Verdict(OK, "ok")
 
 
-def should_retry(status: int, body: dict | None) -> str | None:
-    """The reason to retry this response, or None when it is data or must not be retried."""
-    verdict = check(status, body)
-    return verdict.reason if verdict.action == RETRY else None
-
-
 def _hint_seconds(headers: Mapping[str, str], body: dict | None, now: float) -> float | None:
     """Server-requested wait in seconds, if the response carries one. ``now``: epoch seconds."""
     value = headers.get("Retry-After") or headers.get("retry-after")
@@ -168,3 +177,88 @@ def server_hint(
     """The capped server-requested wait alone (used by the shared 429 gate)."""
     hint = _hint_seconds(headers or {}, body, now)
     return None if hint is None else min(hint, MAX_HINT_S)
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How many attempts a request gets in all, and the backoff's first wait and cap."""
+
+    max_attempts: int = 6
+    initial: float = INITIAL_DELAY_S
+    maximum: float = MAX_DELAY_S
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What one try of a request came back with."""
+
+    verdict: Verdict
+    status: int | None = None  # None: no HTTP answer (timeout, connection error) or not sent
+    headers: Mapping[str, str] = field(default_factory=dict)
+    body: dict | None = None
+
+
+async def _sleep(seconds: float) -> bool:
+    await asyncio.sleep(seconds)
+    return True
+
+
+async def send_with_retries(
+    send: Callable[[int], Awaitable[Attempt | None]],
+    policy: Policy,
+    rng: random.Random,
+    *,
+    pause: Callable[[float], Awaitable[bool]] = _sleep,
+    on_retry: Callable[[int, Attempt, float], None] | None = None,
+) -> tuple[Attempt, int] | None:
+    """``send(attempt)`` (counting from 1) until its verdict is not RETRY or the attempts run
+    out -> (the last attempt, attempts made); gave up when that verdict is still RETRY.
+
+    Between tries ``on_retry(attempt, last, wait)`` runs, then ``pause(wait)``. None when
+    ``send`` returns None or ``pause`` returns False: the caller is stopping, nothing to record.
+    """
+    last, attempt = Attempt(Verdict(RETRY, "not sent")), 0
+    while attempt < policy.max_attempts:
+        attempt += 1
+        sent = await send(attempt)
+        if sent is None:
+            return None
+        last = sent
+        if last.verdict.action != RETRY or attempt == policy.max_attempts:
+            break
+        wait = delay(
+            attempt,
+            last.headers,
+            last.body,
+            now=time.time(),
+            rng=rng,
+            initial=policy.initial,
+            maximum=policy.maximum,
+        )
+        if on_retry is not None:
+            on_retry(attempt, last, wait)
+        if not await pause(wait):
+            return None
+    return last, attempt
+
+
+def fail_prompt(
+    store: ResultStore,
+    prompt: Prompt,
+    verdict: Verdict,
+    *,
+    status: int | None,
+    attempts: int,
+    gave_up: bool,
+) -> None:
+    """Write a prompt that failed for good to DIR/failed.jsonl and log one warning line."""
+    reason = (
+        f"gave up after {attempts} attempts; last: {verdict.reason}" if gave_up else verdict.reason
+    )
+    store.append_failed(
+        make_failure(prompt, reason, status=status, detail=verdict.detail, attempts=attempts)
+    )
+    log.warning("%s/%s failed: %s %s", prompt.dataset, prompt.id, reason, verdict.detail)

@@ -8,6 +8,20 @@ config.json
     heads, kv-heads, head_dim), rope and rms-norm settings, `vocab_size` (the TARGET vocab),
     `draft_vocab_size`, `target_hidden_size`, `tie_word_embeddings: false`, `torch_dtype`,
     and `eagle_config: {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state: true}`.
+
+    Aux layer ids, written twice because the engines read different keys with different
+    conventions (checked against their loaders):
+    - `eagle_config.eagle_aux_hidden_state_layer_ids`: the PROJECT's ids (output of decoder
+      layer k = HF hidden_states[k+1]). SGLang reads only this key
+      (`model_runner.py`: `eagle_config["eagle_aux_hidden_state_layer_ids"]`) and adds 1
+      (`set_eagle3_layers_to_capture`), which captures exactly layer k's output.
+    - top-level `eagle_aux_hidden_state_layer_ids`: the same layers in vLLM's convention,
+      project id + 1 (vLLM id j = the residual stream after j layers = HF hidden_states[j]).
+      vLLM 0.32 (`gpu_model_runner._get_eagle3_aux_layers_from_config`, and the speculators
+      config path) reads this top-level key FIRST and uses it as is; only without it does it
+      fall back to `eagle_config`'s list, which would then be one layer too early.
+    The ids must be strictly ascending: vLLM returns the aux states in layer order whatever
+    order it is given, while the drafter's fc was trained on the concatenation in id order.
     Two more keys that SGLang ignores:
     - `speculators_config`: the vLLM/speculators proposal block (algorithm "eagle3", greedy
       proposal with `speculative_tokens`, verifier name/architectures). We do NOT set
@@ -42,13 +56,57 @@ WEIGHTS_FILE = "model.safetensors"
 EMBED_KEY = "embed_tokens.weight"  # part of Eagle3Draft, never saved
 
 
+DEFAULT_EXPORT_DTYPE = torch.bfloat16
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def checkpoint_config(model: Eagle3Draft, extra_config: dict[str, Any] | None = None) -> dict:
-    """The config.json dict for `model` (see the module docstring)."""
+def _export_dtype(dtype: torch.dtype | str | None, model: Eagle3Draft) -> torch.dtype:
+    """None keeps the model's own float dtype; a name such as "bf16"/"float32" is accepted."""
+    if dtype is None:
+        return model.fc.weight.dtype
+    if isinstance(dtype, str):
+        aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}
+        name = aliases.get(dtype.lower(), dtype.lower()).removeprefix("torch.")
+        resolved = getattr(torch, name, None)
+        if not isinstance(resolved, torch.dtype):
+            raise Eagle3Error(f"unknown export dtype {dtype!r}; use bfloat16, float16 or float32")
+        dtype = resolved
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise Eagle3Error(
+            f"export dtype {dtype} is not a float dtype; use bfloat16, float16 or float32"
+        )
+    return dtype
+
+
+def check_aux_ids(aux_layer_ids: list[int], where: str = "aux layer ids") -> list[int]:
+    """Non-negative, strictly ascending ints, else a one-line Eagle3Error."""
+    ids = [int(i) for i in aux_layer_ids]
+    if any(i < 0 for i in ids) or any(b <= a for a, b in zip(ids, ids[1:])):
+        raise Eagle3Error(
+            f"{where} {ids} must be non-negative and strictly ascending (engines return the "
+            f"aux states in layer order); sort them, e.g. {sorted(set(i for i in ids if i >= 0))}, "
+            "and retrain"
+        )
+    return ids
+
+
+def vllm_aux_layer_ids(aux_layer_ids: list[int]) -> list[int]:
+    """Project aux ids (output of decoder layer k) -> vLLM's ids (after k+1 layers)."""
+    return [int(i) + 1 for i in aux_layer_ids]
+
+
+def checkpoint_config(
+    model: Eagle3Draft,
+    extra_config: dict[str, Any] | None = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+) -> dict:
+    """The config.json dict for `model` (see the module docstring); dtype None = the model's."""
     cfg = model.config
+    aux = check_aux_ids(list(cfg.aux_layer_ids))
     extra = dict(extra_config or {})
     layer = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "aux_layer_ids"}
     speculative_tokens = extra.get("speculative_tokens", extra.get("ttt_steps", 3))
@@ -61,9 +119,12 @@ def checkpoint_config(model: Eagle3Draft, extra_config: dict[str, Any] | None = 
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
-        "torch_dtype": _dtype_name(model.fc.weight.dtype),
+        "torch_dtype": _dtype_name(_export_dtype(dtype, model)),
+        # vLLM reads this top-level key first, in its own convention (see the module docstring)
+        "eagle_aux_hidden_state_layer_ids": vllm_aux_layer_ids(aux),
+        # SGLang reads this one and adds 1 itself: the project's ids
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+            "eagle_aux_hidden_state_layer_ids": aux,
             "use_aux_hidden_state": cfg.feature == "aux",
         },
         "speculators_config": {
@@ -87,14 +148,26 @@ def checkpoint_config(model: Eagle3Draft, extra_config: dict[str, Any] | None = 
 
 
 def save_draft(
-    model: Eagle3Draft, out_dir: str | Path, *, extra_config: dict[str, Any] | None = None
+    model: Eagle3Draft,
+    out_dir: str | Path,
+    *,
+    extra_config: dict[str, Any] | None = None,
+    dtype: torch.dtype | str | None = DEFAULT_EXPORT_DTYPE,
 ) -> Path:
-    """Write config.json + model.safetensors (no embeddings) to out_dir -> out_dir."""
+    """Write config.json + model.safetensors (no embeddings) to out_dir -> out_dir.
+
+    Float weights are written in `dtype` (default bfloat16, what engines serve; None keeps the
+    model's dtype, e.g. for an exact fp32 round trip); d2t (int64) and t2d (bool) keep theirs.
+    Aux ids that are not strictly ascending are refused."""
+    export = _export_dtype(dtype, model)
+    config = checkpoint_config(model, extra_config, dtype=export)  # validates before writing
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = checkpoint_config(model, extra_config)
     tensors = {
-        key: value.detach().to("cpu").contiguous()
+        key: (value.to(export) if value.is_floating_point() else value)
+        .detach()
+        .to("cpu")
+        .contiguous()
         for key, value in model.state_dict().items()
         if key != EMBED_KEY
     }
@@ -118,9 +191,19 @@ def load_config(ckpt_dir: str | Path) -> tuple[DraftConfig, dict[str, Any]]:
             "not an EAGLE-3 drafter checkpoint"
         )
     aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    top = raw.get("eagle_aux_hidden_state_layer_ids")  # vLLM convention (project id + 1)
+    if aux is None and top is not None:
+        aux = [int(i) - 1 for i in top]  # a vLLM/speculators-style config with only that key
     if aux is None:
         raise Eagle3Error(f"{path} lacks eagle_config.eagle_aux_hidden_state_layer_ids")
-    values: dict[str, Any] = {"aux_layer_ids": list(aux)}
+    aux = check_aux_ids(list(aux), f"{path}: eagle_aux_hidden_state_layer_ids")
+    if top is not None and [int(i) for i in top] != vllm_aux_layer_ids(aux):
+        raise Eagle3Error(
+            f"{path}: top-level eagle_aux_hidden_state_layer_ids {list(top)} (vLLM, after k "
+            f"layers) should be eagle_config's {aux} + 1 = {vllm_aux_layer_ids(aux)}; "
+            "re-export the checkpoint"
+        )
+    values: dict[str, Any] = {"aux_layer_ids": aux}
     for f in dataclasses.fields(DraftConfig):
         if f.name == "aux_layer_ids":
             continue
@@ -136,20 +219,22 @@ def load_draft(
     *,
     embed_weight: torch.Tensor | None = None,
     device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
 ) -> Eagle3Draft:
     """Rebuild the drafter from a checkpoint directory.
 
     `embed_weight` is the target's embedding matrix [V, H] (`Target.embed_weight` or
     `eagle3.target.load_embeddings`); without it the embeddings stay randomly initialised,
-    which is only good for inspecting the weights. Missing, unexpected or mis-shaped tensors
-    raise Eagle3Error naming the tensor.
+    which is only good for inspecting the weights. `dtype` casts the float weights (None: the
+    checkpoint's `torch_dtype`; exports are bf16 by default, so pass torch.float32 to train on).
+    Missing, unexpected or mis-shaped tensors raise Eagle3Error naming the tensor.
     """
     cfg, raw = load_config(ckpt_dir)
     weights = Path(ckpt_dir) / WEIGHTS_FILE
     if not weights.is_file():
         raise Eagle3Error(f"{weights} not found: the checkpoint is incomplete; re-export it")
-    dtype = getattr(torch, raw.get("torch_dtype", "float32"))
-    model = Eagle3Draft(cfg).to(dtype)
+    file_dtype = getattr(torch, raw.get("torch_dtype", "float32"))
+    model = Eagle3Draft(cfg).to(file_dtype)
     expected = {k: v for k, v in model.state_dict().items() if k != EMBED_KEY}
     try:
         with safe_open(str(weights), framework="pt") as f:
@@ -174,4 +259,6 @@ def load_draft(
         embed_weight = file_embed
     if embed_weight is not None:
         model.set_embeddings(embed_weight)
+    if dtype is not None:
+        model = model.to(_export_dtype(dtype, model))  # float tensors only; d2t/t2d keep theirs
     return model.to(device) if device is not None else model

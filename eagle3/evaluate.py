@@ -1,7 +1,7 @@
 """Acceptance length of drafters against the target, by real speculative decoding.
 
     python -m eagle3.evaluate --target smollm2-135m-q4 --draft runs/x/final --draft prompt-lookup \\
-        --draft none --bench mt_bench,humaneval,gsm8k=../shared/data/gsm8k/test.jsonl \\
+        --draft none --bench mt_bench,humaneval,gsm8k=PATH/gsm8k/test.jsonl \\
         [--mode chain|tree] [--steps 7] [--topk 10 --total-tokens 60 --depth 8] \\
         [--temperature 0] [--max-new-tokens 256] [--limit 20] [--json out.json] [--wandb]
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,6 +26,8 @@ from typing import Any
 
 import torch
 
+from eagle3.data.chat import next_turns, prompt_ids
+from eagle3.data.prompts import load_prompts
 from eagle3.errors import Eagle3Error
 from eagle3.prompt_lookup import PromptLookupDrafter
 from eagle3.speculative import (
@@ -35,9 +36,10 @@ from eagle3.speculative import (
     EagleDrafter,
     Generation,
     SpeculativeDecoder,
-    eos_token_ids,
     plain_generate,
 )
+from eagle3.target import eos_token_ids, load_target
+from eagle3.tracking import wandb_mode
 
 log = logging.getLogger("eagle3.evaluate")
 
@@ -64,7 +66,7 @@ def parse_benches(spec: str) -> list[tuple[str, str]]:
         elif item == "gsm8k":
             raise Eagle3Error(
                 "gsm8k has no embedded copy: pass its file, e.g. "
-                "--bench gsm8k=../shared/data/gsm8k/test.jsonl"
+                "--bench gsm8k=PATH/gsm8k/test.jsonl"
             )
         else:
             raise Eagle3Error(
@@ -74,13 +76,6 @@ def parse_benches(spec: str) -> list[tuple[str, str]]:
     if not out:
         raise Eagle3Error("--bench is empty; e.g. --bench mt_bench,humaneval")
     return out
-
-
-def turns(messages: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Leading system messages, then the user turns answered one by one."""
-    system = [m for m in messages if m["role"] == "system"]
-    users = [m for m in messages if m["role"] == "user"]
-    return system, users
 
 
 # -- drafters -----------------------------------------------------------------------------------
@@ -159,17 +154,15 @@ def run_benchmark(
     seed: int,
 ) -> tuple[Tally, dict[str, Tally]]:
     """-> (plain tally, drafter name -> speculative tally) over every turn of every prompt."""
-    from eagle3.data.chat import prompt_ids
-
     eos = eos_token_ids(target)
     decoders = {n: SpeculativeDecoder(target, d, cfg, eos_ids=eos) for n, d in drafters.items()}
     plain = Tally()
     spec = {n: Tally() for n in drafters}
     for i, prompt in enumerate(prompts):
-        system, users = turns(prompt.messages)
-        conversation = list(system)
-        for t, user in enumerate(users):
-            conversation.append(user)
+        conversation: list[dict] = []
+        t = 0
+        while (asked := next_turns(prompt, conversation)) is not None:
+            conversation.extend(asked)
             ids = prompt_ids(target.tokenizer, conversation)
             gen = torch.Generator().manual_seed(seed + 1000 * i + t)
             out = plain_generate(
@@ -185,6 +178,7 @@ def run_benchmark(
             log.info("; ".join(line))
             answer = target.tokenizer.decode(out.tokens, skip_special_tokens=True)
             conversation.append({"role": "assistant", "content": answer})
+            t += 1
         plain.prompts += 1
         for tally in spec.values():
             tally.prompts += 1
@@ -197,10 +191,7 @@ def _rate(gen: Generation) -> str:
 
 def warm_up(target, drafters: dict[str, Any], prompts: list, cfg: DecodeConfig) -> None:
     """One short untimed run of each decoder, so no timing pays for first-call setup."""
-    from eagle3.data.chat import prompt_ids
-
-    system, users = turns(prompts[0].messages)
-    ids = prompt_ids(target.tokenizer, system + users[:1])
+    ids = prompt_ids(target.tokenizer, next_turns(prompts[0], []))
     short = DecodeConfig(**{**asdict(cfg), "max_new_tokens": WARMUP_TOKENS})
     plain_generate(target, ids, WARMUP_TOKENS, eos_ids=set())
     for drafter in drafters.values():  # drafters read only the tree shape from their config
@@ -267,15 +258,13 @@ def _training_run(ckpt: str) -> tuple[Path | None, dict[str, Any]]:
     return None, {}
 
 
-def wandb_mode() -> str:
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
-
-
 def log_wandb(report: dict[str, Any], specs: dict[str, str], args: argparse.Namespace) -> None:
     """Each drafter's numbers go to its training run (resumed), else to a new eval run in
     the same group; baselines join the group of the first trained drafter."""
+    mode = wandb_mode()
+    if mode == "disabled":
+        log.info("W&B is disabled (WANDB_MODE=disabled): nothing logged to W&B")
+        return
     import wandb
 
     runs: dict[str, tuple[Path | None, dict[str, Any]]] = {
@@ -288,7 +277,7 @@ def log_wandb(report: dict[str, Any], specs: dict[str, str], args: argparse.Name
         kwargs: dict[str, Any] = dict(
             project=cfg.get("project") or args.wandb_project,
             group=cfg.get("group") or first.get("group") or args.wandb_group,
-            mode=wandb_mode(),
+            mode=mode,
             dir=str(out_dir or Path(args.json or ".").resolve().parent),
             settings=wandb.Settings(silent=True),
         )
@@ -324,7 +313,7 @@ def log_wandb(report: dict[str, Any], specs: dict[str, str], args: argparse.Name
                     )
                 }
             )
-            if run.dir:
+            if run.dir and Path(run.dir).is_dir():
                 Path(run.dir, EVAL_FILE).write_text(
                     json.dumps({**report, "results": rows}, indent=2)
                 )
@@ -333,6 +322,34 @@ def log_wandb(report: dict[str, Any], specs: dict[str, str], args: argparse.Name
 
 
 # -- CLI -------------------------------------------------------------------------------------------
+def add_decode_args(
+    p: argparse.ArgumentParser, steps: int = 7, max_new_tokens: int = 256
+) -> argparse.ArgumentParser:
+    """The decoding flags (chain/tree shape, temperature, length); `decode_config` reads them."""
+    p.add_argument("--mode", choices=("chain", "tree"), default="chain")
+    p.add_argument("--steps", type=int, default=steps, help="chain: draft tokens per step")
+    p.add_argument("--topk", type=int, default=10, help="tree: branching")
+    p.add_argument(
+        "--total-tokens", type=int, default=60, help="tree: tokens verified per step, root included"
+    )
+    p.add_argument("--depth", type=int, default=8, help="tree: max draft depth")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    return p
+
+
+def decode_config(args: argparse.Namespace) -> DecodeConfig:
+    return DecodeConfig(
+        mode=args.mode,
+        steps=args.steps,
+        topk=args.topk,
+        total_tokens=args.total_tokens,
+        depth=args.depth,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m eagle3.evaluate",
@@ -350,15 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="mt_bench,humaneval",
         help="mt_bench,humaneval,NAME=FILE.jsonl,FILE.jsonl",
     )
-    p.add_argument("--mode", choices=("chain", "tree"), default="chain")
-    p.add_argument("--steps", type=int, default=7, help="chain: draft tokens per step")
-    p.add_argument("--topk", type=int, default=10, help="tree: branching")
-    p.add_argument(
-        "--total-tokens", type=int, default=60, help="tree: tokens verified per step, root included"
-    )
-    p.add_argument("--depth", type=int, default=8, help="tree: max draft depth")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    add_decode_args(p)
     p.add_argument("--limit", type=int, default=None, help="prompts per benchmark")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -374,18 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from eagle3.data.prompts import load_prompts
-    from eagle3.target import load_target
-
-    cfg = DecodeConfig(
-        mode=args.mode,
-        steps=args.steps,
-        topk=args.topk,
-        total_tokens=args.total_tokens,
-        depth=args.depth,
-        temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens,
-    )
+    cfg = decode_config(args)
     benches = parse_benches(args.bench)
     specs = [s.strip() for item in args.draft for s in item.split(",") if s.strip()]
     target = load_target(args.target, device=args.device, dtype=args.dtype)
@@ -434,7 +432,16 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         if args.wandb:
-            log_wandb(report, report["drafters"], args)
+            try:
+                log_wandb(report, report["drafters"], args)
+            except Exception as err:  # W&B is a copy of the results: it must never cost them
+                where = f"{args.json} and " if args.json else ""
+                log.warning(
+                    "W&B logging failed (%s: %s); the results are in %sthe table below",
+                    type(err).__name__,
+                    err,
+                    where,
+                )
     except Eagle3Error as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

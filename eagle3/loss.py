@@ -15,6 +15,29 @@ import torch
 import torch.nn.functional as F
 
 
+def step_labels(
+    in_vocab: torch.Tensor, loss_mask: torch.Tensor, k: int
+) -> tuple[slice, torch.Tensor]:
+    """TTT step k's labels (the alignment in the module docstring) -> (rows, valid).
+
+    Step k's logits at positions t < n, n = T - k - 2, take their label from row t+k+1, so
+    `rows` picks those n rows of `probs` / `in_vocab`; `valid` bool (B, n) marks the positions
+    that count. n is 0 when the sequence is too short for step k.
+    """
+    n = max(loss_mask.shape[1] - k - 2, 0)
+    rows = slice(k + 1, k + 1 + n)
+    valid = loss_mask[:, k + 2 : k + 2 + n].bool() & in_vocab[:, rows]
+    return rows, valid
+
+
+def valid_counts(in_vocab: torch.Tensor, loss_mask: torch.Tensor, ttt_steps: int) -> torch.Tensor:
+    """Valid label positions of each TTT step, exactly as ttt_loss counts them -> int64 (K,)."""
+    out = torch.zeros(ttt_steps, dtype=torch.long, device=loss_mask.device)
+    for k in range(ttt_steps):
+        out[k] = step_labels(in_vocab, loss_mask, k)[1].sum()
+    return out
+
+
 @torch.no_grad()
 def target_probs(
     last_hidden: torch.Tensor,
@@ -57,16 +80,15 @@ def ttt_loss(
     replaces the local valid-position counts (e.g. counts all-reduced over data-parallel
     ranks, divided by world size) so N ranks reproduce one rank with an N-times batch.
     """
-    T = probs.shape[1]
     total = probs.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
     for k, logits in enumerate(step_logits):
-        n = T - k - 2  # positions t with a label row t+k+1 and a target token x_{t+k+2}
-        if n <= 0:
+        rows, valid = step_labels(in_vocab, loss_mask, k)
+        n = valid.shape[1]
+        if n == 0:
             metrics.update({f"loss_{k}": 0.0, f"acc_{k}": 0.0, f"count_{k}": 0, f"correct_{k}": 0})
             continue
-        p = probs[:, k + 1 : k + 1 + n]  # (B, n, Vd)
-        valid = loss_mask[:, k + 2 : k + 2 + n].bool() & in_vocab[:, k + 1 : k + 1 + n]
+        p = probs[:, rows]  # (B, n, Vd)
         B, _, Vd = p.shape
         ce = F.cross_entropy(  # soft-label CE in one fused op: -(p * log_softmax(logits)).sum(-1)
             logits[:, :n].float().reshape(B * n, Vd), p.reshape(B * n, Vd), reduction="none"

@@ -1,6 +1,6 @@
 """The EAGLE-3 draft model: one Llama-style decoder layer over fused target features.
 
-Definition (DESIGN.md, "EAGLE-3 draft model"):
+Definition (the EAGLE-3 paper; parameter names as in SGLang's LlamaForCausalLMEagle3):
 
     h_0   = fc(concat(aux_low, aux_mid, aux_high))                   3*H_target -> H
     x     = concat(input_layernorm(embed(token)), hidden_norm(h))     2H, into q/k/v

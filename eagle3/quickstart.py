@@ -267,28 +267,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--bench",
         default="mt_bench,humaneval",
-        help="eagle3.evaluate benchmarks, e.g. mt_bench,humaneval,gsm8k=../shared/data/gsm8k/test.jsonl",
+        help="eagle3.evaluate benchmarks, e.g. mt_bench,humaneval,gsm8k=PATH/gsm8k/test.jsonl",
     )
+    switch = argparse.BooleanOptionalAction  # --x / --no-x
     p.add_argument(
         "--ablation",
-        action=argparse.BooleanOptionalAction,
+        action=switch,
         default=False,
         help="also train and evaluate the EAGLE-2-style drafter (last hidden only, ttt_steps 1) "
         "on the same data and steps",
     )
-    p.add_argument(
-        "--wandb",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="log training and evaluation to one W&B group (offline without a key)",
-    )
+    p.add_argument("--wandb", action=switch, default=True, help="log training and evaluation "
+                   "to one W&B group (offline without a key)")  # fmt: skip
     p.add_argument("--wandb-group", help="default: quickstart-<run dir name>")
-    p.add_argument(
-        "--cpu",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="train on the CPU even if a GPU is visible (the recipe is a CPU recipe)",
-    )
+    p.add_argument("--cpu", action=switch, default=True, help="train on the CPU even if a GPU "
+                   "is visible (the recipe is a CPU recipe)")  # fmt: skip
     p.add_argument(
         "--train-override",
         action="append",

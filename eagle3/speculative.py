@@ -37,7 +37,6 @@ expanded in one batched draft call.
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -46,6 +45,14 @@ import torch
 
 from eagle3.errors import Eagle3Error
 from eagle3.model import Eagle3Draft
+from eagle3.target import (
+    cache_kwarg,
+    capture_outputs,
+    decoder_of,
+    eos_token_ids,
+    keep_cache_entries,
+    new_cache,
+)
 
 
 @dataclass
@@ -397,59 +404,6 @@ def _fit(counts: list[int], budget: int) -> list[int]:
     return out
 
 
-# -- the target side ------------------------------------------------------------------------------
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    """transformers 5 calls the KV cache argument `cache`; 4.x called it `past_key_values`."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def new_cache(model: torch.nn.Module):
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:
-        return DynamicCache()
-
-
-def keep_cache_entries(cache, length: int, extra: list[int]) -> None:
-    """Cut every layer of a HF cache to entries [0, length) + `extra` (indices), in place."""
-    contiguous = extra == list(range(length, length + len(extra)))
-    idx = None
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-            continue
-        if contiguous:
-            n = length + len(extra)
-            layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
-            continue
-        if idx is None or idx.device != layer.keys.device:
-            idx = torch.tensor(extra, device=layer.keys.device)
-        layer.keys = torch.cat(
-            [layer.keys[..., :length, :], layer.keys.index_select(-2, idx)], dim=-2
-        )
-        layer.values = torch.cat(
-            [layer.values[..., :length, :], layer.values.index_select(-2, idx)], dim=-2
-        )
-
-
-def cache_length(cache) -> int:
-    return cache.get_seq_length() if cache is not None else 0
-
-
-def eos_token_ids(target) -> set[int]:
-    ids: set[int] = set()
-    tok = getattr(target, "tokenizer", None)
-    if tok is not None and tok.eos_token_id is not None:
-        ids.add(int(tok.eos_token_id))
-    gen = getattr(target.model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-    if eos is not None:
-        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-    return ids
-
-
 def _select(logits: torch.Tensor, temperature: float, generator) -> int:
     if temperature == 0:
         return int(logits.argmax())
@@ -475,8 +429,6 @@ class SpeculativeDecoder:
         cfg: DecodeConfig,
         eos_ids: set[int] | None = None,
     ):
-        from eagle3.target import _decoder
-
         self.target, self.model, self.drafter, self.cfg = target, target.model, drafter, cfg
         attn = str(getattr(self.model.config, "_attn_implementation", "") or "")
         if cfg.mode == "tree" and "flash" in attn:
@@ -484,13 +436,13 @@ class SpeculativeDecoder:
                 f"tree verification needs a custom attention mask, which {attn} cannot take; "
                 "load the target with attn_implementation='sdpa' or use --mode chain"
             )
-        decoder = _decoder(self.model)
+        decoder = decoder_of(self.model)
         self.layers, self.final_norm = decoder.layers, decoder.norm
         self.aux_ids = list(target.aux_layer_ids)
         # "aux": the 3 aux layers (EAGLE-3); "last": the final post-norm state (ablation drafters)
         self.feature = getattr(drafter, "feature", "aux")
         self.eos = eos_token_ids(target) if eos_ids is None else set(eos_ids)
-        self.cache_kw = _cache_kwarg(self.model)
+        self.cache_kw = cache_kwarg(self.model)
         self.device = target.device
         self.cache = None
         self.tokens: list[int] = []
@@ -504,19 +456,11 @@ class SpeculativeDecoder:
         self, ids: list[int], positions: torch.Tensor, mask: torch.Tensor | None, last_only: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (logits [S or 1, V], features [S, 3H] or [S, H]); appends S entries to self.cache."""
-        captured: dict = {}
-
-        def hook_for(i):
-            def hook(module, args, output):
-                captured[i] = output[0] if isinstance(output, tuple) else output
-
-            return hook
-
         if self.feature == "last":
-            handles = [self.final_norm.register_forward_hook(hook_for("last"))]
+            hooked = {"last": self.final_norm}
         else:
-            handles = [self.layers[i].register_forward_hook(hook_for(i)) for i in set(self.aux_ids)]
-        try:
+            hooked = {i: self.layers[i] for i in self.aux_ids}
+        with capture_outputs(hooked) as captured:
             out = self.model(
                 input_ids=torch.tensor([ids], device=self.device),
                 position_ids=positions[None].to(self.device),
@@ -525,9 +469,6 @@ class SpeculativeDecoder:
                 logits_to_keep=1 if last_only else 0,
                 **{self.cache_kw: self.cache},
             )
-        finally:
-            for h in handles:
-                h.remove()
         if self.feature == "last":
             return out.logits[0], captured["last"][0].to(self.device)
         aux = torch.cat([captured[i][0].to(self.device) for i in self.aux_ids], dim=-1)
@@ -625,7 +566,7 @@ def plain_generate(
     """Plain autoregressive decoding with a KV cache: the reference and the speed baseline."""
     model, device = target.model, target.device
     eos = eos_token_ids(target) if eos_ids is None else set(eos_ids)
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     t0 = _now(device)
     cache = new_cache(model)
     ids = torch.tensor([list(prompt_ids)], device=device)

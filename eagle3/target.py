@@ -12,19 +12,23 @@ GGUF targets (the embedded default `smollm2-135m-q4`) are de-quantized by `trans
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import inspect
 import json
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
+from eagle3.data.chat import end_of_turn_ids
 from eagle3.errors import Eagle3Error
 
 log = logging.getLogger(__name__)
@@ -181,7 +185,7 @@ def resolve(name_or_path: str | os.PathLike) -> tuple[str, str, dict[str, Any] |
 
 
 # -- the target --------------------------------------------------------------------------------
-def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     """The base transformer (embed_tokens, layers, norm) inside a CausalLM."""
     candidates = []
     if hasattr(model, "get_decoder"):
@@ -194,6 +198,26 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
         f"cannot find the decoder layers of {type(model).__name__}; "
         "targets must be HF CausalLMs with a `.layers` ModuleList and a final `.norm`"
     )
+
+
+@contextlib.contextmanager
+def capture_outputs(modules: dict[Any, torch.nn.Module]) -> Iterator[dict[Any, torch.Tensor]]:
+    """Forward hooks that keep each module's output (its hidden state) under its key while the
+    block runs: ``with capture_outputs({i: layers[i]}) as out: model(...)``, then ``out[i]``."""
+    captured: dict[Any, torch.Tensor] = {}
+
+    def hook_for(key: Any):
+        def hook(module, args, output):
+            captured[key] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    handles = [m.register_forward_hook(hook_for(k)) for k, m in modules.items()]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class Target:
@@ -211,7 +235,7 @@ class Target:
         self.tokenizer = tokenizer
         self.name = name
         self.spec = spec  # registry entry (configs/targets/<name>.yaml) or None
-        self._decoder = _decoder(model)
+        self._decoder = decoder_of(model)
         text_config = getattr(model.config, "text_config", None) or model.config
         self.num_layers = int(
             getattr(text_config, "num_hidden_layers", None) or len(self._decoder.layers)
@@ -250,34 +274,140 @@ class Target:
         attention_mask = attention_mask.to(self.device).long()
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding -> 0,0,0,1,2..
 
-        captured: dict[int, torch.Tensor] = {}
-
-        def hook_for(layer_id: int):
-            def hook(module, args, output):
-                captured[layer_id] = output[0] if isinstance(output, tuple) else output
-
-            return hook
-
         layers = self._decoder.layers
-        handles = [layers[i].register_forward_hook(hook_for(i)) for i in set(self.aux_layer_ids)]
-        try:
+        with capture_outputs({i: layers[i] for i in self.aux_layer_ids}) as captured:
             out = self._decoder(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 use_cache=False,
             )
-        finally:
-            for handle in handles:
-                handle.remove()
         last = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         aux = torch.cat([captured[i].to(last.device) for i in self.aux_layer_ids], dim=-1)
         keep = attention_mask.to(last.device).bool()[..., None]  # padded rows may hold garbage
         return aux.masked_fill(~keep, 0.0), last.masked_fill(~keep, 0.0)
 
 
+# -- the target side ------------------------------------------------------------------------------
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """transformers 5 calls the KV cache argument `cache`; 4.x called it `past_key_values`."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def new_cache(model: torch.nn.Module):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:
+        return DynamicCache()
+
+
+def keep_cache_entries(cache, length: int, extra: list[int]) -> None:
+    """Cut every layer of a HF cache to entries [0, length) + `extra` (indices), in place."""
+    contiguous = extra == list(range(length, length + len(extra)))
+    idx = None
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        if contiguous:
+            n = length + len(extra)
+            layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+            continue
+        if idx is None or idx.device != layer.keys.device:
+            idx = torch.tensor(extra, device=layer.keys.device)
+        layer.keys = torch.cat(
+            [layer.keys[..., :length, :], layer.keys.index_select(-2, idx)], dim=-2
+        )
+        layer.values = torch.cat(
+            [layer.values[..., :length, :], layer.values.index_select(-2, idx)], dim=-2
+        )
+
+
+def eos_token_ids(target) -> set[int]:
+    """Token ids that end a generation: the tokenizer's end-of-turn ids plus the model's
+    generation_config EOS (either may be missing)."""
+    tok = getattr(target, "tokenizer", None)
+    ids = end_of_turn_ids(tok) if tok is not None else set()
+    gen = getattr(target.model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if eos is not None:
+        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return ids
+
+
 def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _load_model(name_or_path: str | os.PathLike, hf_dir: str, kwargs: dict[str, Any]):
+    """from_pretrained through the Auto class the checkpoint declares: AutoModelForCausalLM, or
+    AutoModelForImageTextToText for a vision-language wrapper around the text model (Kimi-K2.5's
+    KimiK25ForConditionalGeneration; its INT4 experts go through compressed-tensors either
+    way). Any failure becomes a one-line Eagle3Error that says what to do."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto import modeling_auto
+
+    def fail(err: Exception, hint: str) -> Eagle3Error:
+        first = str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else ""
+        return Eagle3Error(
+            f"cannot load target {name_or_path}: {first or type(err).__name__}; {hint}"
+        )
+
+    upgrade = (
+        f"transformers {transformers.__version__} does not know it: upgrade transformers "
+        "(Kimi-K2.5 needs >= 5.24) or set trust_remote_code: true in its configs/targets entry"
+    )
+    if Path(hf_dir).is_dir() and not (Path(hf_dir) / "config.json").is_file():
+        raise Eagle3Error(
+            f"cannot load target {name_or_path}: {hf_dir} has no config.json; pass a HF model "
+            "directory, a .gguf file or a registry name"
+        )
+    remote = bool(kwargs.get("trust_remote_code"))
+    try:
+        config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=remote)
+    except OSError as err:
+        hint = "pass a HF model directory with a valid config.json, or a hub id reachable here"
+        raise fail(err, hint) from err
+    except (ValueError, KeyError) as err:
+        raise fail(err, upgrade) from err
+    except Exception as err:  # remote code runs here; its error stays chained as __cause__
+        raise fail(err, "its remote config code failed (the full error is chained)") from err
+    model_type, auto_map = getattr(config, "model_type", None), getattr(config, "auto_map", {})
+    if model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
+        remote and "AutoModelForCausalLM" in (auto_map or {})
+    ):
+        auto = AutoModelForCausalLM
+    elif model_type in modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or (
+        remote and "AutoModelForImageTextToText" in (auto_map or {})
+    ):
+        auto = AutoModelForImageTextToText
+    else:
+        archs = ", ".join(getattr(config, "architectures", None) or []) or "no architectures"
+        raise Eagle3Error(
+            f"cannot load target {name_or_path}: model type {model_type!r} ({archs}) is not a "
+            f"causal LM nor a vision-language wrapper; {upgrade}"
+        )
+    try:
+        model = auto.from_pretrained(hf_dir, config=config, **kwargs)
+    except ImportError as err:  # e.g. INT4 weights without compressed-tensors
+        hint = "install the package it names (Kimi-K2.5: pip install 'eagle3-forge[kimi]')"
+        raise fail(err, hint) from err
+    except OSError as err:
+        hint = "the directory needs its safetensors next to config.json (re-download or re-make it)"
+        raise fail(err, hint) from err
+    except Exception as err:  # shape mismatch, bad quantization_config, remote code, ...
+        hint = "its config.json and weights do not fit together (the full error is chained)"
+        raise fail(err, hint) from err
+    # compressed-tensors de-quantises INT4 weights in their scale dtype (bf16) whatever dtype
+    # was asked for; upcast those (exactly) so an fp32 target computes in fp32 throughout.
+    dtype = kwargs.get("dtype")
+    for param in model.parameters():
+        if dtype is not None and param.is_floating_point() and param.itemsize < dtype.itemsize:
+            param.data = param.data.to(dtype)
+    return model
 
 
 def load_target(
@@ -290,8 +420,10 @@ def load_target(
 ) -> Target:
     """Load a target by registry name, HF model directory (or hub id), .gguf file, or a
     directory holding exactly one .gguf. dtype defaults to fp32 on CPU and bf16 on CUDA;
-    `device_map` (e.g. "auto") is passed to from_pretrained for multi-GPU targets."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    `device_map` (e.g. "auto") is passed to from_pretrained for multi-GPU targets. A
+    vision-language wrapper (Kimi-K2.5) loads whole; its aux ids index the text decoder's
+    layers. Every load failure is a one-line Eagle3Error."""
+    from transformers import AutoTokenizer
 
     name, hf_dir, spec = resolve(name_or_path)
     if device_map is None:
@@ -308,17 +440,16 @@ def load_target(
         kwargs["trust_remote_code"] = True
     if device_map is not None:
         kwargs["device_map"] = device_map
-    try:
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, **kwargs)
-    except OSError as err:
-        raise Eagle3Error(f"cannot load target {name_or_path}: {err}".splitlines()[0]) from err
+    model = _load_model(name_or_path, hf_dir, kwargs)
     if device_map is None:
         model.to(device)
+    # Kimi-K2.5's model is native in transformers but its tiktoken tokenizer is remote code.
+    tokenizer_remote = bool(kwargs.get("trust_remote_code")) or bool(
+        spec and spec.get("tokenizer_trust_remote_code")
+    )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            hf_dir, trust_remote_code=bool(kwargs.get("trust_remote_code"))
-        )
-    except (OSError, ValueError, TypeError):
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=tokenizer_remote)
+    except (OSError, ValueError, TypeError, ImportError):
         log.warning("no tokenizer found with target %s; Target.tokenizer is None", name)
         tokenizer = None
     return Target(model, tokenizer, name=name, aux_layer_ids=aux_layer_ids, spec=spec)
@@ -391,3 +522,28 @@ def load_lm_head(name_or_path: str | os.PathLike) -> torch.Tensor:
 def load_embeddings(name_or_path: str | os.PathLike) -> torch.Tensor:
     """The target's input embeddings [V, H] (the drafter's frozen embed_tokens)."""
     return _read_tensor(name_or_path, "embed")
+
+
+# -- facts without weights ---------------------------------------------------------------------
+def target_facts(name_or_path: str | os.PathLike) -> dict[str, Any]:
+    """name, vocab_size, hidden_size, num_layers, aux_layer_ids (the registry's, or None) and
+    the text hf_config of a target, read from its config.json alone (no weights are loaded)."""
+    from transformers import AutoConfig
+
+    display, hf_dir, spec = resolve(name_or_path)
+    try:
+        hf_config = AutoConfig.from_pretrained(
+            hf_dir, trust_remote_code=bool(spec and spec.get("trust_remote_code"))
+        )
+    except (OSError, ValueError) as err:
+        first_line = f"cannot read the config of {name_or_path}: {err}".splitlines()[0]
+        raise Eagle3Error(first_line) from err
+    text = getattr(hf_config, "text_config", None) or hf_config  # multimodal: the language model
+    return {
+        "name": display,
+        "hf_config": text,
+        "vocab_size": text.vocab_size,
+        "hidden_size": text.hidden_size,
+        "num_layers": text.num_hidden_layers,
+        "aux_layer_ids": (spec or {}).get("aux_layer_ids"),
+    }

@@ -32,7 +32,7 @@ class DraftVocab:
         return int(self.draft_ids.numel())
 
 
-def count_tokens(
+def token_frequencies(
     input_ids: Iterable[torch.Tensor], loss_masks: Iterable[torch.Tensor], vocab_size: int
 ) -> torch.Tensor:
     """Counts of each target token over positions with loss_mask == 1 -> int64 (V,)."""
@@ -61,8 +61,8 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> DraftVocab
     seen = int((counts > 0).sum())
     size = draft_vocab_size
     if seen < draft_vocab_size:
-        # Padding the vocab with never-seen tokens would only waste lm_head rows; peers
-        # crash here instead, we shrink and say so.
+        # Padding the vocab with never-seen tokens would only waste lm_head rows: shrink it
+        # and say so.
         log.warning(
             "training data has only %d distinct target tokens under the loss mask; "
             "draft vocab shrinks from %d to %d",

@@ -44,7 +44,7 @@ def main() -> None:
     from datagen.capture import Item, batches, capture_items, pad
     from eagle3.data.chat import render_conversation
     from eagle3.data.prompts import load_prompts
-    from eagle3.data.shards import ShardWriter, bytes_per_token
+    from eagle3.data.shards import ShardWriter, bytes_per_token, target_meta
     from eagle3.target import load_target
 
     if args.threads:
@@ -62,14 +62,7 @@ def main() -> None:
         items.append(Item(prompt.id, "sharegpt", r.input_ids, r.loss_mask))
     tokens = sum(len(it.input_ids) for it in items)
     padded = [pad(b, tok.pad_token_id or 0) for b in batches(items, args.batch_tokens)]
-    meta = {
-        "target": target.name,
-        "vocab_size": target.vocab_size,
-        "target_hidden_size": target.hidden_size,
-        "aux_layer_ids": target.aux_layer_ids,
-        "num_layers": target.num_layers,
-        "max_length": args.max_length,
-    }
+    meta = {**target_meta(target), "max_length": args.max_length}
 
     @torch.no_grad()
     def full_forward():

@@ -6,8 +6,9 @@
 Prints aggregate tokens/s: generated tokens (up to and including each row's end-of-turn token)
 over wall time, prefill included, as a run of `datagen.local` sees it, for the continuous-
 batching generator and (unless --no-baseline) for transformers' `generate` over length-sorted
-batches of the same prompts, and their ratio. Goal on 2 CPU cores: >= 150 tok/s. The load average is printed too: other processes on the same cores
-slow it down a lot (CPU threads spin-wait on each other), so compare runs on a quiet machine.
+batches of the same prompts, and their ratio. Goal on 2 CPU cores: >= 150 tok/s. The load
+average is printed too: other processes on the same cores slow it down a lot (CPU threads
+spin-wait on each other), so compare runs on a quiet machine.
 """
 
 from __future__ import annotations
@@ -35,10 +36,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--model-dtype", help="float32 (CPU default) or bfloat16")
     p.add_argument(
-        "--baseline",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also time transformers' generate on the same prompts and print the ratio",
+        "--baseline", action=argparse.BooleanOptionalAction, default=True, help="time generate too"
     )
     args = p.parse_args()
 

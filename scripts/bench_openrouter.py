@@ -29,6 +29,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# The request the bare client loops send (the engine builds its own).
+BARE_BODY = json.dumps(
+    {
+        "model": "moonshotai/kimi-k2.5",
+        "max_tokens": 256,
+        "messages": [{"role": "user", "content": "hi"}],
+        "provider": {"ignore": ["fireworks", "baseten"]},
+    }
+).encode()
+
 
 def start_server(latency: float) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
@@ -93,14 +103,6 @@ async def run_engine(url: str, n: int, concurrency: int, out: Path) -> tuple[flo
 async def bare_aiohttp(url: str, n: int, concurrency: int) -> tuple[float, float]:
     import aiohttp
 
-    body = json.dumps(
-        {
-            "model": "moonshotai/kimi-k2.5",
-            "max_tokens": 256,
-            "messages": [{"role": "user", "content": "hi"}],
-            "provider": {"ignore": ["fireworks", "baseten"]},
-        }
-    ).encode()
     sem = asyncio.Semaphore(concurrency)
     conn = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=conn) as session:
@@ -110,7 +112,7 @@ async def bare_aiohttp(url: str, n: int, concurrency: int) -> tuple[float, float
                 sem,
                 session.post(
                     url + "/chat/completions",
-                    data=body,
+                    data=BARE_BODY,
                     headers={"Content-Type": "application/json"},
                 ) as r,
             ):
@@ -124,14 +126,6 @@ async def bare_aiohttp(url: str, n: int, concurrency: int) -> tuple[float, float
 async def bare_httpx(url: str, n: int, concurrency: int) -> tuple[float, float]:
     import httpx
 
-    body = json.dumps(
-        {
-            "model": "moonshotai/kimi-k2.5",
-            "max_tokens": 256,
-            "messages": [{"role": "user", "content": "hi"}],
-            "provider": {"ignore": ["fireworks", "baseten"]},
-        }
-    ).encode()
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=600) as client:
@@ -140,7 +134,7 @@ async def bare_httpx(url: str, n: int, concurrency: int) -> tuple[float, float]:
             async with sem:
                 r = await client.post(
                     url + "/chat/completions",
-                    content=body,
+                    content=BARE_BODY,
                     headers={"Content-Type": "application/json"},
                 )
                 json.loads(r.content)

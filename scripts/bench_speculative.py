@@ -21,12 +21,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.speculative import (  # noqa: E402
-    DecodeConfig,
     DraftTree,
     SpeculativeDecoder,
-    eos_token_ids,
     plain_generate,
 )
+from eagle3.target import eos_token_ids  # noqa: E402
 
 
 class OracleDrafter:
@@ -49,10 +48,10 @@ class OracleDrafter:
 
 
 def main() -> int:
-    from eagle3.data.chat import prompt_ids
+    from eagle3.data.chat import next_turns, prompt_ids
     from eagle3.data.prompts import load_prompts
     from eagle3.errors import Eagle3Error
-    from eagle3.evaluate import load_drafter, turns
+    from eagle3.evaluate import add_decode_args, decode_config, load_drafter
     from eagle3.target import load_target
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -62,26 +61,14 @@ def main() -> int:
     )
     p.add_argument("--bench", default="humaneval")
     p.add_argument("--limit", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--mode", choices=("chain", "tree"), default="chain")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--topk", type=int, default=10)
-    p.add_argument("--total-tokens", type=int, default=60)
-    p.add_argument("--depth", type=int, default=8)
+    add_decode_args(p, steps=5, max_new_tokens=128)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = DecodeConfig(
-        mode=args.mode,
-        steps=args.steps,
-        topk=args.topk,
-        total_tokens=args.total_tokens,
-        depth=args.depth,
-        max_new_tokens=args.max_new_tokens,
-    )
+    cfg = decode_config(args)
     try:
         target = load_target(args.target, device=args.device, dtype=args.dtype)
         drafters = {}
@@ -100,8 +87,7 @@ def main() -> int:
     spec = {name: [0, 0.0, 0, 0, 0] for name in drafters}  # tokens, seconds, steps, accepted, same
     with torch.inference_mode():
         for i, prompt in enumerate(prompts):
-            system, users = turns(prompt.messages)
-            ids = prompt_ids(target.tokenizer, system + users[:1])  # first turn only
+            ids = prompt_ids(target.tokenizer, next_turns(prompt, []))  # first turn only
             if i == 0:  # untimed warm-up
                 plain_generate(target, ids, 8, eos_ids=eos)
             out = plain_generate(target, ids, cfg.max_new_tokens, eos_ids=eos)

@@ -29,8 +29,9 @@ import torch
 
 from eagle3.loss import target_probs, ttt_loss
 from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.target import target_facts
 from train.config import load_config
-from train.train_drafter import TTTModel, target_facts
+from train.train_drafter import TTTModel, peak_memory_gb
 
 
 def train_flops_per_token(cfg: DraftConfig, seq_len: int, ttt_steps: int) -> float:
@@ -177,12 +178,7 @@ def main() -> None:
     tokens_per_s = args.steps * B * T / elapsed
     flops = train_flops_per_token(draft_cfg, T, K)
     achieved = flops * tokens_per_s
-    if device.type == "cuda":
-        mem = torch.cuda.max_memory_allocated(device) / 2**30
-    else:
-        import resource
-
-        mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    mem = peak_memory_gb(device)
     threads = torch.get_num_threads() if device.type == "cpu" else None
     print(
         f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else f'{threads} threads'}), "

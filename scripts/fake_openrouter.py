@@ -62,9 +62,8 @@ def endpoint(provider, tag, quant, prompt, completion, cache=None, status=0, upt
     }
 
 
-# The Kimi-K2.5 providers as seen Feb-Aug 2026 (../shared/reference/OPENROUTER.md). Fireworks
-# and BaseTen are made the cheapest on purpose: a client that fails to exclude them gets
-# routed there, and the rule check catches it.
+# The Kimi-K2.5 providers as seen Feb-Aug 2026. Fireworks and BaseTen are made the cheapest on
+# purpose: a client that fails to exclude them gets routed there, and the rule check catches it.
 KIMI_ENDPOINTS = [
     endpoint("Chutes", "chutes", "int4", 0.45, 2.20, 0.225, uptime=97.2),
     endpoint("DeepInfra", "deepinfra", "unknown", 0.50, 2.50, 0.10, uptime=99.0),

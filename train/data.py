@@ -19,12 +19,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
 from eagle3.data.chat import RenderError, render_record
 from eagle3.data.records import read_records
+from eagle3.data.shards import ShardDataset
 from eagle3.errors import Eagle3Error
-from eagle3.vocab import count_tokens
+from eagle3.vocab import token_frequencies
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +38,6 @@ def load_shards(
     shard_dirs: list[str], dtype: torch.dtype = torch.float32
 ) -> tuple[Dataset, list[int], list[dict[str, Any]]]:
     """-> (one dataset over all dirs, lengths, each dir's meta); hidden states read as `dtype`."""
-    from eagle3.data.shards import ShardDataset
-
     parts = [ShardDataset(d, dtype=dtype) for d in shard_dirs]
     lengths = [n for p in parts for n in p.lengths]
     return ConcatDataset(parts), lengths, [p.meta for p in parts]
@@ -130,18 +130,17 @@ def token_counts(dataset: Dataset, vocab_size: int) -> torch.Tensor:
     counts = torch.zeros(vocab_size, dtype=torch.long)
     parts = dataset.datasets if isinstance(dataset, ConcatDataset) else [dataset]
     for part in parts:
-        if hasattr(part, "index") and hasattr(part, "dir"):  # eagle3.data.shards.ShardDataset
+        if isinstance(part, ShardDataset):
             counts += _shard_token_counts(part, vocab_size)
             continue
         for i in range(len(part)):
             item = part[i]
-            counts += count_tokens([item["input_ids"]], [item["loss_mask"]], vocab_size)
+            counts += token_frequencies([item["input_ids"]], [item["loss_mask"]], vocab_size)
     return counts
 
 
-def _shard_token_counts(ds: Any, vocab_size: int) -> torch.Tensor:
-    from safetensors import safe_open
-
+def _shard_token_counts(ds: ShardDataset, vocab_size: int) -> torch.Tensor:
+    """One capture dir's counts, from each shard's input_ids and loss_mask tensors alone."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     by_shard: dict[str, list[dict]] = {}
     for entry in ds.index:
@@ -152,7 +151,7 @@ def _shard_token_counts(ds: Any, vocab_size: int) -> torch.Tensor:
         keep = torch.zeros(ids.numel(), dtype=torch.bool)  # rows of indexed records only
         for e in entries:
             keep[e["offset"] : e["offset"] + e["length"]] = True
-        counts += count_tokens([ids[keep]], [mask[keep]], vocab_size)
+        counts += token_frequencies([ids[keep]], [mask[keep]], vocab_size)
     return counts
 
 

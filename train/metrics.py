@@ -17,20 +17,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from eagle3.tracking import wandb_mode
+
 LINE_EVERY_S = 30.0  # plain progress lines when stderr is not a terminal
 
 log = logging.getLogger(__name__)
-
-
-def wandb_mode(requested: str) -> str:
-    """auto -> online only when an API key is configured, else offline (no prompt, no network)."""
-    if requested != "auto":
-        return requested
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    if os.environ.get("WANDB_API_KEY"):
-        return "online"
-    return "offline"
 
 
 class MetricsLog:
@@ -84,7 +75,7 @@ class MetricsLog:
         now = time.monotonic()
         if self.plain and (now - self.last_line >= LINE_EVERY_S or step >= self.total_steps):
             self.last_line = now
-            rate = (step - self.start_step) / max(now - self.t0, 1e-9)  # steps/s this session
+            rate = (step - self.start_step) / max(now - self.t0, 1e-9)  # steps/s since this launch
             eta = (self.total_steps - step) / rate if rate > 0 else float("nan")
             print(
                 f"step {step}/{self.total_steps}: loss {metrics['loss']:.3f}, "

@@ -3,14 +3,15 @@
     accelerate launch train/train_drafter.py --config configs/train/smollm2-q4-cpu.yaml [key=value ...]
     python train/train_drafter.py --config configs/train/smollm2-q4-cpu.yaml train.max_steps=20
 
-The recipe reads top to bottom: config -> data -> draft vocab -> model/optimizer -> loop.
-One optimizer step = `optim.grad_accum` micro-batches on each of N processes. Each step's
-loss is normalised by the number of valid label positions of the *whole* step (all
-micro-batches, all ranks), so N processes x batch b equal 1 process x batch N*b and
-accumulation equals a bigger batch. Outputs in `train.out_dir`:
+The recipe reads top to bottom: `setup` (config -> data -> draft vocab -> model/optimizer),
+`train_loop` (one visible loop), `cleanup` (the final export). One optimizer step =
+`optim.grad_accum` micro-batches on each of N processes. Each step's loss is normalised by the
+number of valid label positions of the *whole* step (all micro-batches, all ranks), so N
+processes x batch b equal 1 process x batch N*b and accumulation equals a bigger batch.
+Outputs in `train.out_dir`:
 
     config.yaml               resolved config of this launch
-    draft_vocab.safetensors   d2t / t2d / counts: built once, reused on resume and fine-tuning
+    draft_vocab.safetensors   d2t / t2d: built once, reused on resume and fine-tuning
     metrics.jsonl             one line per logged step (same numbers as W&B)
     checkpoints/step-N/       draft/ (SGLang EAGLE3 format) + state/ (accelerate: optimizer,
                               scheduler, RNG) + trainer_state.json (written last = complete)
@@ -26,6 +27,8 @@ import resource
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repo root importable
@@ -36,13 +39,31 @@ from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin, set_seed
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.utils.data import Dataset
 
+from eagle3.checkpoint import load_draft, save_draft
+from eagle3.cli import run_cli
 from eagle3.errors import ConfigError, Eagle3Error
-from eagle3.loss import simulated_acceptance, target_probs, ttt_loss
+from eagle3.loss import simulated_acceptance, target_probs, ttt_loss, valid_counts
 from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.target import (
+    Target,
+    default_aux_layers,
+    load_embeddings,
+    load_lm_head,
+    load_target,
+    target_facts,
+)
 from eagle3.vocab import DraftVocab, build_draft_vocab, vocab_from_d2t
-from train import data as D
 from train.config import Config, load_config
+from train.data import (
+    TokenRecords,
+    check_shard_meta,
+    load_shards,
+    step_batches,
+    steps_per_epoch,
+    token_counts,
+)
 from train.metrics import MetricsLog
 
 VOCAB_FILE = "draft_vocab.safetensors"
@@ -58,28 +79,6 @@ class TTTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor) -> list[torch.Tensor]:
         return self.draft.ttt_forward(input_ids, aux_hidden, self.ttt_steps)
-
-
-# -- target facts (no weights loaded) ---------------------------------------------------------
-def target_facts(name: str) -> dict:
-    """name, vocab, hidden size, layers and the HF config of a target, from config.json only."""
-    from transformers import AutoConfig
-
-    from eagle3.target import resolve
-
-    display, hf_dir, spec = resolve(name)
-    hf_config = AutoConfig.from_pretrained(
-        hf_dir, trust_remote_code=bool(spec and spec.get("trust_remote_code"))
-    )
-    text = getattr(hf_config, "text_config", None) or hf_config
-    return {
-        "name": display,
-        "hf_config": text,
-        "vocab_size": text.vocab_size,
-        "hidden_size": text.hidden_size,
-        "num_layers": text.num_hidden_layers,
-        "aux_layer_ids": (spec or {}).get("aux_layer_ids"),
-    }
 
 
 # -- draft vocab: built once, then always reused ------------------------------------------------
@@ -102,8 +101,10 @@ def read_vocab(path: Path, vocab_size: int) -> DraftVocab:
 
 
 def setup_vocab(
-    cfg: Config, accelerator: Accelerator, dataset, vocab_size: int, out_dir: Path
+    cfg: Config, accelerator: Accelerator, dataset: Dataset, vocab_size: int, out_dir: Path
 ) -> DraftVocab:
+    """The run's draft vocab: its saved one (resume), else model.draft_vocab / model.init_from's,
+    else built from the training data on the main process; saved once, read by every rank."""
     saved = out_dir / VOCAB_FILE
     source = cfg.model.draft_vocab or cfg.model.init_from
     exists = saved.is_file()
@@ -122,9 +123,7 @@ def setup_vocab(
         how = f"copied from {source}"
     else:
         if accelerator.is_main_process:
-            vocab = build_draft_vocab(
-                D.token_counts(dataset, vocab_size), cfg.model.draft_vocab_size
-            )
+            vocab = build_draft_vocab(token_counts(dataset, vocab_size), cfg.model.draft_vocab_size)
         how = "built from the training data's loss-masked tokens"
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -136,6 +135,8 @@ def setup_vocab(
 
 # -- checkpoints --------------------------------------------------------------------------------
 def find_resume(cfg: Config, out_dir: Path) -> Path | None:
+    """The complete checkpoint train.resume_from names (latest: the newest), or None for a
+    fresh run, which refuses an out_dir that already holds checkpoints."""
     ckpts = sorted((out_dir / "checkpoints").glob("step-*/trainer_state.json"))
     if cfg.train.resume_from is None:
         if ckpts:
@@ -158,8 +159,6 @@ def export_draft(
     accelerator: Accelerator, model: nn.Module, draft_cfg: DraftConfig, path: Path, extra: dict
 ) -> None:
     """SGLang-format draft from the (possibly ZeRO-3 sharded) training model."""
-    from eagle3.checkpoint import save_draft
-
     state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards onto the main process
     if accelerator.is_main_process:
         with torch.device("meta"):
@@ -172,22 +171,25 @@ def export_draft(
         save_draft(draft, path, extra_config=extra)
 
 
-def save_checkpoint(
-    accelerator, model, draft_cfg, out_dir: Path, step: int, keep_last: int, extra: dict
-) -> None:
-    ckpt = out_dir / "checkpoints" / f"step-{step:07d}"
+def save_checkpoint(run: Run, step: int) -> None:
+    """checkpoints/step-N: state (every rank saves its part), the SGLang draft, then
+    trainer_state.json; optimizer states older than train.keep_last are dropped."""
+    accelerator, checkpoints = run.accelerator, run.out_dir / "checkpoints"
+    ckpt = checkpoints / f"step-{step:07d}"
     accelerator.save_state(str(ckpt / "state"))  # model, optimizer, scheduler, RNG (all ranks)
-    export_draft(accelerator, model, draft_cfg, ckpt / "draft", extra)
+    export_draft(accelerator, run.model, run.draft_cfg, ckpt / "draft", run.export_extra)
     if accelerator.is_main_process:
         (ckpt / "trainer_state.json").write_text(json.dumps({"step": step}))  # last: marks complete
-        done = sorted((out_dir / "checkpoints").glob("step-*/trainer_state.json"))
-        for old in done[:-keep_last]:  # keep every SGLang export, drop old optimizer states
+        done = sorted(checkpoints.glob("step-*/trainer_state.json"))
+        for old in done[: -run.cfg.train.keep_last]:  # keep every SGLang export
             shutil.rmtree(old.parent / "state", ignore_errors=True)
     accelerator.wait_for_everyone()
 
 
 # -- the schedule ---------------------------------------------------------------------------------
-def lr_lambda(warmup: int, total: int, min_ratio: float):
+def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
+    """LambdaLR factor: linear warmup, then cosine decay to `min_ratio` at `total` steps."""
+
     def fn(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
@@ -198,13 +200,72 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
 
 
 def peak_memory_gb(device: torch.device) -> float:
+    """Peak GPU memory allocated on `device`, or on the CPU the process's peak RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
 
 
-# -- the recipe -----------------------------------------------------------------------------------
-def train(cfg: Config) -> None:
+# -- setup: everything the loop needs, checked before any training work ------------------------
+@dataclass
+class TrainData:
+    """The training sequences and the target matrices the loop needs, offline or online."""
+
+    dataset: Dataset
+    lengths: list[int]
+    aux_layer_ids: list[int]
+    lm_head: torch.Tensor  # (V, H) on the device: soft labels, chunked, never full-vocab x T
+    embed: torch.Tensor  # (V, H): the drafter's frozen embeddings
+    target: Target | None  # online only: it runs inside the loop
+    provenance: dict
+
+
+@dataclass
+class Run:
+    """What setup() builds and the loop uses, read by name."""
+
+    cfg: Config
+    accelerator: Accelerator
+    model: nn.Module  # the prepared TTTModel
+    params: list[nn.Parameter]  # the trainable ones (clipped)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    stream: Iterator[tuple[int, list[dict[str, torch.Tensor]]]]  # (epoch, micro-batches)
+    logger: MetricsLog
+    data: TrainData
+    t2d: torch.Tensor  # the draft vocab's t2d on the device
+    draft_cfg: DraftConfig
+    hidden_dtype: torch.dtype
+    out_dir: Path
+    total_steps: int
+    start_step: int  # optimizer steps already done: the resumed checkpoint's step, else 0
+    export_extra: dict  # config.json fields of every exported draft
+
+    def labelled(self, batch: dict) -> dict:
+        """Move a micro-batch to the device and attach soft labels from the target."""
+        device, dtype = self.accelerator.device, self.hidden_dtype
+        ids = batch["input_ids"].to(device)
+        if self.data.target is None:  # offline: the shards hold the target's hidden states
+            aux, last = batch["aux_hidden"], batch["last_hidden"]
+        else:  # online: run the target now
+            aux, last = self.data.target.capture(ids, batch["attention_mask"])
+        aux, last = aux.to(device, dtype), last.to(device, dtype)
+        probs, in_vocab = target_probs(
+            last, self.data.lm_head, self.t2d, self.cfg.data.lm_head_chunk
+        )
+        return {
+            "input_ids": ids,
+            "aux": aux if self.draft_cfg.feature == "aux" else last,
+            "probs": probs,
+            "in_vocab": in_vocab,
+            "loss_mask": batch["loss_mask"].to(device),
+            "tokens": int(batch["attention_mask"].sum()),
+            "slots": ids.numel(),
+        }
+
+
+def make_accelerator(cfg: Config) -> tuple[Accelerator, torch.dtype]:
+    """The Accelerator of this launch and the dtype hidden states are fed in."""
     on_gpu = torch.cuda.is_available()
     mixed = cfg.train.mixed_precision
     if mixed == "auto":
@@ -217,20 +278,18 @@ def train(cfg: Config) -> None:
         ),
         step_scheduler_with_optimizer=False,  # we step it once per optimizer step, whatever N is
     )
-    device, world, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
-    main = accelerator.is_main_process
-    out_dir = Path(cfg.train.out_dir)
-    resume = find_resume(cfg, out_dir)
-    set_seed(cfg.train.seed)
-    hidden_dtype = torch.bfloat16 if mixed == "bf16" else torch.float32
+    return accelerator, torch.bfloat16 if mixed == "bf16" else torch.float32
 
-    # ---- target facts and data (everything checked before any training work) ----
-    facts = target_facts(cfg.target.name)
-    target = None
+
+def load_data(
+    cfg: Config, facts: dict, device: torch.device, hidden_dtype: torch.dtype
+) -> TrainData:
+    """Offline: the shards, checked against the target, and the target's lm_head and
+    embeddings read alone. Online: the target itself and the tokenized records."""
     if cfg.data.mode == "offline":
-        dataset, lengths, metas = D.load_shards(cfg.data.shard_dirs, hidden_dtype)
+        dataset, lengths, metas = load_shards(cfg.data.shard_dirs, hidden_dtype)
         aux_ids = cfg.target.aux_layer_ids or metas[0].get("aux_layer_ids")
-        problems = D.check_shard_meta(
+        problems = check_shard_meta(
             metas,
             cfg.data.shard_dirs,
             target=facts["name"],
@@ -240,13 +299,10 @@ def train(cfg: Config) -> None:
         )
         if problems:
             raise ConfigError("; ".join(problems))
-        from eagle3.target import load_embeddings, load_lm_head
-
+        target = None
         lm_head, embed = load_lm_head(cfg.target.name), load_embeddings(cfg.target.name)
         provenance = {"shards": dict(zip(cfg.data.shard_dirs, metas))}
     else:
-        from eagle3.target import default_aux_layers, load_target
-
         aux_ids = (
             cfg.target.aux_layer_ids
             or facts["aux_layer_ids"]
@@ -259,44 +315,59 @@ def train(cfg: Config) -> None:
             device_map=cfg.target.device_map,
             aux_layer_ids=aux_ids,
         )
-        dataset = D.TokenRecords(cfg.data.records, cfg.data.max_length, target.tokenizer)
+        dataset = TokenRecords(cfg.data.records, cfg.data.max_length, target.tokenizer)
         lengths = dataset.lengths
         lm_head, embed = target.lm_head_weight, target.embed_weight
         provenance = {"records": cfg.data.records, "skipped_records": dataset.skipped}
     provenance.update(target=facts["name"], sequences=len(lengths), tokens=sum(lengths))
-    lm_head = lm_head.to(device, hidden_dtype)  # soft labels only; chunked, never full-vocab x T
+    return TrainData(
+        dataset=dataset,
+        lengths=lengths,
+        aux_layer_ids=aux_ids,
+        lm_head=lm_head.to(device, hidden_dtype),
+        embed=embed,
+        target=target,
+        provenance=provenance,
+    )
 
-    # ---- draft vocab (built once per run, saved, reused) and model ----
-    vocab = setup_vocab(cfg, accelerator, dataset, facts["vocab_size"], out_dir)
+
+def build_draft(cfg: Config, facts: dict, vocab: DraftVocab, data: TrainData) -> Eagle3Draft:
+    """A fresh drafter on the target's frozen embeddings, or the one of model.init_from."""
     overrides = {"feature": cfg.model.feature}
     if cfg.model.intermediate_size:
         overrides["intermediate_size"] = cfg.model.intermediate_size
-    draft_cfg = DraftConfig.from_target_config(facts["hf_config"], vocab.size, aux_ids, **overrides)
-    if cfg.model.init_from is not None:
-        from eagle3.checkpoint import load_draft
-
-        draft = load_draft(cfg.model.init_from, embed_weight=embed.float().cpu())
-        draft_cfg = draft.config
-        if draft_cfg.feature != cfg.model.feature:
-            raise Eagle3Error(
-                f"model.init_from {cfg.model.init_from} takes feature {draft_cfg.feature!r} but "
-                f"model.feature is {cfg.model.feature!r}; set model.feature={draft_cfg.feature}"
-            )
-    else:
+    draft_cfg = DraftConfig.from_target_config(
+        facts["hf_config"], vocab.size, data.aux_layer_ids, **overrides
+    )
+    if cfg.model.init_from is None:
         draft = Eagle3Draft(draft_cfg)
-        draft.set_embeddings(embed.float().cpu())  # the target's, frozen
+        draft.set_embeddings(data.embed.float().cpu())  # the target's, frozen
         draft.set_vocab(vocab.d2t, vocab.t2d)
-    t2d = vocab.t2d.to(device)
+        return draft
+    draft = load_draft(cfg.model.init_from, embed_weight=data.embed.float().cpu())
+    if draft.config.feature != cfg.model.feature:
+        raise Eagle3Error(
+            f"model.init_from {cfg.model.init_from} takes feature {draft.config.feature!r} but "
+            f"model.feature is {cfg.model.feature!r}; set model.feature={draft.config.feature}"
+        )
+    return draft
 
-    # ---- optimizer, schedule, accelerate ----
-    per_epoch = D.steps_per_epoch(lengths, cfg.data.batch_size, world, cfg.optim.grad_accum)
+
+def count_steps(cfg: Config, lengths: list[int], world: int) -> int:
+    """Optimizer steps of the run: train.max_steps, else train.epochs over the data."""
+    per_epoch = steps_per_epoch(lengths, cfg.data.batch_size, world, cfg.optim.grad_accum)
     if per_epoch == 0:
         raise Eagle3Error(
             f"{len(lengths)} sequences are fewer than one optimizer step needs (data.batch_size "
             f"{cfg.data.batch_size} x {world} processes x optim.grad_accum {cfg.optim.grad_accum})"
         )
-    total_steps = cfg.train.max_steps or cfg.train.epochs * per_epoch
-    model = TTTModel(draft, cfg.model.ttt_steps)
+    return cfg.train.max_steps or cfg.train.epochs * per_epoch
+
+
+def make_optimizer(
+    cfg: Config, model: nn.Module, total_steps: int
+) -> tuple[list[nn.Parameter], torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over the trainable parameters, and its warmup + cosine schedule."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params,
@@ -308,101 +379,174 @@ def train(cfg: Config) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.optim.warmup_steps, total_steps, cfg.optim.min_lr_ratio)
     )
-    if accelerator.state.deepspeed_plugin is not None:  # no prepared dataloader to infer these from
-        ds = accelerator.state.deepspeed_plugin.deepspeed_config
-        ds["train_micro_batch_size_per_gpu"] = cfg.data.batch_size
-        ds["gradient_accumulation_steps"] = cfg.optim.grad_accum
-        ds["train_batch_size"] = cfg.data.batch_size * cfg.optim.grad_accum * world
-        ds["gradient_clipping"] = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 0.0
+    return params, optimizer, scheduler
+
+
+def configure_deepspeed(cfg: Config, accelerator: Accelerator) -> None:
+    """Batch sizes and clipping for DeepSpeed: there is no prepared dataloader to infer them."""
+    if accelerator.state.deepspeed_plugin is None:
+        return
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    ds["train_micro_batch_size_per_gpu"] = cfg.data.batch_size
+    ds["gradient_accumulation_steps"] = cfg.optim.grad_accum
+    ds["train_batch_size"] = cfg.data.batch_size * cfg.optim.grad_accum * accelerator.num_processes
+    ds["gradient_clipping"] = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 0.0
+
+
+def setup(cfg: Config) -> Run:
+    """Data -> draft vocab -> model/optimizer -> resume -> logger and data stream."""
+    accelerator, hidden_dtype = make_accelerator(cfg)
+    world = accelerator.num_processes
+    out_dir = Path(cfg.train.out_dir)
+    resume = find_resume(cfg, out_dir)
+    set_seed(cfg.train.seed)
+    facts = target_facts(cfg.target.name)
+    data = load_data(cfg, facts, accelerator.device, hidden_dtype)
+    vocab = setup_vocab(cfg, accelerator, data.dataset, facts["vocab_size"], out_dir)
+    draft = build_draft(cfg, facts, vocab, data)
+    total_steps = count_steps(cfg, data.lengths, world)
+    model = TTTModel(draft, cfg.model.ttt_steps)
+    params, optimizer, scheduler = make_optimizer(cfg, model, total_steps)
+    configure_deepspeed(cfg, accelerator)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
     start_step = 0
     if resume is not None:
         accelerator.load_state(str(resume / "state"))
         start_step = json.loads((resume / "trainer_state.json").read_text())["step"]
-    if main:
+    if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(cfg.to_yaml())
         print(cfg.to_yaml(), flush=True)
         print(
-            f"{cfg.data.mode} training on {world} process(es): {len(lengths)} sequences, "
+            f"{cfg.data.mode} training on {world} process(es): {len(data.lengths)} sequences, "
             f"{total_steps} steps, draft vocab {vocab.size}"
             + (f", resuming from {resume} (step {start_step})" if resume else ""),
             flush=True,
         )
     logger = MetricsLog(
         out_dir,
-        enabled=main,
+        enabled=accelerator.is_main_process,
         total_steps=total_steps,
         start_step=start_step,
         wandb_cfg=cfg.wandb,
         config=cfg.to_dict(),
-        provenance=provenance,
+        provenance=data.provenance,
         progress=cfg.train.progress,
     )
-    extra = {
-        "target": facts["name"],
-        "target_architectures": list(getattr(facts["hf_config"], "architectures", None) or []),
-        "ttt_steps": cfg.model.ttt_steps,
-        "train_steps": total_steps,
-    }
-    stream = D.step_batches(
-        dataset,
-        lengths,
+    stream = step_batches(
+        data.dataset,
+        data.lengths,
         batch_size=cfg.data.batch_size,
         grad_accum=cfg.optim.grad_accum,
-        rank=rank,
+        rank=accelerator.process_index,
         world_size=world,
         seed=cfg.train.seed,
         group_by_length=cfg.data.group_by_length,
         start_step=start_step,  # the data position of the checkpoint
         num_workers=cfg.data.num_workers,
     )
+    export_extra = {
+        "target": facts["name"],
+        "target_architectures": list(getattr(facts["hf_config"], "architectures", None) or []),
+        "ttt_steps": cfg.model.ttt_steps,
+        "train_steps": total_steps,
+    }
+    return Run(
+        cfg=cfg,
+        accelerator=accelerator,
+        model=model,
+        params=params,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        stream=stream,
+        logger=logger,
+        data=data,
+        t2d=vocab.t2d.to(accelerator.device),
+        draft_cfg=draft.config,
+        hidden_dtype=hidden_dtype,
+        out_dir=out_dir,
+        total_steps=total_steps,
+        start_step=start_step,
+        export_extra=export_extra,
+    )
 
-    def labelled(batch: dict) -> dict:
-        """Move a micro-batch to the device and attach soft labels from the target."""
-        ids = batch["input_ids"].to(device)
-        if target is None:  # offline: the shards hold the target's hidden states
-            aux, last = (
-                batch["aux_hidden"].to(device, hidden_dtype),
-                batch["last_hidden"].to(device, hidden_dtype),
-            )
-        else:  # online: run the target now
-            aux, last = target.capture(ids, batch["attention_mask"])
-            aux, last = aux.to(device, hidden_dtype), last.to(device, hidden_dtype)
-        probs, in_vocab = target_probs(last, lm_head, t2d, cfg.data.lm_head_chunk)
-        mask = batch["loss_mask"].to(device)
-        return {
-            "input_ids": ids,
-            "aux": aux if draft_cfg.feature == "aux" else last,
-            "probs": probs,
-            "in_vocab": in_vocab,
-            "loss_mask": mask,
-            "tokens": int(batch["attention_mask"].sum()),
-            "slots": ids.numel(),
-        }
 
-    # ---- the loop: one iteration = one optimizer step ----
-    K, G = cfg.model.ttt_steps, cfg.optim.grad_accum
-    # running sums since the last log line: ce_k * count_k, correct_k, count_k, tokens, slots
-    sums = torch.zeros(3 * K + 2, dtype=torch.float64, device=device)
+# -- the loop ---------------------------------------------------------------------------------------
+def loss_denominators(run: Run, window: list[dict]) -> list[float]:
+    """Per-TTT-step loss denominators of one optimizer step: the valid label positions of all
+    its micro-batches on all ranks, so each micro-loss is a share of the whole step's mean."""
+    K, G = run.cfg.model.ttt_steps, run.cfg.optim.grad_accum
+    counts = torch.stack([valid_counts(mb["in_vocab"], mb["loss_mask"], K) for mb in window])
+    counts = run.accelerator.reduce(counts.sum(0), reduction="sum")
+    # accelerate divides each micro-loss by G and DDP averages ranks: undo both here
+    return (counts.double() / (run.accelerator.num_processes * G)).tolist()
+
+
+def clip_gradients(run: Run) -> float:
+    """Clip to optim.grad_clip (0: no clipping) -> the norm before clipping (nan if unknown)."""
+    clip = run.cfg.optim.grad_clip if run.cfg.optim.grad_clip > 0 else float("inf")
+    norm = run.accelerator.clip_grad_norm_(run.params, clip)
+    return float(norm) if norm is not None else float("nan")
+
+
+def add_to_sums(sums: torch.Tensor, m: dict, mb: dict, K: int) -> None:
+    """Running sums since the last log line: ce_k * count_k, correct_k, count_k, tokens, slots."""
+    for k in range(K):
+        sums[k] += m[f"loss_{k}"] * m[f"count_{k}"]
+        sums[K + k] += m[f"correct_{k}"]
+        sums[2 * K + k] += m[f"count_{k}"]
+    sums[3 * K] += mb["tokens"]
+    sums[3 * K + 1] += mb["slots"]
+
+
+def log_metrics(
+    run: Run, step: int, sums: torch.Tensor, seconds: float, lr: float, grad_norm: float, epoch: int
+) -> None:
+    """Reduce the running sums over ranks (every rank takes part) and log them (main writes)."""
+    K, w = run.cfg.model.ttt_steps, run.cfg.model.step_weight
+    total = run.accelerator.reduce(sums, reduction="sum").tolist()
+    count = [max(c, 1) for c in total[2 * K : 3 * K]]
+    losses = [total[k] / count[k] for k in range(K)]
+    accs = [total[K + k] / count[k] for k in range(K)]
+    metrics = {
+        "loss": sum(w**k * losses[k] for k in range(K)),
+        **{f"loss_{k}": losses[k] for k in range(K)},
+        **{f"acc_{k}": accs[k] for k in range(K)},
+        "sim_accept_len": simulated_acceptance(accs),
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens_per_s": total[3 * K] / seconds,
+        "padding_frac": 1 - total[3 * K] / max(total[3 * K + 1], 1),
+        "peak_mem_gb": peak_memory_gb(run.accelerator.device),
+        "epoch": epoch,
+    }
+    run.logger.log(step, metrics)
+
+
+def train_loop(run: Run) -> None:
+    """One iteration = one optimizer step of optim.grad_accum micro-batches on every rank."""
+    cfg, accelerator, model = run.cfg, run.accelerator, run.model
+    K = cfg.model.ttt_steps
+    sums = torch.zeros(3 * K + 2, dtype=torch.float64, device=accelerator.device)
     grad_norm, epoch = float("nan"), 0
     model.train()
     t_last = time.perf_counter()
-    for step in range(start_step + 1, total_steps + 1):
-        # 1. fetch this step's micro-batches; count label positions over all of them, all ranks
-        epoch, micro = next(stream)
-        window = [labelled(batch) for batch in micro]
-        counts = torch.stack(
-            [valid_counts(mb["in_vocab"], mb["loss_mask"], K) for mb in window]
-        ).sum(0)
-        counts = accelerator.reduce(counts, reduction="sum")
-        # accelerate divides each micro-loss by G and DDP averages ranks: undo both in the denominator
-        denominators = (counts.double() / (world * G)).tolist()
+    step = run.start_step  # optimizer steps done
+    while True:
+        lr = run.scheduler.get_last_lr()[0]
+        # checkpoint the step just done (not the one resumed from); every rank takes part
+        last = step >= run.total_steps
+        if step > run.start_step and (step % cfg.train.save_every == 0 or last):
+            save_checkpoint(run, step)
+        if last:
+            break
 
-        # 2. forward/backward each micro-batch; accelerate syncs gradients and really steps the
-        #    optimizer only on the last one (step/zero_grad are no-ops before it)
-        lr = scheduler.get_last_lr()[0]
+        # this step's micro-batches; accelerate syncs gradients and really steps the optimizer
+        # on the last one only (step and zero_grad are no-ops before it)
+        epoch, micro = next(run.stream)
+        window = [run.labelled(batch) for batch in micro]
+        denominators = loss_denominators(run, window)
         for mb in window:
             with accelerator.accumulate(model):
                 step_logits = model(mb["input_ids"], mb["aux"])
@@ -416,76 +560,50 @@ def train(cfg: Config) -> None:
                 )
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-                    norm = accelerator.clip_grad_norm_(params, clip)
-                    grad_norm = float(norm) if norm is not None else float("nan")
-                optimizer.step()
+                    grad_norm = clip_gradients(run)
+                run.optimizer.step()
                 if accelerator.sync_gradients:
-                    scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            for k in range(K):
-                sums[k] += m[f"loss_{k}"] * m[f"count_{k}"]
-                sums[K + k] += m[f"correct_{k}"]
-                sums[2 * K + k] += m[f"count_{k}"]
-            sums[3 * K] += mb["tokens"]
-            sums[3 * K + 1] += mb["slots"]
-        logger.advance()
+                    run.scheduler.step()
+                run.optimizer.zero_grad(set_to_none=True)
+            add_to_sums(sums, m, mb, K)
+        step += 1
+        run.logger.advance()
 
-        # 3. log (all ranks reduce, main writes), checkpoint
-        if step % cfg.train.log_every == 0 or step == total_steps:
-            total = accelerator.reduce(sums, reduction="sum").tolist()
+        if step % cfg.train.log_every == 0 or step == run.total_steps:
             now = time.perf_counter()
-            count = [max(c, 1) for c in total[2 * K : 3 * K]]
-            losses = [total[k] / count[k] for k in range(K)]
-            accs = [total[K + k] / count[k] for k in range(K)]
-            metrics = {
-                "loss": sum(cfg.model.step_weight**k * losses[k] for k in range(K)),
-                **{f"loss_{k}": losses[k] for k in range(K)},
-                **{f"acc_{k}": accs[k] for k in range(K)},
-                "sim_accept_len": simulated_acceptance(accs),
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens_per_s": total[3 * K] / (now - t_last),
-                "padding_frac": 1 - total[3 * K] / max(total[3 * K + 1], 1),
-                "peak_mem_gb": peak_memory_gb(device),
-                "epoch": epoch,
-            }
-            logger.log(step, metrics)
+            log_metrics(run, step, sums, now - t_last, lr, grad_norm, epoch)
             sums.zero_()
             t_last = now
-        if step % cfg.train.save_every == 0 or step == total_steps:
-            save_checkpoint(
-                accelerator, model, draft_cfg, out_dir, step, cfg.train.keep_last, extra
-            )
-
-    export_draft(accelerator, model, draft_cfg, out_dir / "final", extra)
-    logger.write(f"done: {total_steps} steps; SGLang draft in {out_dir / 'final'}")
-    logger.close()
-    accelerator.end_training()
 
 
-def valid_counts(in_vocab: torch.Tensor, loss_mask: torch.Tensor, ttt_steps: int) -> torch.Tensor:
-    """Label positions per TTT step, as eagle3.loss.ttt_loss counts them -> int64 (K,)."""
-    T = loss_mask.shape[1]
-    out = torch.zeros(ttt_steps, dtype=torch.long, device=loss_mask.device)
-    for k in range(ttt_steps):
-        n = T - k - 2
-        if n > 0:
-            out[k] = (loss_mask[:, k + 2 : k + 2 + n].bool() & in_vocab[:, k + 1 : k + 1 + n]).sum()
-    return out
+def cleanup(run: Run) -> None:
+    """The final SGLang draft, then close the logger and the process group."""
+    final = run.out_dir / "final"
+    export_draft(run.accelerator, run.model, run.draft_cfg, final, run.export_extra)
+    run.logger.write(f"done: {run.total_steps} steps; SGLang draft in {final}")
+    run.logger.close()
+    run.accelerator.end_training()
+
+
+def train(cfg: Config) -> None:
+    """The whole recipe: setup, the loop, the final export."""
+    run = setup(cfg)
+    train_loop(run)
+    cleanup(run)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI: exit 0, or 2 with one `error:` line for a config or data mistake."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML recipe (configs/train/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. optim.lr=5e-5")
     args = parser.parse_args(argv)
-    try:
+
+    def run() -> int:
         train(load_config(args.config, args.overrides))
-    except Eagle3Error as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return run_cli(run)
 
 
 if __name__ == "__main__":

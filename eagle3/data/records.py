@@ -40,7 +40,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -324,6 +324,19 @@ def normalize_usage(usage: dict | None) -> dict:
     }
 
 
+def sum_usage(usages: Iterable[dict | None]) -> dict:
+    """The usage of several requests (e.g. the turns of one conversation) as one record usage
+    dict: tokens add up; cost adds up over the requests that report one, None when none does."""
+    total = normalize_usage(None)
+    for usage in usages:
+        u = normalize_usage(usage)
+        for key in ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens"):
+            total[key] += u[key]
+        if u["cost"] is not None:
+            total["cost"] = (total["cost"] or 0.0) + u["cost"]
+    return total
+
+
 def make_record(
     prompt: Prompt,
     messages: list[dict],
@@ -412,4 +425,5 @@ __all__ = [
     "normalize_usage",
     "read_records",
     "repair_tail",
+    "sum_usage",
 ]

@@ -48,10 +48,10 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -59,6 +59,9 @@ from safetensors.torch import save_file
 
 from eagle3.data.records import repair_tail
 from eagle3.errors import Eagle3Error
+
+if TYPE_CHECKING:
+    from eagle3.target import Target
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +150,17 @@ def read_index(out_dir: str | Path) -> list[dict]:
                 seen.add(e["id"])
                 entries.append(e)
     return entries
+
+
+def target_meta(target: Target) -> dict:
+    """The meta.json fields that name the target a capture comes from (training checks them)."""
+    return {
+        "target": target.name,
+        "vocab_size": target.vocab_size,
+        "target_hidden_size": target.hidden_size,
+        "aux_layer_ids": list(target.aux_layer_ids),
+        "num_layers": target.num_layers,
+    }
 
 
 def check_meta(old: dict, new: dict, out_dir: Path) -> None:
@@ -355,14 +369,19 @@ class ShardWriter:
         self.records_written += len(entries)
 
     def close(self) -> None:
+        self._write_rest()
+        if self.finalize_on_close:
+            finalize(self.dir)
+
+    def _write_rest(self) -> None:
+        """Write the buffered records and wait for the disk; then stop the thread and unlock,
+        even when the write fails."""
         try:
             self.flush()
             self.wait()
         finally:
             self._pool.shutdown()
             self._unlock()
-        if self.finalize_on_close:
-            finalize(self.dir)
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:
@@ -375,13 +394,8 @@ class ShardWriter:
     def __exit__(self, exc_type, *exc: object) -> None:
         if exc_type is None:
             self.close()
-        else:  # keep what is complete; the run is resumable
-            try:
-                self.flush()
-                self.wait()
-            finally:
-                self._pool.shutdown()
-                self._unlock()
+        else:  # keep what is complete (no finalize); the run is resumable
+            self._write_rest()
 
 
 def finalize(out_dir: str | Path, extra_meta: dict | None = None) -> dict:
@@ -500,9 +514,6 @@ class ShardDataset(torch.utils.data.Dataset):
             "last_hidden": last.to(self.dtype),
         }
 
-    def ids(self) -> Iterable[str]:
-        return (e["id"] for e in self.index)
-
 
 __all__ = [
     "DTYPES",
@@ -515,4 +526,5 @@ __all__ = [
     "finalize",
     "read_index",
     "read_meta",
+    "target_meta",
 ]

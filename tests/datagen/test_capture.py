@@ -94,7 +94,7 @@ def test_capture_equals_the_targets_own_forward(chat_llama, tmp_path, capsys):
     assert run_cli("--target", chat_llama, "--data", data, "--out", out, "--max-length", MAX_LENGTH,
                    "--shard-mb", 0, "--batch-tokens", 100) == 0  # fmt: skip
     ds = ShardDataset(out)
-    assert sorted(ds.ids()) == ["g0", "g1", "g2", "g3", "g4"]
+    assert sorted(e["id"] for e in ds.index) == ["g0", "g1", "g2", "g3", "g4"]
     meta = ds.meta
     assert meta["target"] == chat_llama.name and meta["vocab_size"] == 256
     assert meta["target_hidden_size"] == 64 and meta["aux_layer_ids"] == [1, 3, 4]
@@ -139,7 +139,7 @@ def test_resume_skips_what_is_captured(chat_llama, tmp_path, capsys):
     second = write_jsonl(tmp_path / "b.jsonl", GOOD[3:])
     assert run_cli(*args, "--data", first, second) == 0
     ds = ShardDataset(out)
-    assert sorted(ds.ids()) == ["g0", "g1", "g2", "g3", "g4"]
+    assert sorted(e["id"] for e in ds.index) == ["g0", "g1", "g2", "g3", "g4"]
     assert ds.meta["summary"]["already captured"] == 3 and ds.meta["summary"]["kept"] == 2
     assert len(ds.meta["sources"]) == 2 and ds.meta["models"] == {"fake/target": 5}
     capsys.readouterr()
@@ -280,8 +280,10 @@ def test_killed_run_resumes_with_every_record_once(chat_llama, tmp_path, capsys)
     assert len(read_index(out)) == 2 and any(p.name.endswith(".tmp") for p in out.iterdir())
     assert run_cli(*args) == 0
     ds = ShardDataset(out)
-    assert sorted(ds.ids()) == sorted(f"m{i}" for i in range(10))
-    assert len(list(ds.ids())) == 10 and ds.meta["summary"]["already captured"] == 2
+    assert sorted(e["id"] for e in ds.index) == sorted(f"m{i}" for i in range(10))
+    assert (
+        len(list(e["id"] for e in ds.index)) == 10 and ds.meta["summary"]["already captured"] == 2
+    )
     assert not any(p.name.endswith(".tmp") for p in out.iterdir())
     capsys.readouterr()
 
@@ -301,7 +303,7 @@ def test_two_processes_capture_every_record_exactly_once(chat_llama, tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ds = ShardDataset(out)
-    ids = list(ds.ids())
+    ids = list(e["id"] for e in ds.index)
     assert len(ids) == len(set(ids)) == 13 and set(ids) == {r["id"] for r in records}
     parts = {e["shard"].split("-")[1] for e in ds.index}
     assert parts == {"000", "001"}  # both processes wrote shards

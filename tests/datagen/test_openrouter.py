@@ -385,7 +385,7 @@ def test_bad_config_lists_every_problem(tmp_path, cli):
     assert code == 2
     line = error_line(stderr)
     for part in (
-        "unknown key 'concurency'",
+        "unknown key concurency",
         "max_tokens must be a positive integer",
         "native_precision 'int5'",
         "datasets[0]: source is required",

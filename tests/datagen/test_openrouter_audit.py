@@ -229,5 +229,5 @@ def test_config_audit_target_is_the_default(tmp_path):
     cfg = openrouter.load_config(path)
     assert (cfg.audit_target, cfg.audit_device_map) == ("kimi-k2.5", "auto")
     path.write_text("audit_target: 3\n")
-    with pytest.raises(openrouter.ConfigError, match="audit_target must be a string"):
+    with pytest.raises(openrouter.ConfigError, match="audit_target: expected str or null, got 3"):
         openrouter.load_config(path)

@@ -1,5 +1,6 @@
 """The retry policy: a table of responses -> verdicts, and delays with mocked time and jitter."""
 
+import asyncio
 import email.utils
 import random
 
@@ -112,7 +113,8 @@ CASES = [
 def test_check_table(name, status, body, action, reason):
     verdict = retry.check(status, body)
     assert (verdict.action, verdict.reason) == (action, reason)
-    assert retry.should_retry(status, body) == (reason if action == RETRY else None)
+    retried = verdict.reason if verdict.action == RETRY else None
+    assert retried == (reason if action == RETRY else None)
 
 
 @pytest.mark.parametrize("raw", [b"", b"   \n\n  ", b'{"choices": [', b"[1, 2]", b"\xff\xfe", None])
@@ -207,3 +209,51 @@ def test_server_hint_alone():
     assert retry.server_hint({"Retry-After": "2"}, None, now=NOW) == 2.0
     assert retry.server_hint({}, None, now=NOW) is None
     assert retry.server_hint({"Retry-After": "1e6"}, None, now=NOW) == retry.MAX_HINT_S
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+def run_loop(verdicts, max_attempts=4, go_on=True):
+    """send_with_retries over scripted verdicts -> (result, waits paused, retries reported)."""
+    script = iter(verdicts)
+    waits, retried = [], []
+
+    async def send(attempt):
+        action = next(script)
+        return None if action is None else retry.Attempt(retry.Verdict(action, action))
+
+    async def pause(wait):
+        waits.append(wait)
+        return go_on
+
+    policy = retry.Policy(max_attempts, initial=1.0, maximum=4.0)
+    result = asyncio.run(
+        retry.send_with_retries(
+            send, policy, FixedRng(0.0), pause=pause, on_retry=lambda a, _, w: retried.append(a)
+        )
+    )
+    return result, waits, retried
+
+
+@pytest.mark.parametrize(
+    "verdicts, max_attempts, action, attempts, waits",
+    [
+        ([OK], 4, OK, 1, []),
+        ([RETRY, RETRY, OK], 4, OK, 3, [1.0, 2.0]),
+        ([RETRY, FAIL], 4, FAIL, 2, [1.0]),
+        ([NO_CREDITS], 4, NO_CREDITS, 1, []),
+        ([RETRY] * 4, 4, RETRY, 4, [1.0, 2.0, 4.0]),  # gave up: no wait after the last
+        ([], 0, RETRY, 0, []),  # no attempt allowed: "not sent"
+    ],
+)
+def test_send_with_retries_table(verdicts, max_attempts, action, attempts, waits):
+    (last, made), paused, retried = run_loop(verdicts, max_attempts)
+    assert (last.verdict.action, made, paused) == (action, attempts, waits)
+    assert retried == list(range(1, len(waits) + 1))
+
+
+def test_send_with_retries_stops_when_the_caller_does():
+    assert run_loop([None])[0] is None  # send: nothing sent (stopping, or out of budget)
+    result, paused, _ = run_loop([RETRY, OK], go_on=False)  # pause: stopping while waiting
+    assert result is None and paused == [1.0]

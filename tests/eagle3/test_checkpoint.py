@@ -60,7 +60,9 @@ def make_draft() -> Eagle3Draft:
 @pytest.fixture
 def saved(tmp_path):
     model = make_draft()
-    out = save_draft(model, tmp_path / "ckpt", extra_config={"target": "tiny", "ttt_steps": 5})
+    out = save_draft(
+        model, tmp_path / "ckpt", extra_config={"target": "tiny", "ttt_steps": 5}, dtype=None
+    )
     return model, out
 
 
@@ -102,10 +104,12 @@ def test_config_json_carries_every_design_field(saved):
     assert {k: cfg[k] for k in expected} == expected
     for key in ("rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings"):
         assert key in cfg
-    assert cfg["eagle_config"] == {
+    assert cfg["eagle_config"] == {  # SGLang reads this and adds 1: the project's ids
         "eagle_aux_hidden_state_layer_ids": [1, 3, 4],
         "use_aux_hidden_state": True,
     }
+    # vLLM reads the top-level key first and uses it as is ("after k layers"): ids + 1
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     spec = cfg["speculators_config"]
     assert spec["algorithm"] == "eagle3" and spec["verifier"]["name_or_path"] == "tiny"
     assert spec["proposal_methods"][0]["speculative_tokens"] == 5
@@ -212,7 +216,7 @@ def test_last_feature_drafter_round_trips(tmp_path):
     cfg = DraftConfig(**{**base.to_dict(), "feature": "last"})
     model = Eagle3Draft(cfg)
     assert model.fc.in_features == cfg.target_hidden_size
-    save_draft(model, tmp_path)
+    save_draft(model, tmp_path, dtype=None)
     raw = json.loads((tmp_path / "config.json").read_text())
     assert raw["feature"] == "last" and raw["eagle_config"]["use_aux_hidden_state"] is False
     loaded = load_draft(tmp_path, embed_weight=model.embed_tokens.weight)
@@ -225,3 +229,83 @@ def test_last_feature_drafter_round_trips(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     with pytest.raises(Eagle3Error, match="feature"):
         DraftConfig(**{**base.to_dict(), "feature": "middle"})
+
+
+def test_default_export_is_bf16_and_keeps_vocab_maps(tmp_path):
+    model = make_draft()  # fp32
+    out = save_draft(model, tmp_path / "default")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16
+        assert f.get_tensor("d2t").dtype == torch.int64
+        assert f.get_tensor("t2d").dtype == torch.bool
+    loaded = load_draft(out, embed_weight=model.embed_tokens.weight)
+    assert loaded.fc.weight.dtype == torch.bfloat16
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight.to(torch.bfloat16))
+    assert torch.equal(loaded.d2t, model.d2t) and torch.equal(loaded.t2d, model.t2d)
+    assert model.fc.weight.dtype == torch.float32  # the model itself is not cast
+
+
+@pytest.mark.parametrize("name,want", [("float32", "float32"), ("fp16", "float16")])
+def test_export_dtype_by_name(tmp_path, name, want):
+    out = save_draft(make_draft(), tmp_path, dtype=name)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == want
+
+
+def test_non_float_export_dtype_is_refused(tmp_path):
+    with pytest.raises(Eagle3Error, match="not a float dtype"):
+        save_draft(make_draft(), tmp_path, dtype=torch.int8)
+
+
+@pytest.mark.parametrize("aux", [[4, 3, 1], [1, 3, 3]])
+def test_aux_ids_not_strictly_ascending_are_refused(tmp_path, aux):
+    model = make_draft()
+    model.config.aux_layer_ids = aux
+    with pytest.raises(Eagle3Error, match="strictly ascending") as err:
+        save_draft(model, tmp_path / "bad")
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "bad").exists()  # refused before anything is written
+
+
+def test_unsorted_aux_ids_in_a_checkpoint_are_refused(saved):
+    _, out = saved
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [4, 1, 3]
+    del cfg["eagle_aux_hidden_state_layer_ids"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Eagle3Error, match="strictly ascending"):
+        load_config(out)
+
+
+def test_older_checkpoint_without_the_vllm_key_still_loads(saved):
+    model, out = saved
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["eagle_aux_hidden_state_layer_ids"]  # what checkpoints before the fix carried
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert load_config(out)[0].aux_layer_ids == [1, 3, 4]
+    assert load_draft(out).config == model.config
+
+
+def test_vllm_style_config_with_only_the_top_level_key_loads(saved):
+    _, out = saved
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert load_config(out)[0].aux_layer_ids == [1, 3, 4]  # vLLM ids [2, 4, 5] - 1
+
+
+def test_inconsistent_engine_keys_are_refused(saved):
+    _, out = saved
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["eagle_aux_hidden_state_layer_ids"] = [1, 3, 4]  # project ids where vLLM reads them
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Eagle3Error, match=r"should be eagle_config's \[1, 3, 4\] \+ 1"):
+        load_config(out)
+
+
+def test_load_can_cast_a_bf16_export_back_to_fp32(tmp_path):
+    model = make_draft()
+    out = save_draft(model, tmp_path)  # bf16 on disk
+    loaded = load_draft(out, embed_weight=model.embed_tokens.weight, dtype=torch.float32)
+    assert loaded.fc.weight.dtype == torch.float32 and loaded.d2t.dtype == torch.int64
+    assert torch.equal(loaded.fc.weight, model.fc.weight.to(torch.bfloat16).float())

@@ -70,7 +70,7 @@ def test_parse_benches():
         ("humaneval", "humaneval"),
     ]
     assert parse_benches("gsm8k=/x/test.jsonl") == [("gsm8k", "/x/test.jsonl")]
-    with pytest.raises(Eagle3Error, match="gsm8k=../shared"):
+    with pytest.raises(Eagle3Error, match="gsm8k=PATH/gsm8k/test.jsonl"):
         parse_benches("gsm8k")
     with pytest.raises(Eagle3Error, match="unknown benchmark 'nope'"):
         parse_benches("nope")
@@ -169,6 +169,37 @@ def test_wandb_offline_logs_to_the_training_run_and_compare_reads_it(
     assert (tmp_path / "cmp" / "tau.png").is_file() and (
         tmp_path / "cmp" / "acceptance.png"
     ).is_file()
+
+
+@pytest.mark.parametrize("failure", ["disabled", "init raises"])
+def test_wandb_never_costs_the_results(
+    chat_target_dir, prompts_file, tmp_path, monkeypatch, capsys, failure
+):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    if failure == "disabled":
+        monkeypatch.setenv("WANDB_MODE", "disabled")
+    else:
+        import wandb
+
+        monkeypatch.setenv("WANDB_MODE", "offline")
+
+        def broken_init(**kwargs):
+            raise RuntimeError("wandb backend is gone")
+
+        monkeypatch.setattr(wandb, "init", broken_init)
+    run_dir = tmp_path / "exp"
+    ckpt = make_ckpt(chat_target_dir, run_dir / "final")
+    (run_dir / "wandb_run_id").write_text("abc123")
+    out_json = tmp_path / "eval.json"
+    argv = [
+        "--target", str(chat_target_dir), "--device", "cpu", "--draft", str(ckpt),
+        "--bench", str(prompts_file), "--limit", "1", "--max-new-tokens", "4", "--steps", "2",
+        "--wandb", "--json", str(out_json),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(out_json.read_text())
+    assert [r["drafter"] for r in report["results"]] == ["exp/final"]
+    assert "| exp/final | " in capsys.readouterr().out
 
 
 def test_module_entry_point_prints_usage():

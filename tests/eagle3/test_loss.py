@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3.loss import simulated_acceptance, ttt_loss
+from eagle3.loss import simulated_acceptance, ttt_loss, valid_counts
 
 
 def one_hot_probs(labels, vocab):
@@ -40,6 +40,16 @@ def test_masks_drop_prompt_tokens_and_out_of_vocab_targets():
     _, m = ttt_loss(logits, probs, in_vocab, mask)
     # t in 0..3: needs mask[t+2] and in_vocab[t+1] -> t=1 (mask3,iv2), t=2 (mask4,iv3); t=3 iv4 off
     assert m["count_0"] == 2
+
+
+def test_valid_counts_match_the_loss_counts_including_too_short_steps():
+    torch.manual_seed(0)
+    T, V, K = 6, 4, 6  # steps 4 and 5 have no position left
+    probs = torch.full((2, T, V), 1 / V)
+    mask = torch.randint(0, 2, (2, T))
+    in_vocab = torch.rand(2, T) > 0.3
+    _, m = ttt_loss([torch.zeros(2, T, V)] * K, probs, in_vocab, mask)
+    assert valid_counts(in_vocab, mask, K).tolist() == [m[f"count_{k}"] for k in range(K)]
 
 
 def test_step_weights_and_denominators():

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from eagle3.errors import Eagle3Error
 from eagle3.loss import target_probs, ttt_loss
 from eagle3.model import DraftConfig, Eagle3Draft, apply_rotary, rotary_cos_sin
-from eagle3.vocab import build_draft_vocab, count_tokens
+from eagle3.vocab import build_draft_vocab, token_frequencies
 
 
 def tiny_config(**overrides) -> DraftConfig:
@@ -167,7 +167,7 @@ def test_overfit_two_sequences_on_tiny_llama_target():
         out = target(input_ids, output_hidden_states=True)
         aux = torch.cat([out.hidden_states[i + 1] for i in aux_ids], dim=-1)
         last = out.hidden_states[-1]
-    vocab = build_draft_vocab(count_tokens(input_ids, loss_mask, 96), 64)
+    vocab = build_draft_vocab(token_frequencies(input_ids, loss_mask, 96), 64)
     draft = Eagle3Draft(DraftConfig.from_target_config(tcfg, vocab.size, aux_ids))
     draft.set_embeddings(target.model.embed_tokens.weight)
     draft.set_vocab(vocab.d2t, vocab.t2d)

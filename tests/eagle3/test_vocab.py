@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.vocab import build_draft_vocab, count_tokens, vocab_from_d2t
+from eagle3.vocab import build_draft_vocab, token_frequencies, vocab_from_d2t
 
 
 def test_counts_only_loss_masked_tokens():
     ids = [torch.tensor([1, 2, 2, 3]), torch.tensor([3, 3, 9])]
     masks = [torch.tensor([0, 1, 1, 1]), torch.tensor([1, 0, 1])]
-    counts = count_tokens(ids, masks, 10)
+    counts = token_frequencies(ids, masks, 10)
     assert counts.tolist() == [0, 0, 2, 2, 0, 0, 0, 0, 0, 1]
 
 
@@ -46,4 +46,4 @@ def test_draft_vocab_larger_than_target_is_an_error():
 
 def test_token_outside_target_vocab_is_an_error():
     with pytest.raises(Eagle3Error, match="outside the target vocab"):
-        count_tokens([torch.tensor([1, 12])], [torch.tensor([1, 1])], 10)
+        token_frequencies([torch.tensor([1, 12])], [torch.tensor([1, 1])], 10)

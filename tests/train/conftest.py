@@ -44,20 +44,12 @@ def records_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def shard_dir(tmp_path_factory, tiny_llama_dir, records_file) -> Path:
     """The records captured through the tiny target into fp16 shards (eagle3.data.shards format)."""
-    from eagle3.data.shards import ShardWriter
+    from eagle3.data.shards import ShardWriter, target_meta
     from eagle3.target import load_target
 
     target = load_target(tiny_llama_dir, device="cpu")
     out = tmp_path_factory.mktemp("shards")
-    meta = {
-        "target": target.name,
-        "vocab_size": target.vocab_size,
-        "target_hidden_size": target.hidden_size,
-        "aux_layer_ids": target.aux_layer_ids,
-        "num_layers": target.num_layers,
-        "max_length": 2048,
-        "sources": ["test-records"],
-    }
+    meta = {**target_meta(target), "max_length": 2048, "sources": ["test-records"]}
     with ShardWriter(out, meta, dtype="fp16") as writer:
         for line in records_file.read_text().splitlines():
             r = json.loads(line)

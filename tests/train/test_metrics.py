@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from train.metrics import MetricsLog, wandb_mode
+from eagle3.tracking import wandb_mode
+from train.metrics import MetricsLog
 
 
 def test_wandb_mode_without_a_key_is_offline(monkeypatch):

@@ -195,7 +195,7 @@ def test_killed_writer_leaves_only_whole_shards_and_resumes(tmp_path, where):
     names = sorted(p.name for p in out.iterdir())
     assert not any(n.endswith(".tmp") for n in names) and "index-000.jsonl" not in names
     ds = ShardDataset(out)
-    assert sorted(ds.ids()) == sorted(f"r{i}" for i in range(30))
+    assert sorted(e["id"] for e in ds.index) == sorted(f"r{i}" for i in range(30))
     for k in range(len(ds)):
         got = ds[k]
         rid, ids, mask, aux, last = make(int(got["id"][1:]))
@@ -211,4 +211,6 @@ def test_finalize_merges_parts_from_several_writers(tmp_path):
     assert len(read_index(tmp_path)) == 10 and not read_meta(tmp_path)["complete"]
     meta = finalize(tmp_path, {"summary": {"kept": 10}})
     assert meta["complete"] and meta["num_records"] == 10 and meta["summary"] == {"kept": 10}
-    assert sorted(ShardDataset(tmp_path).ids()) == sorted(f"r{i}" for i in range(10))
+    assert sorted(e["id"] for e in ShardDataset(tmp_path).index) == sorted(
+        f"r{i}" for i in range(10)
+    )
