@@ -14,7 +14,11 @@ whose input is the conversation so far, the model's own earlier answers included
 
 Cost when the outcome is unknown: a client timeout is counted at the reservation (the request
 may still run and be billed upstream); HTTP errors, connection drops and unparsable bodies carry
-no usage and are taken as not billed (OpenRouter does not bill failed generations).
+no usage and are taken as not billed (OpenRouter does not bill failed generations). A 200
+without ``usage.cost`` is charged at the reservation too, with ``cost_known: false`` and its
+generation id, so that a later run settles it at ``GET /generation``'s cost. Every charge
+records its cached prompt tokens and ``cache_discount`` (from usage, else cached tokens x the
+serving endpoint's prompt minus cache-read price).
 A prompt is written (whole conversation, one line) only when its last turn is done.
 
 Provider audit (``--audit-every N``): every written record goes to the :class:`Auditor`; when it
@@ -83,6 +87,11 @@ class Settings:
     audit_log: Path | None = None
     provider_slugs: dict = field(default_factory=dict)
     allowed_slugs: list = field(default_factory=list)
+    # Prompt caching: display name (lower case) -> USD saved per cached prompt token (its
+    # prompt price minus its cache-read price), for responses whose usage gives no
+    # cache_discount; and the plan's $/M output tokens, shown next to what is paid.
+    cache_savings: dict = field(default_factory=dict)
+    plan_usd_per_m_out: float | None = None
 
 
 class Auditor(Protocol):
@@ -101,6 +110,8 @@ class Outcome:
     done: int = 0  # prompts finished in this run
     failed: int = 0
     output_tokens: int = 0  # completion tokens charged in this run
+    cost_usd: float = 0.0  # known charges of this run (usage.cost)
+    cost_tokens: int = 0  # completion tokens of those charges
     requests: int = 0
     retries: Counter = field(default_factory=Counter)
     errors: Counter = field(default_factory=Counter)
@@ -554,19 +565,25 @@ class Engine:
         gen_id = (payload or {}).get("id") or headers.get("X-Generation-Id")
         provider = (payload or {}).get("provider")
         ok = verdict.action == retry.OK
+        cached, discount = self._cache(usage, provider)
         if isinstance(usage, dict) and usage.get("cost") is not None:
             tokens = int(usage.get("completion_tokens") or 0)
+            cost = float(usage["cost"])
             self.ledger.charge(
                 res,
-                float(usage["cost"]),
+                cost,
                 tokens,
                 prompt_id=prompt.id,
                 generation_id=gen_id,
                 provider=provider,
                 ok=ok,
                 reason=verdict.reason,
+                cached_tokens=cached,
+                cache_discount=discount,
             )
             self.out.output_tokens += tokens
+            self.out.cost_usd += cost
+            self.out.cost_tokens += tokens
         elif ok or exc == "timeout":  # billed, or maybe billed, for an unknown amount
             self.ledger.charge(
                 res,
@@ -577,10 +594,25 @@ class Engine:
                 provider=provider,
                 ok=ok,
                 reason=f"{verdict.reason}; cost unknown, counted at worst case",
+                cost_known=False,
+                cached_tokens=cached,
+                cache_discount=discount,
             )
         else:
             self.ledger.release(res)
         self._notify_settled()
+
+    def _cache(self, usage, provider: str | None) -> tuple[int, float | None]:
+        """Cached prompt tokens and the discount they earned: ``usage.cache_discount`` when the
+        response gives it, else cached tokens x the serving endpoint's saving per token."""
+        if not isinstance(usage, dict):
+            return 0, None
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        discount = usage.get("cache_discount")
+        if discount is not None:
+            return cached, float(discount)
+        saving = self.settings.cache_savings.get((provider or "").lower())
+        return cached, (cached * saving if cached and saving is not None else None)
 
 
 class Progress:
@@ -605,8 +637,16 @@ class Progress:
             f"in flight {engine.throttle.active}/{engine.throttle.limit}, "
             f"{out.output_tokens / elapsed:,.0f} tok/s, "
             f"${engine.ledger.spent_usd:.2f}/${engine.settings.budget:.2f}, "
+            f"{self.paid()}, "
             f"retries {sum(out.retries.values())}, failed {out.failed}, errors: {errors}"
         )
+
+    def paid(self) -> str:
+        """$/M output tokens paid this run (all of a request's cost over its output tokens),
+        next to the plan's blended figure at the cheapest allowed endpoint."""
+        out, plan = self.engine.out, self.engine.settings.plan_usd_per_m_out
+        paid = f"${out.cost_usd / out.cost_tokens * 1e6:.2f}" if out.cost_tokens else "-"
+        return f"{paid}/M out paid" + (f" (plan ${plan:.2f}/M)" if plan is not None else "")
 
     async def tick(self) -> None:
         interval = 0.5 if self.bar is not None else self.engine.settings.log_every

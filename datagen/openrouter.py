@@ -6,10 +6,18 @@
         [--base-url URL] [--plan] [--audit-every N [--audit-target NAME_OR_PATH]]
 
 Reads the model's endpoints, keeps only providers at or above the native precision (see
-datagen.providers), and generates every prompt of the config's dataset mix (plus ``--prompts``
-files) into ``DIR/<dataset>.jsonl``; every charged request goes to ``DIR/ledger.jsonl``.
-``--budget`` is what DIR may spend over all runs; re-running the same command resumes.
-``--plan`` prints the provider table and what the budget buys, and sends no chat request.
+datagen.providers), and generates every prompt of the config's dataset mix, or with
+``--prompts`` only those files' prompts (plus the config datasets ``--datasets`` names), into
+``DIR/<dataset>.jsonl``; every charged request goes to ``DIR/ledger.jsonl``. ``--budget`` is
+what DIR may spend over all runs; re-running the same command resumes. ``--plan`` prints the
+provider table and what the budget buys (without and with prompt caching), and sends no chat
+request.
+
+The API key goes with every request. ``--plan`` runs without one (OpenRouter's endpoint
+listing is public); a server that wants one for it gets a one-line error. Before its first chat
+request a run writes the key's usage (``GET /key``) to the ledger; then it settles what earlier
+runs left at worst case (datagen.ledger: ``GET /generation`` for known generation ids, the key's
+usage growth for the rest) and prints one ``ledger:`` line per decision.
 
 ``--audit-every N`` loads a local copy of the target (``--audit-target``, default the config's
 ``audit_target``) and, every N finished prompts, scores a sample of each provider's responses
@@ -33,6 +41,7 @@ import logging
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,8 +49,8 @@ import aiohttp
 
 from datagen import providers, retry
 from datagen.engine import Engine, Outcome, Settings
-from datagen.ledger import Ledger
-from datagen.plan import plan_text
+from datagen.ledger import Ledger, decide_settlement
+from datagen.plan import plan_text, usd_per_m_out
 from eagle3.cli import EXIT_ERROR, EXIT_OK, EXIT_TEMPFAIL, run_cli
 from eagle3.config import load_typed
 from eagle3.data.prompts import Prompt, dedupe, load_prompts
@@ -215,7 +224,15 @@ def _apply_overrides(cfg: GenConfig, args: argparse.Namespace) -> GenConfig:
             "--audit-every needs a local copy of the target: pass --audit-target NAME_OR_PATH "
             "or set audit_target in the config"
         )
-    if args.datasets is not None:
+    if args.prompts and args.datasets is None:
+        if cfg.datasets:
+            log.info(
+                "--prompts without --datasets: only those prompts; the config's %d dataset(s) "
+                "are not run (name them with --datasets to run them too)",
+                len(cfg.datasets),
+            )
+        cfg.datasets = []  # the prompt files someone names are the prompts they mean
+    elif args.datasets is not None:
         wanted = [n for n in args.datasets.split(",") if n]
         names = {d.name for d in cfg.datasets}
         unknown = [n for n in wanted if n not in names]
@@ -299,14 +316,26 @@ async def fetch_json(session: aiohttp.ClientSession, url: str, headers=None) -> 
         return resp.status, body if isinstance(body, dict) else {}
 
 
-async def read_endpoints(base_url: str, model: str) -> list[providers.Endpoint]:
+def auth(api_key: str) -> dict:
+    """The key on every request (the spec declares it for every operation); none when empty
+    (``--plan`` without a key reads the public endpoint listing)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def read_endpoints(base_url: str, model: str, api_key: str = "") -> list[providers.Endpoint]:
     url = f"{base_url.rstrip('/')}/models/{model}/endpoints"
     timeout = aiohttp.ClientTimeout(total=60)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            status, body = await fetch_json(session, url)
+            status, body = await fetch_json(session, url, auth(api_key))
     except (aiohttp.ClientError, TimeoutError) as err:
         raise RuntimeError(f"cannot reach OpenRouter at {base_url}: {err}") from err
+    if status == 401 and not api_key:
+        raise ConfigError(
+            f"{base_url} wants an API key for the endpoint listing (401): export OPENROUTER_API_KEY"
+        )
+    if status == 401:
+        raise ConfigError("OpenRouter rejected the API key (401): check OPENROUTER_API_KEY")
     if status == 404:
         raise ConfigError(f"model {model!r} not found on {base_url}: check --model")
     if status != 200:
@@ -318,10 +347,11 @@ async def read_endpoints(base_url: str, model: str) -> list[providers.Endpoint]:
 
 
 async def account(base_url: str, api_key: str) -> dict:
-    """``/key`` and ``/credits`` facts: status of the key, USD left on it (None = unknown)."""
-    headers = {"Authorization": f"Bearer {api_key}"}
+    """``/key`` and ``/credits`` facts: status of the key, USD left on it, the key's all-time
+    usage in USD (None = unknown)."""
+    headers = auth(api_key)
     base = base_url.rstrip("/")
-    out: dict = {"key_status": None, "left": None}
+    out: dict = {"key_status": None, "left": None, "usage": None}
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
             status, key = await fetch_json(session, base + "/key", headers)
@@ -329,6 +359,8 @@ async def account(base_url: str, api_key: str) -> dict:
             data = key.get("data") or {}
             if status == 200 and data.get("limit_remaining") is not None:
                 out["left"] = float(data["limit_remaining"])
+            if status == 200 and data.get("usage") is not None:
+                out["usage"] = float(data["usage"])
             status, credits = await fetch_json(session, base + "/credits", headers)
             data = credits.get("data") or {}
             if status == 200 and data.get("total_credits") is not None:
@@ -339,6 +371,92 @@ async def account(base_url: str, api_key: str) -> dict:
     return out
 
 
+async def generation_costs(base_url: str, api_key: str, ids: list[str]) -> dict[str, float]:
+    """generation id -> ``GET /generation?id=`` ``data.total_cost``, for those it answers."""
+    url = base_url.rstrip("/") + "/generation"
+    gate = asyncio.Semaphore(16)
+    out: dict[str, float] = {}
+
+    async def one(session: aiohttp.ClientSession, gen_id: str) -> None:
+        async with gate:
+            try:
+                async with session.get(url, params={"id": gen_id}) as resp:
+                    body = await resp.json(content_type=None) if resp.status == 200 else {}
+            except (aiohttp.ClientError, TimeoutError, ValueError) as err:
+                log.debug("GET /generation?id=%s failed: %s", gen_id, err)
+                return
+        cost = (body.get("data") or {}).get("total_cost") if isinstance(body, dict) else None
+        if cost is not None:
+            out[gen_id] = float(cost)
+
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout, headers=auth(api_key)) as session:
+        await asyncio.gather(*(one(session, i) for i in ids))
+    return out
+
+
+@dataclass
+class Settled:
+    """What this run settled of earlier runs' unknown costs (for the summary)."""
+
+    requests: int = 0
+    usd: float = 0.0
+    worst_usd: float = 0.0
+
+
+async def settle_earlier(
+    ledger: Ledger, base_url: str, api_key: str, now_usage: float | None, timeout_s: float
+) -> tuple[list[str], Settled]:
+    """Settle the requests of earlier runs whose cost is unknown: by ``GET /generation`` where
+    the generation id is known, the rest together from the key's usage counter
+    (:func:`datagen.ledger.decide_settlement`). Returns one line per decision."""
+    lines, settled = [], Settled()
+    with_ids = [u for u in ledger.unknown.values() if u.generation_id]
+    if with_ids:
+        costs = await generation_costs(base_url, api_key, [u.generation_id for u in with_ids])
+        found = [u for u in with_ids if u.generation_id in costs]
+        for u in found:
+            ledger.settle_generation(u.rid, costs[u.generation_id])
+        if found:
+            usd, worst = sum(costs[u.generation_id] for u in found), sum(u.usd for u in found)
+            settled = Settled(len(found), usd, worst)
+            lines.append(
+                f"ledger: settled {len(found)} request(s) of unknown cost at ${usd:.4f} "
+                f"(worst case was ${worst:.4f}; from GET /generation)"
+            )
+        if len(found) < len(with_ids):
+            lines.append(
+                f"ledger: GET /generation did not answer for {len(with_ids) - len(found)} "
+                "request(s) of unknown cost; settled with the orphans below"
+            )
+    window = ledger.window()
+    if window is None:
+        return lines, settled
+    idle = time.time() - window.last_ts if window.last_ts is not None else None
+    decision = decide_settlement(
+        window.start_usage, now_usage, window.known_usd, window.worst_usd, idle, timeout_s
+    )
+    ledger.settle_window(window, decision)
+    n, worst = len(window.unknowns), window.worst_usd
+    runs = ", ".join(dict.fromkeys(u.run for u in window.unknowns))
+    if decision.action == "settle":
+        settled.requests += n
+        settled.usd += decision.usd
+        settled.worst_usd += worst
+        lines.append(
+            f"ledger: settled {n} orphaned request(s) of run {runs} at ${decision.usd:.4f} "
+            f"(worst case was ${worst:.4f}; {decision.why})"
+        )
+    else:
+        lines.append(
+            f"ledger: {n} orphaned request(s) of run {runs} kept at their worst case "
+            f"${worst:.4f}"
+            + (" for good" if decision.action == "worst_case" else "")
+            + f": {decision.why}"
+        )
+    return lines, settled
+
+
 def summary_line(
     done: int,
     total: int,
@@ -347,12 +465,21 @@ def summary_line(
     spent: float,
     budget: float,
     excluded: list[str] | None = None,
+    settled: Settled | None = None,
+    cache: tuple[int, float] = (0, 0.0),
 ):
     remaining = total - done - failed
     line = (
         f"summary: {done}/{total} prompts done, {remaining} remaining, {failed} failed; "
         f"{tokens:,} output tokens; ${spent:.2f} spent of ${budget:.2f} budget"
     )
+    if settled is not None and settled.requests:
+        line += (
+            f" (incl. {settled.requests} earlier request(s) settled at ${settled.usd:.4f}, "
+            f"worst case ${settled.worst_usd:.4f})"
+        )
+    if cache[0]:
+        line += f"; {cache[0]:,} cached prompt tokens saved ${cache[1]:.4f}"
     if excluded:
         line += f"; audit excluded {', '.join(excluded)}"
     return line
@@ -437,7 +564,7 @@ async def run(args: argparse.Namespace) -> int:
     if not groups:
         raise ConfigError("no prompts: the config has no datasets and no --prompts was given")
 
-    endpoints = await read_endpoints(base_url, cfg.model)
+    endpoints = await read_endpoints(base_url, cfg.model, api_key)
     slugs_of = provider_slugs(endpoints)
     earlier = ignore_earlier_exclusions(cfg, out_dir, slugs_of)
     allowed = providers.select(endpoints, cfg.native_precision, cfg.ignore, cfg.max_tokens)
@@ -471,12 +598,21 @@ async def run(args: argparse.Namespace) -> int:
         audit_log=out_dir / AUDIT_LOG,
         provider_slugs=slugs_of,
         allowed_slugs=[e.tag for e in allowed],
+        cache_savings=providers.cache_savings(allowed),
     )
     total = sum(len(prompts) for prompts in groups.values())
     store = ResultStore(out_dir, fsync_interval=1.0)
     ledger = Ledger(out_dir / "ledger.jsonl")
     try:
+        if acct["usage"] is not None:  # the snapshot comes before this run's first chat request
+            ledger.record_key_usage(acct["usage"])
+        lines, settled = await settle_earlier(
+            ledger, base_url, api_key, acct["usage"], cfg.request_timeout_s
+        )
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)
         todo, done_before = prompts_left(store, groups)
+        settings.plan_usd_per_m_out = usd_per_m_out(cfg, allowed, dict(zip(groups, todo)))
         log.info("allowed providers: %s; rule %s", ", ".join(e.provider for e in allowed), block)
         audit = None
         if args.audit_every > 0 and any(todo):
@@ -486,6 +622,7 @@ async def run(args: argparse.Namespace) -> int:
         outcome = await Engine(settings, todo, store, ledger, audit).run()
         spent = ledger.spent_usd + ledger.reserved_usd  # open reservations now are abandoned
         tokens = sum(ledger.tokens.values())
+        cache = (ledger.cached_tokens, ledger.cache_discount_usd)
         remaining = total - done_before - outcome.done - outcome.failed
         for line in await stop_messages(
             outcome, remaining, spent, args.budget, base_url, api_key, store, groups
@@ -497,9 +634,10 @@ async def run(args: argparse.Namespace) -> int:
     sys.stderr.flush()
     excluded = [*earlier, *(p for p in outcome.excluded if p not in earlier)]
     done = done_before + outcome.done
-    print(
-        summary_line(done, total, outcome.failed, tokens, spent, args.budget, excluded), flush=True
+    line = summary_line(
+        done, total, outcome.failed, tokens, spent, args.budget, excluded, settled, cache
     )
+    print(line, flush=True)
     return EXIT_OK if remaining == 0 else EXIT_TEMPFAIL
 
 

@@ -1,7 +1,10 @@
 """``python -m datagen.openrouter --plan``: the provider table and what the budget buys.
 
 Nothing here sends a chat request: the projection uses the endpoints' prices, the prompts'
-estimated input tokens and ``expected_output_tokens`` per answer, per dataset.
+estimated input tokens and ``expected_output_tokens`` per answer, per dataset; once without
+prompt caching and once with it (each user turn after the first resends the conversation so
+far, and that prefix is billed at the cache-read price of the cheapest allowed endpoint that
+lists one).
 """
 
 from __future__ import annotations
@@ -76,14 +79,38 @@ def demand(
 ) -> providers.DatasetDemand:
     """What one dataset still wants: its prompts left, mean tokens in and out per prompt, and
     the output tokens left of its token budget."""
-    tokens_in = tokens_out = 0.0
+    tokens_in = tokens_out = cached = 0.0
     for p in todo:
         i, o = providers.conversation_tokens(p.messages, cfg.expected_output_tokens)
         tokens_in, tokens_out = tokens_in + i, tokens_out + o
+        cached += providers.cacheable_tokens(p.messages, cfg.expected_output_tokens)
     n = max(1, len(todo))
     spent_tokens = ledger.spent_tokens(name) if ledger else 0
     budget_left = max(0, cfg.token_budget(name) - spent_tokens)
-    return providers.DatasetDemand(name, len(todo), tokens_in / n, tokens_out / n, budget_left)
+    return providers.DatasetDemand(
+        name, len(todo), tokens_in / n, tokens_out / n, budget_left, cached / n
+    )
+
+
+def usd_per_m_out(
+    cfg: GenConfig, allowed: list[providers.Endpoint], groups: dict[str, list[Prompt]]
+) -> float | None:
+    """The plan's blended $ per million output tokens for ``groups`` at the cheapest allowed
+    endpoint, without caching: (input and output cost of every prompt) / (its output tokens)."""
+    if not allowed:
+        return None
+    cheap = providers.cheapest(allowed)
+    usd = tokens = 0.0
+    for prompts in groups.values():
+        for p in prompts:
+            i, o = providers.conversation_tokens(p.messages, cfg.expected_output_tokens)
+            usd += i * cheap.prompt + o * cheap.completion + cheap.request * user_turns(p)
+            tokens += o
+    return usd / tokens * 1e6 if tokens else None
+
+
+def user_turns(prompt: Prompt) -> int:
+    return sum(1 for m in prompt.messages if m["role"] == "user")
 
 
 def projection_lines(
@@ -118,7 +145,35 @@ def projection_lines(
         f"(${wanted_usd:.2f} at the cheapest allowed)",
     ]
     table = [COLUMNS] + [dataset_row(d, r, w) for d, r, w in zip(demands, rows, worst)]
-    return lines + ["  " + line for line in align(table)]
+    return lines + ["  " + line for line in align(table)] + caching_lines(allowed, demands, left)
+
+
+def caching_lines(
+    allowed: list[providers.Endpoint], demands: list[providers.DatasetDemand], left: float
+) -> list[str]:
+    """The projection at the cheapest allowed prices without and with prompt caching."""
+    cheap = providers.cheapest(allowed)
+    cached, source = providers.with_cache(cheap, allowed)
+    if source is None:
+        return ["  prompt caching: no allowed endpoint lists a cache-read price; none projected"]
+    plain = providers.project(demands, left, cheap)
+    rows = providers.project(demands, left, cached)
+    without, with_ = sum(r.wanted_usd for r in plain), sum(r.wanted_usd for r in rows)
+    saved = 100.0 * (with_ - without) / without if without else 0.0
+    lines = [
+        f"  prompt caching (each turn after the first resends the conversation; that prefix at "
+        f"{source.provider}'s ${cached.cache_read * 1e6:.3f}/M cached input): the datasets want "
+        f"${without:.2f} without caching, ${with_:.2f} with ({saved:+.1f}%)"
+    ]
+    for d, p, r in zip(demands, plain, rows):
+        share = 100.0 * d.cached_per_prompt / d.input_per_prompt if d.input_per_prompt else 0.0
+        lines.append(
+            f"  caching {d.name}: {d.cached_per_prompt:.0f} of {d.input_per_prompt:.0f} input "
+            f"tok/prompt cacheable ({share:.0f}%); wanted ${p.wanted_usd:.4f} without caching, "
+            f"${r.wanted_usd:.4f} with; buys {p.bought_prompts:,.0f} prompts without, "
+            f"{r.bought_prompts:,.0f} with"
+        )
+    return lines
 
 
 def dataset_row(

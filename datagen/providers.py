@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Precision ladder: an endpoint is allowed when its rung is >= the native one. Same rung =
 # same family of precision; formats that can hold INT4 values exactly sit above it.
@@ -157,6 +157,7 @@ class Prices:
     prompt: float
     completion: float
     request: float = 0.0
+    cache_read: float | None = None  # a cached prompt token (projection with caching)
 
 
 def dearest(allowed: Sequence[Endpoint]) -> Prices:
@@ -171,6 +172,29 @@ def cheapest(allowed: Sequence[Endpoint]) -> Prices:
     """What ``sort: price`` routes to when it is up: the lowest completion price."""
     e = min(allowed, key=lambda e: (e.completion_price, e.prompt_price))
     return Prices(e.prompt_price, e.completion_price, e.request_price)
+
+
+def with_cache(prices: Prices, allowed: Sequence[Endpoint]) -> tuple[Prices, Endpoint | None]:
+    """``prices`` with a cache-read price: that of the cheapest allowed endpoint listing one
+    (lowest completion price, as ``sort: price`` would route), never above the prompt price.
+    The endpoint is None (and the prices unchanged) when no allowed endpoint lists one."""
+    cached = [e for e in allowed if e.cache_read_price is not None]
+    if not cached:
+        return prices, None
+    e = min(cached, key=lambda e: (e.completion_price, e.prompt_price))
+    return replace(prices, cache_read=min(e.cache_read_price, prices.prompt)), e
+
+
+def cache_savings(allowed: Sequence[Endpoint]) -> dict[str, float]:
+    """Display name (lower case) -> USD a cached prompt token saves on its endpoint (the most
+    conservative of its endpoints), for responses whose usage reports no cache_discount."""
+    out: dict[str, float] = {}
+    for e in allowed:
+        if e.cache_read_price is not None:
+            saving = max(0.0, e.prompt_price - e.cache_read_price)
+            name = e.provider.lower()
+            out[name] = min(saving, out.get(name, saving))
+    return out
 
 
 def provider_block(endpoints: Sequence[Endpoint], native: str, ignore: Iterable[str]) -> dict:
@@ -252,6 +276,21 @@ def conversation_tokens(messages: Sequence[dict], answer_tokens: float) -> tuple
     return inp, out
 
 
+def cacheable_tokens(messages: Sequence[dict], answer_tokens: float) -> float:
+    """Expected input tokens of one prompt that a prompt cache can serve: every user turn after
+    the first resends the conversation before it (earlier turns and the generated answers)."""
+    cached = context = 0.0
+    answered = False
+    for m in messages:
+        if m["role"] == "user" and answered:
+            cached += context
+        context += expected_tokens(m["content"]) + TOKENS_PER_MESSAGE
+        if m["role"] == "user":
+            context += answer_tokens + TOKENS_PER_MESSAGE
+            answered = True
+    return cached
+
+
 @dataclass
 class DatasetDemand:
     name: str
@@ -259,6 +298,7 @@ class DatasetDemand:
     input_per_prompt: float  # expected tokens, averaged
     output_per_prompt: float
     token_budget_left: int  # output tokens this dataset may still spend
+    cached_per_prompt: float = 0.0  # of input_per_prompt, what a prompt cache can serve
 
 
 @dataclass
@@ -276,7 +316,8 @@ class DatasetProjection:
 def project(
     demands: Sequence[DatasetDemand], budget_left: float, prices: Prices
 ) -> list[DatasetProjection]:
-    """What ``budget_left`` buys of each dataset at ``prices``.
+    """What ``budget_left`` buys of each dataset at ``prices`` (with their ``cache_read``
+    price, each dataset's cacheable input is billed at it).
 
     Each dataset wants ``min(prompts, token_budget_left // output_per_prompt)`` prompts. When
     their total cost exceeds the budget, every dataset gets the same fraction of what it wants
@@ -295,6 +336,8 @@ def project(
             + d.output_per_prompt * prices.completion
             + prices.request
         )
+        if prices.cache_read is not None:  # the resent prefix at the cache-read price
+            per_prompt -= d.cached_per_prompt * (prices.prompt - prices.cache_read)
         rows.append(
             DatasetProjection(
                 d.name,

@@ -1,12 +1,20 @@
 """A fake OpenRouter on 127.0.0.1 for tests, benchmarks and dry runs.
 
 Serves ``/api/v1/chat/completions``, ``/api/v1/models/{author}/{slug}/endpoints``,
-``/api/v1/key`` and ``/api/v1/credits`` with: a provider table (the Kimi-K2.5 providers with
-their quantizations and prices), routing like ``sort: price`` under the request's ``provider``
-rule, cost from the routed endpoint's prices, credits that run out (402, pre-authorising
-``max_tokens`` like the real one), injected faults at set rates, a set latency, reasoning in
-responses, and a rule check: a request whose ``provider`` block would let the router reach a
-forbidden endpoint (default: Fireworks NVFP4, BaseTen FP4) is counted and rejected with 400.
+``/api/v1/key``, ``/api/v1/credits`` and ``/api/v1/generation?id=`` with: a provider table (the
+Kimi-K2.5 providers with their quantizations and prices), routing like ``sort: price`` under the
+request's ``provider`` rule, cost from the routed endpoint's prices, prompt caching (a
+multi-turn request's prefix, everything before its last user turn, is billed at the endpoint's
+``input_cache_read`` price and reported as ``prompt_tokens_details.cached_tokens`` and
+``cache_discount``), credits that run out (402, pre-authorising ``max_tokens`` like the real
+one), injected faults at set rates, a set latency, reasoning in responses, and a rule check: a
+request whose ``provider`` block would let the router reach a forbidden endpoint (default:
+Fireworks NVFP4, BaseTen FP4) is counted and rejected with 400.
+
+Billing is upstream's: a request is billed when its generation finishes, even if the client has
+gone away meanwhile (aiohttp does not cancel a handler whose client disconnects), and
+``/key``'s ``usage`` is everything billed. With ``api_key`` set, every route wants
+``Authorization: Bearer <api_key>``; others get 401 and are counted (``stats.unauthorised``).
 
 As a module (tests)::
 
@@ -41,8 +49,9 @@ PER_M = 1_000_000
 
 
 def endpoint(provider, tag, quant, prompt, completion, cache=None, status=0, uptime=99.0):
-    """One listing entry; prices in USD per million tokens (stored as per-token strings)."""
-    return {
+    """One listing entry; prices in USD per million tokens (stored as per-token strings).
+    ``cache``: the cache-read price (default a quarter of ``prompt``; False = none listed)."""
+    entry = {
         "name": f"{provider} | moonshotai/kimi-k2.5",
         "provider_name": provider,
         "tag": tag,
@@ -60,6 +69,9 @@ def endpoint(provider, tag, quant, prompt, completion, cache=None, status=0, upt
         "uptime_last_30m": uptime,
         "supported_parameters": ["reasoning", "max_tokens", "temperature"],
     }
+    if cache is False:
+        del entry["pricing"]["input_cache_read"]
+    return entry
 
 
 # The Kimi-K2.5 providers as seen Feb-Aug 2026. Fireworks and BaseTen are made the cheapest on
@@ -78,7 +90,18 @@ KIMI_ENDPOINTS = [
     endpoint("BaseTen", "baseten", "fp4", 0.38, 1.90, status=-5, uptime=0.0),
 ]
 FORBIDDEN = ("fireworks", "baseten")
-FAULTS = ("429", "502", "524_in_200", "no_choices", "finish_error", "empty", "truncated", "drop")
+# no_cost: a good answer whose usage has no cost (billed; /generation knows the cost)
+FAULTS = (
+    "429",
+    "502",
+    "524_in_200",
+    "no_choices",
+    "finish_error",
+    "empty",
+    "truncated",
+    "drop",
+    "no_cost",
+)
 
 
 @dataclass
@@ -92,7 +115,8 @@ class FakeConfig:
     retry_after: float = 0.05  # Retry-After seconds of injected 429s
     max_inflight: int | None = None  # above this many concurrent chat requests: 429 (a storm)
     completion_tokens: tuple = (20, 200)  # drawn uniformly; >= max_tokens -> finish length
-    api_key: str | None = None  # when set, chat/key/credits need "Bearer <api_key>"
+    api_key: str | None = None  # when set, every route needs "Bearer <api_key>"
+    cache: bool = True  # multi-turn prefixes billed at the endpoint's input_cache_read
     seed: int = 0
 
 
@@ -107,6 +131,10 @@ class Stats:
     providers: Counter = field(default_factory=Counter)  # tag -> requests routed there
     charged_usd: float = 0.0  # everything billed, failures included
     billed: int = 0
+    cached_tokens: int = 0  # prompt tokens billed at the cache-read price
+    cache_discount_usd: float = 0.0
+    unauthorised: int = 0  # requests rejected for a missing or wrong key
+    paths: Counter = field(default_factory=Counter)  # route -> requests
     violations: int = 0
     violation_examples: list = field(default_factory=list)
     ok_contents: Counter = field(
@@ -140,6 +168,7 @@ class FakeOpenRouter:
         self.stats = Stats()
         self.rng = random.Random(self.config.seed)
         self._ids = itertools.count(1)
+        self.generations: dict[str, dict] = {}  # id -> GET /generation data (billed ones)
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -151,6 +180,8 @@ class FakeOpenRouter:
         app.router.add_get("/api/v1/models/{author}/{slug}/endpoints", self.endpoints)
         app.router.add_get("/api/v1/key", self.key)
         app.router.add_get("/api/v1/credits", self.credits)
+        app.router.add_get("/api/v1/generation", self.generation)
+        app.middlewares.append(self._count_and_authorise)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -175,6 +206,17 @@ class FakeOpenRouter:
     def _authorised(self, request: web.Request) -> bool:
         key = self.config.api_key
         return key is None or request.headers.get("Authorization") == f"Bearer {key}"
+
+    @web.middleware
+    async def _count_and_authorise(self, request: web.Request, handler):
+        """Every route: count it, and with ``api_key`` set reject a request without it."""
+        route = request.match_info.route.resource
+        self.stats.paths[route.canonical if route is not None else request.path] += 1
+        if not self._authorised(request):
+            self.stats.unauthorised += 1
+            self.stats.requests += 1
+            return _error(401, "No auth credentials found")
+        return await handler(request)
 
     @property
     def credits_left(self) -> float:
@@ -219,8 +261,6 @@ class FakeOpenRouter:
 
     async def key(self, request: web.Request) -> web.Response:
         self.stats.requests += 1
-        if not self._authorised(request):
-            return _error(401, "No auth credentials found")
         limit = None if math.isinf(self.config.credits) else self.config.credits
         remaining = None if limit is None else max(0.0, self.credits_left)
         return web.json_response(
@@ -237,12 +277,17 @@ class FakeOpenRouter:
 
     async def credits(self, request: web.Request) -> web.Response:
         self.stats.requests += 1
-        if not self._authorised(request):
-            return _error(401, "No auth credentials found")
         total = 1e9 if math.isinf(self.config.credits) else self.config.credits
         return web.json_response(
             {"data": {"total_credits": total, "total_usage": self.stats.charged_usd}}
         )
+
+    async def generation(self, request: web.Request) -> web.Response:
+        self.stats.requests += 1
+        data = self.generations.get(request.query.get("id", ""))
+        if data is None:
+            return _error(404, "Generation not found")
+        return web.json_response({"data": data})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         st = self.stats
@@ -259,8 +304,6 @@ class FakeOpenRouter:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         cfg, st = self.config, self.stats
-        if not self._authorised(request):
-            return _error(401, "No auth credentials found")
         try:
             req = await request.json()
         except ValueError:
@@ -287,6 +330,13 @@ class FakeOpenRouter:
         p_in = float(route["pricing"]["prompt"])
         p_out = float(route["pricing"]["completion"])
         prompt_tokens = _prompt_tokens(messages)
+        cached, p_cache = 0, p_in
+        if cfg.cache and route["pricing"].get("input_cache_read") is not None:
+            # the conversation before the last user turn was sent with the previous turn
+            last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=0)
+            if any(m.get("role") == "assistant" for m in messages[:last]):
+                cached = _prompt_tokens(messages[:last])
+                p_cache = min(p_in, float(route["pricing"]["input_cache_read"]))
 
         if cfg.latency:
             await asyncio.sleep(cfg.latency)
@@ -334,9 +384,28 @@ class FakeOpenRouter:
         if completion >= max_tokens:
             completion, finish = max_tokens, "length"
         reasoning_tokens = completion // 3
-        cost = prompt_tokens * p_in + completion * p_out
+        discount = cached * (p_in - p_cache)
+        cost = prompt_tokens * p_in - discount + completion * p_out
         st.charged_usd += cost
         st.billed += 1
+        st.cached_tokens += cached
+        st.cache_discount_usd += discount
+        self.generations[gen_id] = {
+            "id": gen_id,
+            "model": cfg.model + "-0127",
+            "provider_name": route["provider_name"],
+            "total_cost": cost,
+            "cache_discount": discount if cached else None,
+            "tokens_prompt": prompt_tokens,
+            "tokens_completion": completion,
+            "native_tokens_prompt": prompt_tokens,
+            "native_tokens_completion": completion,
+            "native_tokens_cached": cached,
+            "native_tokens_reasoning": reasoning_tokens,
+            "finish_reason": finish,
+            "cancelled": False,
+            "is_byok": False,
+        }
         last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         digest = hashlib.sha1(str(last_user).encode()).hexdigest()[:10]
         message = {
@@ -367,10 +436,14 @@ class FakeOpenRouter:
                 "total_tokens": prompt_tokens + completion,
                 "cost": cost,
                 "is_byok": False,
-                "prompt_tokens_details": {"cached_tokens": 0},
+                "prompt_tokens_details": {"cached_tokens": cached},
                 "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
             },
         }
+        if cached:
+            body["usage"]["cache_discount"] = discount
+        if fault == "no_cost":
+            del body["usage"]["cost"]
         return web.Response(
             body=json.dumps(body).encode(), content_type="application/json", headers=headers
         )

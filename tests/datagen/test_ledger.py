@@ -4,7 +4,14 @@ import json
 
 import pytest
 
-from datagen.ledger import Ledger, Reservation, fits, upper_prompt_tokens, worst_case_usd
+from datagen.ledger import (
+    Ledger,
+    Reservation,
+    decide_settlement,
+    fits,
+    upper_prompt_tokens,
+    worst_case_usd,
+)
 
 
 def test_worst_case_and_fits():
@@ -72,3 +79,61 @@ def test_unreadable_line_is_skipped(tmp_path):
     led = Ledger(path)
     assert led.spent_usd == pytest.approx(0.5)
     led.close()
+
+
+# ---------------------------------------------------------------------------- orphan settlement
+
+S = 100.0  # the key's usage at the start of the first run with unknowns
+
+
+@pytest.mark.parametrize(
+    "start, now, known, worst, idle, action, usd, why",
+    [
+        (S, S + 1.30, 1.00, 0.50, 60, "settle", 0.30, "from the key's usage"),
+        (S, S + 1.00, 1.00, 0.50, 60, "settle", 0.00, "from the key's usage"),  # never billed
+        (S, S + 1.505, 1.00, 0.50, 60, "settle", 0.50, "from the key's usage"),  # a cent over
+        (S, S + 0.995, 1.00, 0.50, 60, "settle", 0.00, "from the key's usage"),  # a cent under
+        (S, S + 2.00, 1.00, 0.50, 60, "worst_case", 0.50, "something else used the key"),
+        (S, S + 0.90, 1.00, 0.50, 60, "later", 0.50, "less than the $1.0000 charged here"),
+        (S, None, 1.00, 0.50, 60, "later", 0.50, "could not be read"),
+        (S, S + 1.30, 1.00, 0.50, 5, "later", 0.50, "may still be billed"),  # too recent
+        (S, S + 1.30, 1.00, 0.50, None, "later", 0.50, "may still be billed"),
+        (None, S + 1.30, 1.00, 0.50, 60, "worst_case", 0.50, "no key-usage snapshot"),
+    ],
+)
+def test_decide_settlement(start, now, known, worst, idle, action, usd, why):
+    d = decide_settlement(start, now, known, worst, idle, timeout_s=30)
+    assert d.action == action and d.usd == pytest.approx(usd) and why in d.why
+    assert "\n" not in d.why
+
+
+def test_settlement_persists_and_frees_the_worst_case(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    dead = Ledger(path)
+    dead.record_key_usage(10.0)
+    a = dead.reserve(0.2, 100, "ds", 5.0, None)
+    dead.charge(a, 0.05, 40, prompt_id="p", generation_id="g1", provider="X", ok=True)
+    dead.reserve(0.2, 100, "ds", 5.0, None)  # in flight at the kill: orphans
+    dead.reserve(0.3, 100, "ds", 5.0, None)
+    b = dead.reserve(0.2, 100, "ds", 5.0, None)  # a 200 without usage.cost
+    dead.charge(b, 0.2, 100, prompt_id="q", generation_id="g2", provider="X", ok=True,
+                cost_known=False, reason="ok; cost unknown, counted at worst case")  # fmt: skip
+    dead.close()
+
+    led = Ledger(path)
+    assert led.spent_usd == pytest.approx(0.05 + 0.2 + 0.3 + 0.2)
+    assert sorted(u.orphan for u in led.unknown.values()) == [False, True, True]
+    led.settle_generation(b.rid, 0.01)  # GET /generation's total_cost
+    window = led.window()
+    assert window.runs == [dead.run] and window.start_usage == 10.0
+    assert window.known_usd == pytest.approx(0.06) and window.worst_usd == pytest.approx(0.5)
+    d = decide_settlement(window.start_usage, 10.16, window.known_usd, window.worst_usd, 99, 30)
+    led.settle_window(window, d)
+    assert led.spent_usd == pytest.approx(0.16) and led.orphans == 0 and led.window() is None
+    assert led.spent_tokens("ds") == 40 + 100 + 200  # settled orphans keep worst-case tokens
+    led.close()
+
+    again = Ledger(path)
+    assert again.spent_usd == pytest.approx(0.16) and again.window() is None
+    assert again.spent_tokens("ds") == 340
+    again.close()

@@ -157,3 +157,32 @@ def test_project_hand_computed():
     f = 0.01 / (cost_a + cost_b)
     assert rows[0].bought_tokens == pytest.approx(10_000 * f)
     assert rows[1].bought_prompts == pytest.approx(10 * f)
+
+
+def test_cacheable_tokens_and_cached_projection():
+    msgs = [
+        {"role": "system", "content": "s" * 40},  # 10 + 8
+        {"role": "user", "content": "u" * 80},  # 20 + 8
+        {"role": "user", "content": "v" * 4},  # 1 + 8
+    ]
+    # turn 2 resends system, user 1 and the answer: 18 + 28 + 108 = 154; turn 1 nothing
+    assert providers.cacheable_tokens(msgs, 100) == pytest.approx(154)
+    assert providers.cacheable_tokens(msgs[:2], 100) == 0
+    d = DatasetDemand("a", 10, 209.0, 200.0, 1_000_000, cached_per_prompt=154.0)
+    plain = Prices(0.5e-6, 2.0e-6)
+    cached = Prices(0.5e-6, 2.0e-6, cache_read=0.1e-6)
+    (p,) = providers.project([d], 1.0, plain)
+    (c,) = providers.project([d], 1.0, cached)
+    assert p.wanted_usd == pytest.approx(10 * (209 * 0.5e-6 + 200 * 2.0e-6))
+    assert c.wanted_usd == pytest.approx(p.wanted_usd - 10 * 154 * 0.4e-6)
+
+
+def test_with_cache_takes_the_cheapest_allowed_that_lists_one(endpoints):
+    allowed = providers.select(endpoints, "int4", ["fireworks", "baseten"], 16384)
+    prices, source = providers.with_cache(providers.cheapest(allowed), allowed)
+    assert source.tag == "chutes" and prices.cache_read == pytest.approx(0.225e-6)
+    none = [copy.copy(e) for e in allowed]
+    for e in none:
+        e.cache_read_price = None
+    assert providers.with_cache(providers.cheapest(none), none)[1] is None
+    assert providers.cache_savings(allowed)["chutes"] == pytest.approx(0.225e-6)
