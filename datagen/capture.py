@@ -8,8 +8,20 @@ final post-norm hidden state, no lm_head), and the result is written as shards
 
     python -m datagen.capture --target smollm2-135m-q4 --data out/responses --out out/shards
     python -m datagen.capture --target kimi-k2.5 --estimate --tokens 40M       # before anything
-    accelerate launch --num_processes 8 -m datagen.capture --target /models/Kimi-K2.5 \\
-        --data out/responses --out /shared/shards --dtype fp8
+    accelerate launch --num_processes 8 -m datagen.capture --target /models/Llama-3.1-8B \\
+        --data out/responses --out /shared/shards      # one replica of the target per GPU
+    python -m datagen.capture --target /models/Kimi-K2.5 --device-map auto \\
+        --data out/responses --out /shared/shards      # one process, the target over all GPUs
+    python -m datagen.capture --engine vllm --target smollm2-135m-q4 --data out/responses \\
+        --out out/shards [--tensor-parallel-size 8] [--engine-arg=--enforce-eager]
+
+``--engine vllm`` takes the hidden states from a managed vLLM server instead of HF in-process
+(vLLM's ``extract_hidden_states`` method with the CPU-safe connector eagle3/vllm_capture.py):
+each record's rendered token ids go to /v1/completions as a token-id prompt (max_tokens 1),
+the engine returns the aux layers (our ids + 1 in vLLM's convention) and the pre-norm state
+after the last layer, and the target's final norm (its weight read alone from the
+safetensors) is applied here. The returned token ids are checked against ours; the shards,
+meta.json and resume are the HF path's.
 
 Scale-out: under ``accelerate launch`` (or ``torchrun``) every process captures its own slice
 of the records (one process per GPU, or one per node with ``--device-map auto`` for a target
@@ -51,7 +63,16 @@ from eagle3.data.shards import (
     target_meta,
 )
 from eagle3.errors import Eagle3Error
-from eagle3.target import Target, load_target, resolve, target_facts
+from eagle3.serving import add_engine_args
+from eagle3.target import (
+    Target,
+    default_aux_layers,
+    load_final_norm,
+    load_target,
+    resolve,
+    rms_norm,
+    target_facts,
+)
 
 log = logging.getLogger("datagen.capture")
 
@@ -177,6 +198,129 @@ def capture_items(target, items: list[Item], writer: ShardWriter, batch_tokens: 
             last_log = now
             log.info("batch %d: %d tokens, %.0f tok/s", n, total, total / (now - t0))
     return total
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+@dataclass
+class EngineTarget:
+    """What the capture needs of a target served by vLLM: its identity (meta.json), tokenizer
+    and final norm, read without loading the model."""
+
+    name: str
+    hf_dir: str
+    tokenizer: Any
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    aux_layer_ids: list[int]
+    norm_weight: torch.Tensor
+    norm_eps: float
+
+
+def load_engine_target(args) -> EngineTarget:
+    from transformers import AutoTokenizer
+
+    from eagle3.checkpoint import check_aux_ids
+
+    name, hf_dir, spec = resolve(args.target)
+    facts = target_facts(args.target)
+    layers = int(facts["num_layers"])
+    aux = list(args.aux_layers or facts["aux_layer_ids"] or default_aux_layers(layers))
+    aux = check_aux_ids(aux, "--aux-layers")  # vLLM returns them in layer order
+    if aux[-1] >= layers:
+        raise Eagle3Error(
+            f"--aux-layers {aux}: the target has {layers} layers (ids 0..{layers - 1})"
+        )
+    remote = bool(
+        spec and (spec.get("trust_remote_code") or spec.get("tokenizer_trust_remote_code"))
+    )
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=remote)
+    if args.chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise Eagle3Error(
+            f"target {args.target}'s tokenizer has no chat template; pass --chat-template FILE"
+        )
+    weight, eps = load_final_norm(args.target)
+    return EngineTarget(name, str(hf_dir), tokenizer, int(facts["vocab_size"]),
+                        int(facts["hidden_size"]), layers, aux, weight.float(), eps)  # fmt: skip
+
+
+def engine_features(
+    hidden: torch.Tensor, target: EngineTarget
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's [T, 4, H] (aux layers, then pre-norm last) -> (aux [T, 3H], last [T, H])."""
+    t = hidden.shape[0]
+    aux = hidden[:, :3].float().reshape(t, -1)
+    last = rms_norm(hidden[:, 3].float(), target.norm_weight, target.norm_eps)
+    return aux, last
+
+
+def capture_items_engine(
+    server, target: EngineTarget, items: list[Item], writer: ShardWriter, concurrency: int
+) -> int:
+    """Capture every item through the engine (`concurrency` requests in flight: the engine
+    batches them) and write it; returns the number of tokens captured."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eagle3.serving import read_hidden_states
+
+    def one(item: Item) -> torch.Tensor:
+        reply = server.complete(item.input_ids, max_tokens=1, temperature=0.0)
+        path = (reply.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path:
+            raise Eagle3Error(
+                "the engine returned no kv_transfer_params.hidden_states_path: was it started "
+                "with the capture connector (eagle3.serving.capture_engine_args)?"
+            )
+        data = read_hidden_states(path, cleanup=True)
+        got = data["token_ids"].tolist()
+        if got != item.input_ids:
+            raise Eagle3Error(
+                f"record {item.id}: the engine saw {len(got)} tokens that differ from our "
+                f"{len(item.input_ids)} rendered ones; it must be sent token ids, not text"
+            )
+        return data["hidden_states"]
+
+    # written in the HF path's order (longest first), whatever order the engine finishes in:
+    # the same records give the same shards and index, hence the same training batches
+    order = sorted(items, key=lambda it: -len(it.input_ids))
+    total, t0, last_log = 0, time.monotonic(), time.monotonic()
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        futures = [pool.submit(one, it) for it in order]
+        try:
+            for item, future in zip(order, futures):
+                aux, last = engine_features(future.result(), target)
+                writer.add(item.id, item.input_ids, item.loss_mask, aux, last, dataset=item.dataset)
+                total += len(item.input_ids)
+                now = time.monotonic()
+                if now - last_log >= LOG_EVERY_S:
+                    last_log = now
+                    log.info("%d tokens, %.0f tok/s", total, total / (now - t0))
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    return total
+
+
+def start_capture_engine(args, target: EngineTarget, out: Path):
+    """A managed vLLM server with the hidden-states connector for target's aux layers."""
+    from eagle3.checkpoint import vllm_aux_layer_ids
+    from eagle3.serving import capture_engine_args, managed_engine
+
+    ids = vllm_aux_layer_ids(target.aux_layer_ids) + [target.num_layers]  # + pre-norm last
+    hidden_dir = out / ".engine-hidden"  # one file per request, deleted once read
+    server = managed_engine(
+        args,
+        target.hf_dir,
+        served_model_name=target.name,
+        max_model_len=args.max_length + 8,
+        extra_args=capture_engine_args(ids, hidden_dir),
+    )
+    log.info("starting vLLM for %s (capturing vLLM layer ids %s); log %s", target.name, ids,
+             server.log_path or "a temp file")  # fmt: skip
+    return server.start(), hidden_dir
 
 
 # ----------------------------------------------------------------------------- estimate
@@ -342,6 +486,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--tokens", type=parse_count, help="token count for --estimate (e.g. 40M)")
     p.add_argument("--tokens-per-s", type=float, help="capture speed for --estimate")
+    add_engine_args(p)
+    p.add_argument("--engine-concurrency", type=int, default=16, help="engine: requests in flight")
     args = p.parse_args(argv)
     args.chat_template = load_chat_template(args.chat_template)
     if not args.estimate and not (args.data and args.out):
@@ -495,7 +641,12 @@ def run(args) -> int:
         records = records[: args.limit]
     # settings that need no model are checked before a large target loads
     check_resumable(out, {"dtype": args.dtype, "max_length": args.max_length})
-    target = load_capture_target(args, state)
+    if args.engine and world > 1:
+        raise Eagle3Error(
+            "--engine runs as one process (the engine batches and spreads the model itself); "
+            "drop accelerate launch and use --tensor-parallel-size"
+        )
+    target = load_engine_target(args) if args.engine else load_capture_target(args, state)
     meta = capture_meta(target, args)
     check_resumable(out, meta)
 
@@ -511,10 +662,23 @@ def run(args) -> int:
     check_disk(state, items, target.hidden_size, args, out)
     models, providers = response_origins(mine, items)
 
-    t0 = time.monotonic()
-    with writer:  # on an error or Ctrl-C, what was captured is written: re-run to resume
-        captured = capture_items(target, items, writer, args.batch_tokens)
-    seconds = time.monotonic() - t0
+    if args.engine and items:
+        server, hidden_dir = start_capture_engine(args, target, out)
+        t0 = time.monotonic()
+        try:
+            with writer:  # on an error or Ctrl-C, what was captured is written: re-run to resume
+                captured = capture_items_engine(
+                    server, target, items, writer, args.engine_concurrency
+                )
+        finally:
+            server.stop()
+            shutil.rmtree(hidden_dir, ignore_errors=True)
+        seconds = time.monotonic() - t0
+    else:
+        t0 = time.monotonic()
+        with writer:  # on an error or Ctrl-C, what was captured is written: re-run to resume
+            captured = capture_items(target, items, writer, args.batch_tokens)
+        seconds = time.monotonic() - t0
     log.info(
         "process %d: %d tokens in %.1f s (%.0f tok/s)",
         rank,

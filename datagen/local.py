@@ -7,6 +7,10 @@ resumed the same way: prompts already in ``--out`` are skipped)::
     python -m datagen.local --prompts sharegpt --limit 2000 --out out/responses \\
         --base-url http://node1:30000 http://node2:30000 --concurrency 64
 
+    # a managed vLLM server for the target (started, used as the server path above, stopped)
+    python -m datagen.local --prompts sharegpt --limit 2000 --out out/responses \\
+        --engine vllm --target smollm2-135m-q4 [--tensor-parallel-size 8] [--engine-arg=ARG]
+
     # in-process transformers generation (the embedded 4-bit SmolLM2 on a CPU, or any HF dir)
     python -m datagen.local --prompts sharegpt --limit 200 --out out/responses \\
         --target smollm2-135m-q4 --batch-size 16 --max-new-tokens 256
@@ -48,6 +52,7 @@ from eagle3.data.chat import RenderError, load_chat_template
 from eagle3.data.prompts import Prompt, dedupe, load_prompts, split_prompts
 from eagle3.data.records import ResultStore, make_failure
 from eagle3.errors import Eagle3Error
+from eagle3.serving import add_engine_args
 
 log = logging.getLogger("datagen.local")
 
@@ -330,6 +335,26 @@ def run_inprocess(args, prompts: list[Prompt], store: ResultStore, stats: Stats)
 # ----------------------------------------------------------------------------- main
 
 
+def run_engine(args, prompts: list[Prompt], store: ResultStore, stats: Stats) -> None:
+    """--engine vllm: a managed server for --target, then the server path (ServerPool)."""
+    from eagle3.serving import managed_engine
+    from eagle3.target import resolve
+
+    name, hf_dir, _ = resolve(args.target)
+    if args.chat_template is not None:
+        raise Eagle3Error(
+            "--chat-template is in-process only; with --engine pass "
+            "--engine-arg=--chat-template=FILE to the server"
+        )
+    served = args.model or name
+    with managed_engine(args, hf_dir, served_model_name=served) as server:
+        log.info("vLLM server for %s up in %.0f s (log %s)", name, server.startup_seconds,
+                 server.log_path)  # fmt: skip
+        engine_args = argparse.Namespace(**{**vars(args), "base_url": [server.base_url],
+                                            "model": served})  # fmt: skip
+        asyncio.run(ServerPool(engine_args, store, stats).run(prompts))
+
+
 def first_user_turns(prompt: Prompt, n: int) -> Prompt:
     """The prompt cut after its n-th user turn (same id: resume treats it as the same prompt)."""
     kept, users = [], 0
@@ -389,7 +414,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     backend.add_argument(
         "--base-url", nargs="+", help="OpenAI-compatible server URL(s), e.g. http://host:30000"
     )
-    backend.add_argument("--target", help="in-process: registry name, HF model directory or .gguf")
+    backend.add_argument(
+        "--target",
+        help="in-process (or with --engine, served): registry name, HF model directory or .gguf",
+    )
     p.add_argument(
         "--model",
         help="model name sent to the servers / written in records (default: the server's or the target's)",
@@ -435,7 +463,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--model-dtype", help="in-process weights dtype (default: bf16 on GPU, fp32 on CPU)"
     )
     p.add_argument("--threads", type=int, help="in-process: CPU threads (torch.set_num_threads)")
+    add_engine_args(p)
     args = p.parse_args(argv)
+    if args.engine and not args.target:
+        p.error("--engine needs --target (the model to serve); --base-url is a running server")
     args.chat_template = load_chat_template(args.chat_template)
     return args
 
@@ -457,7 +488,9 @@ def run(args) -> int:
             len(todo),
         )
         if todo:
-            if args.base_url:
+            if args.engine:
+                run_engine(args, todo, store, stats)
+            elif args.base_url:
                 asyncio.run(ServerPool(args, store, stats).run(todo))
             else:
                 run_inprocess(args, todo, store, stats)

@@ -5,8 +5,10 @@ A checkpoint is a directory with two files:
 config.json
     A Llama config for one decoder layer: `architectures: ["LlamaForCausalLMEagle3"]`,
     `model_type: "llama"`, `num_hidden_layers: 1`, the layer sizes (hidden, intermediate,
-    heads, kv-heads, head_dim), rope and rms-norm settings, `vocab_size` (the TARGET vocab),
-    `draft_vocab_size`, `target_hidden_size`, `tie_word_embeddings: false`, `torch_dtype`,
+    heads, kv-heads, head_dim), rope and rms-norm settings (`rope_theta`, and `rope_scaling`
+    null or linear/YaRN in the form vLLM and SGLang both read the same way, see
+    eagle3.model.rope_scaling_for_engines; configs without it load as unscaled),
+    `vocab_size` (the TARGET vocab), `draft_vocab_size`, `target_hidden_size`, `tie_word_embeddings: false`, `torch_dtype`,
     and `eagle_config: {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state: true}`.
 
     Aux layer ids, written twice because the engines read different keys with different
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +96,7 @@ def check_aux_ids(aux_layer_ids: list[int], where: str = "aux layer ids") -> lis
     return ids
 
 
-def vllm_aux_layer_ids(aux_layer_ids: list[int]) -> list[int]:
+def vllm_aux_layer_ids(aux_layer_ids: Sequence[int]) -> list[int]:
     """Project aux ids (output of decoder layer k) -> vLLM's ids (after k+1 layers)."""
     return [int(i) + 1 for i in aux_layer_ids]
 

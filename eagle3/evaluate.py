@@ -11,6 +11,14 @@ then once per drafter speculatively (spec tok/s, tau, alpha_i), in the same proc
 speedup is a ratio measured in one run. `--draft` takes a checkpoint directory (checked
 against the target first), `prompt-lookup` (n-gram lookup, no model) or `none` (the
 speculative loop with no drafts: tau = 1, shows the loop's own overhead).
+
+`--engine vllm` adds the serving engine's rows (drafter "x/final [vllm]"): a managed vLLM
+server without a drafter answers every turn (plain tok/s; its answers condition later
+turns), then one with each checkpoint drafter (method eagle3, num_speculative_tokens = the
+chain steps) decodes the same token-id prompts at the same temperature; tau and alpha_i come
+from vLLM's spec-decode counters over that window (alpha_i conditional, as in-house). Rows
+"[vllm]" run one request at a time, rows "[vllm xN]" N at a time (`--engine-batch`), each
+against plain vLLM run the same way. Engine flags: eagle3.serving.add_engine_args.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from eagle3.data.chat import next_turns, prompt_ids
 from eagle3.data.prompts import load_prompts
 from eagle3.errors import Eagle3Error
 from eagle3.prompt_lookup import PromptLookupDrafter
+from eagle3.serving import SpecDecodeMetrics, add_engine_args
 from eagle3.speculative import (
     AcceptanceStats,
     DecodeConfig,
@@ -98,8 +107,13 @@ def check_compatible(cfg, raw: dict[str, Any], target, ckpt: str) -> None:
     embed = tuple(target.embed_weight.shape)
     if (cfg.vocab_size, cfg.hidden_size) != embed:
         problems.append(f"embedding shape {(cfg.vocab_size, cfg.hidden_size)} vs {embed}")
-    if list(cfg.aux_layer_ids) != list(target.aux_layer_ids):
-        problems.append(f"aux layers {list(cfg.aux_layer_ids)} vs {list(target.aux_layer_ids)}")
+    # other aux ids than the target's default are fine (the decoder captures the drafter's
+    # own layers); ids past the target's last layer are not
+    bad = [i for i in cfg.aux_layer_ids if not 0 <= int(i) < target.num_layers]
+    if bad:
+        problems.append(
+            f"aux layers {list(cfg.aux_layer_ids)} outside the target's {target.num_layers} layers"
+        )
     if problems:
         trained_for = (raw.get("extra_config") or {}).get("target")
         hint = f" (it was trained for {trained_for})" if trained_for else ""
@@ -238,6 +252,131 @@ def format_table(results: list[dict[str, Any]]) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# -- the serving engine ----------------------------------------------------------------------------
+@dataclass
+class EngineRun:
+    """One pass of a server over turns: tokens, seconds and the spec-decode window."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    window: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def engine_alpha(window: SpecDecodeMetrics, k: int) -> list[float | None]:
+    """vLLM's per-position counts (accepted at i / drafts: unconditional) -> alpha_i as
+    AcceptanceStats reports it: accepted at depth i / steps that accepted depths 1..i-1."""
+    counts = [window.num_drafts, *window.accepted_per_position]
+    counts += [0.0] * (k + 1 - len(counts))
+    return [counts[i + 1] / counts[i] if counts[i] else None for i in range(k)]
+
+
+def engine_generate(server, ids: list[int], cfg: DecodeConfig, eos: list[int]) -> tuple[int, str]:
+    """One completion from token ids -> (new tokens, text)."""
+    reply = server.complete(
+        ids, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, stop_token_ids=eos
+    )
+    choice = reply["choices"][0]
+    return int(reply["usage"]["completion_tokens"]), choice.get("text") or ""
+
+
+def engine_pass(server, turns: list[list[int]], cfg, eos, concurrency: int) -> EngineRun:
+    """Every turn through `server`, `concurrency` in flight -> tokens, wall seconds, window."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = server.spec_decode_metrics()
+    t0 = time.perf_counter()
+    if concurrency <= 1:
+        tokens = sum(engine_generate(server, ids, cfg, eos)[0] for ids in turns)
+    else:
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            tokens = sum(
+                n for n, _ in pool.map(lambda i: engine_generate(server, i, cfg, eos), turns)
+            )
+    seconds = time.perf_counter() - t0
+    return EngineRun(tokens, seconds, server.spec_decode_metrics() - before)
+
+
+def engine_plain_turns(server, target, benches, cfg, eos) -> dict[str, list[list[int]]]:
+    """Each benchmark's turns as token ids, later turns conditioned on the server's answers."""
+    turns: dict[str, list[list[int]]] = {}
+    for bench, prompts in benches:
+        out = turns.setdefault(bench, [])
+        for prompt in prompts:
+            conversation: list[dict] = []
+            while (asked := next_turns(prompt, conversation)) is not None:
+                conversation.extend(asked)
+                ids = prompt_ids(target.tokenizer, conversation)
+                out.append(ids)
+                _, answer = engine_generate(server, ids, cfg, eos)
+                conversation.append({"role": "assistant", "content": answer})
+    return turns
+
+
+def engine_rows(args, target, benches, names: dict[str, str], cfg: DecodeConfig) -> list[dict]:
+    """Rows "[vllm]" (batch 1) and "[vllm xN]" of every checkpoint drafter on every benchmark,
+    next to plain vLLM run the same way; at most one server runs at a time."""
+    from eagle3.serving import managed_engine
+    from eagle3.target import resolve
+
+    hf_dir = resolve(args.target)[1]
+    eos = sorted(eos_token_ids(target))
+    k, batch = cfg.max_depth, args.engine_batch
+    drafters = {n: s for n, s in names.items() if s not in ("none", "prompt-lookup")}
+    if not drafters:
+        log.warning(
+            "--engine: no checkpoint drafter to serve (prompt-lookup/none are in-house only)"
+        )
+        return []
+
+    def warm(server, ids):  # first requests pay for graph capture / compilation
+        server.complete(ids, max_tokens=WARMUP_TOKENS, stop_token_ids=eos)
+
+    plain: dict[tuple[str, int], EngineRun] = {}
+    with managed_engine(args, hf_dir, served_model_name=target.name) as server:
+        log.info("vLLM plain server up in %.0f s (log %s)", server.startup_seconds, server.log_path)
+        turns = engine_plain_turns(server, target, benches, cfg, eos)
+        warm(server, next(iter(turns.values()))[0])
+        for bench, ids in turns.items():
+            for n in (1, batch):
+                plain[bench, n] = engine_pass(server, ids, cfg, eos, n)
+    rows = []
+    for name, spec in drafters.items():
+        with managed_engine(
+            args, hf_dir, served_model_name=target.name, drafter=spec, num_speculative_tokens=k
+        ) as server:
+            log.info("vLLM server with %s up in %.0f s (log %s)", name, server.startup_seconds,
+                     server.log_path)  # fmt: skip
+            warm(server, next(iter(turns.values()))[0])
+            for bench, ids in turns.items():
+                for n in (1, batch):
+                    run_ = engine_pass(server, ids, cfg, eos, n)
+                    base = plain[bench, n]
+                    rows.append(
+                        {
+                            "drafter": f"{name} [vllm]" if n == 1 else f"{name} [vllm x{n}]",
+                            "bench": bench,
+                            "tau": run_.window.tau,
+                            "alpha": engine_alpha(run_.window, k),
+                            "spec_tokens_per_s": run_.rate,
+                            "plain_tokens_per_s": base.rate,
+                            "speedup": run_.rate / base.rate if base.rate else 0.0,
+                            "prompts": len(dict(benches)[bench]),
+                            "turns": len(ids),
+                            "tokens": run_.tokens,
+                            "plain_tokens": base.tokens,
+                            "verify_steps": run_.window.num_drafts,
+                            "spec_seconds": run_.seconds,
+                            "plain_seconds": base.seconds,
+                            "engine": {"name": "vllm", "concurrency": n, **run_.window.as_dict()},
+                        }
+                    )
+    return rows
 
 
 # -- W&B ------------------------------------------------------------------------------------------
@@ -379,6 +518,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--wandb-project", default="eagle3")
     p.add_argument("--wandb-group", default=None)
+    add_engine_args(p)
+    p.add_argument(
+        "--engine-batch", type=int, default=8, help="engine: concurrent requests of the x-N rows"
+    )
     return p
 
 
@@ -408,16 +551,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "results": [],
     }
     warmed = False
+    loaded = []
     for bench, source in benches:
         prompts = load_prompts(source, dataset=bench, limit=args.limit)
         if not prompts:
             raise Eagle3Error(f"benchmark {bench} ({source}) has no prompts")
+        loaded.append((bench, prompts))
+    for bench, prompts in loaded:
         if not warmed:
             warm_up(target, drafters, prompts, cfg)
             warmed = True
         plain, spec = run_benchmark(target, drafters, prompts, cfg, args.seed)
         for name, tally in spec.items():
             report["results"].append(result_row(name, bench, plain, tally, cfg.max_depth))
+    if args.engine:
+        report["results"] += engine_rows(args, target, loaded, names, cfg)
     return report
 
 

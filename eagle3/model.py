@@ -21,6 +21,7 @@ Parameter names match SGLang's `LlamaForCausalLMEagle3` so checkpoints load ther
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -31,6 +32,12 @@ from torch import nn
 from eagle3.errors import Eagle3Error
 
 FEATURES = ("aux", "last")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # scalings the drafter's rotary implements
+# Kimi-class (MLA) targets have no Llama head shape to copy: 64 heads of 112 (hidden / heads)
+# or of 64 (qk_rope_head_dim), neither of which every attention backend serves. Their draft
+# layer defaults to SpecForge's DeepSeek-V3 EAGLE-3 shape instead: heads of 128, 8 KV heads.
+MLA_HEAD_DIM = 128
+MLA_KV_HEADS = 8
 
 
 @dataclass
@@ -52,10 +59,14 @@ class DraftConfig:
     feature: str = "aux"
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # None (plain RoPE), or {"rope_type": "linear", "factor"} or {"rope_type": "yarn", ...}: see
+    # rope_scaling_for_engines; from_target_config copies the target's (theta too)
+    rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
 
     def __post_init__(self) -> None:
+        self.rope_scaling = rope_scaling_for_engines(self.rope_scaling)
         if self.hidden_act != "silu":
             raise Eagle3Error(f"hidden_act {self.hidden_act!r} is not supported; use 'silu'")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -82,11 +93,23 @@ class DraftConfig:
     def from_target_config(
         cls, hf_config: Any, draft_vocab_size: int, aux_layer_ids: list[int], **overrides: Any
     ) -> DraftConfig:
-        """Size the draft layer like one decoder layer of the target (the usual choice)."""
+        """Size the draft layer like one decoder layer of the target (the usual choice), with
+        the target's RoPE (theta and scaling); `overrides` replace any field (None = derive).
+
+        MLA targets (DeepSeek-V3, Kimi-K2.5) get heads of MLA_HEAD_DIM with MLA_KV_HEADS KV
+        heads where the hidden size divides (Kimi: 56 x 128, 8 KV heads), else hidden / heads.
+        """
         heads = hf_config.num_attention_heads
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
         hidden = hf_config.hidden_size
         head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+        if getattr(hf_config, "kv_lora_rank", None):  # MLA: its head_dim is not a Llama one
+            head_dim = hidden // heads
+            if hidden % MLA_HEAD_DIM == 0 and (hidden // MLA_HEAD_DIM) % MLA_KV_HEADS == 0:
+                head_dim, heads, kv_heads = MLA_HEAD_DIM, hidden // MLA_HEAD_DIM, MLA_KV_HEADS
+            else:
+                kv_heads = heads
+        theta, scaling = target_rope(hf_config)
         # MoE configs (DeepSeek-V3) carry the dense-layer width in intermediate_size too.
         values = dict(
             hidden_size=hidden,
@@ -99,9 +122,11 @@ class DraftConfig:
             target_hidden_size=hidden,
             aux_layer_ids=list(aux_layer_ids),
             rms_norm_eps=getattr(hf_config, "rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
         )
-        values.update(overrides)
+        values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -121,19 +146,129 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def target_rope(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) of a target's HF config: transformers 5's `rope_parameters`
+    or the older `rope_theta` + `rope_scaling` keys; 10000 and None when it says nothing."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        theta = params.get("rope_theta")
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta, scaling = (
+            getattr(hf_config, "rope_theta", None),
+            getattr(hf_config, "rope_scaling", None),
+        )
+    return float(theta or 10000.0), rope_scaling_for_engines(scaling)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_scaling_for_engines(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A target's rope scaling -> the form the drafter, vLLM and SGLang compute identically.
+
+    None/"default" -> None. "linear" -> {rope_type, factor}. "llama3" (Llama-3.1) -> {rope_type,
+    factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}. "yarn" ->
+    {rope_type, factor, original_max_position_embeddings, beta_fast, beta_slow,
+    attention_factor, attn_factor}: the
+    cos/sin magnitude factor is resolved once (explicit attention_factor, else DeepSeek's
+    mscale / mscale_all_dim ratio, else 0.1 ln(factor) + 1, as transformers and vLLM do) and
+    written twice, because vLLM (and transformers) take `attention_factor` as the factor while
+    SGLang ignores it and mscale, and multiplies 0.1 ln(factor) + 1 by `attn_factor`.
+    Idempotent; other types (dynamic, longrope, ...) raise Eagle3Error.
+    """
+    if not scaling:
+        return None
+    s = dict(scaling)
+    kind = s.get("rope_type") or s.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind not in ROPE_TYPES:
+        raise Eagle3Error(
+            f"rope scaling type {kind!r} is not implemented by the drafter (it has "
+            f"{', '.join(ROPE_TYPES)}); set model.draft.rope.scaling to one of them, e.g. "
+            "{rope_type: default}"
+        )
+    factor = s.get("factor")
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+        raise Eagle3Error(f"rope scaling {kind!r} needs a positive 'factor', got {factor!r}")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    original = s.get("original_max_position_embeddings")
+    if kind == "llama3":
+        return {
+            "rope_type": "llama3",
+            "factor": float(factor),
+            "low_freq_factor": float(s.get("low_freq_factor", 1.0)),
+            "high_freq_factor": float(s.get("high_freq_factor", 4.0)),
+            "original_max_position_embeddings": int(original or 8192),
+        }
+    if not isinstance(original, int) or original <= 0:
+        raise Eagle3Error(
+            f"yarn rope scaling needs original_max_position_embeddings (an int), got {original!r}"
+        )
+    attention = s.get("attention_factor")
+    if attention is None and s.get("mscale") and s.get("mscale_all_dim"):
+        attention = _yarn_mscale(factor, s["mscale"]) / _yarn_mscale(factor, s["mscale_all_dim"])
+    if attention is None:
+        attention = _yarn_mscale(factor)
+    return {
+        "rope_type": "yarn",
+        "factor": float(factor),
+        "original_max_position_embeddings": original,
+        "beta_fast": float(s.get("beta_fast", 32)),
+        "beta_slow": float(s.get("beta_slow", 1)),
+        "attention_factor": float(attention),
+        "attn_factor": float(attention) / _yarn_mscale(factor),  # SGLang's: see above
+    }
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None = None
+) -> tuple[torch.Tensor, float]:
+    """-> (inverse frequencies (head_dim/2,), cos/sin magnitude factor) for the scaling
+    rope_scaling_for_engines returns; YaRN as in transformers' and vLLM's rotary (truncated
+    correction range, linear ramp between interpolated and extrapolated frequencies)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling is None:
+        return inv_freq, 1.0
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor, 1.0
+    original = scaling["original_max_position_embeddings"]
+    if scaling["rope_type"] == "llama3":  # long wavelengths / factor, short kept, smooth between
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((original / wavelen - low) / (high - low)).clamp(0, 1)
+        return (1 - smooth) * inv_freq / factor + smooth * inv_freq, 1.0
+
+    def correction_dim(rotations: float) -> float:  # the dim doing `rotations` turns in `original`
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(scaling["beta_fast"])), 0)
+    high = min(math.ceil(correction_dim(scaling["beta_slow"])), head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1: high-frequency dims keep their frequency
+    inv_freq = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+    return inv_freq, scaling["attention_factor"]
+
+
 def rotary_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    position_ids: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    scaling: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin for positions (B, S) -> each (B, 1, S, head_dim), Llama's half-split layout."""
-    inv_freq = 1.0 / (
-        theta
-        ** (
-            torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
-        )
-    )
-    freqs = position_ids.float()[..., None] * inv_freq  # (B, S, hd/2)
+    inv_freq, magnitude = rope_inv_freq(head_dim, theta, scaling)
+    freqs = position_ids.float()[..., None] * inv_freq.to(position_ids.device)  # (B, S, hd/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (B, S, hd)
-    return emb.cos()[:, None].to(dtype), emb.sin()[:, None].to(dtype)
+    cos, sin = emb.cos() * magnitude, emb.sin() * magnitude
+    return cos[:, None].to(dtype), sin[:, None].to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -165,7 +300,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
-        cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.cfg.rope_theta, q.dtype)
+        cos, sin = rotary_cos_sin(
+            position_ids, self.head_dim, self.cfg.rope_theta, q.dtype, self.cfg.rope_scaling
+        )
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def attend_ttt(

@@ -2,6 +2,7 @@
 
     python -m eagle3.quickstart [--run-dir runs/quickstart] [--scale tiny|default|large]
                                 [--prompts N] [--epochs E] [--target smollm2-135m-q4]
+                                [--engine vllm [--engine-arg=ARG ...]]
 
 Stages, each the real CLI run as a subprocess (the exact command is printed and saved in the
 run directory, so any stage can be rerun by hand):
@@ -10,7 +11,9 @@ run directory, so any stage can be rerun by hand):
   2. capture   python -m datagen.capture      aux + final hidden states into shards
   3. train     accelerate launch train/train_drafter.py --config configs/train/smollm2-q4-cpu.yaml
   4. evaluate  python -m eagle3.evaluate      MT-bench + HumanEval, chain k=7, T=0, against the
-                                              same 4-bit target: drafter vs prompt lookup vs plain
+                                              same 4-bit target: drafter vs prompt lookup vs plain;
+                                              --engine vllm adds the vLLM rows ("[vllm]": the
+                                              drafter served by vLLM vs plain vLLM, batch 1 and 8)
 
 A stage that finished with the same command is skipped on the next run ("done, skipped");
 one that was interrupted is rerun, and the stage's own resume logic (result store, complete
@@ -177,6 +180,8 @@ def stage_commands(args: argparse.Namespace, run: Path) -> list[tuple[str, list[
                 "--json",
                 str(run / "eval.json"),
                 *(["--wandb", "--wandb-group", group] if args.wandb else []),
+                *(["--engine", args.engine] if args.engine else []),
+                *[f"--engine-arg={a}" for a in args.engine_arg],
             ],
         ),
     ]
@@ -289,6 +294,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="extra train_drafter.py override, e.g. optim.lr=3e-4 (repeatable)",
     )
+    p.add_argument(
+        "--engine",
+        choices=("vllm",),
+        help="also evaluate the drafter served by vLLM (bash scripts/install_engine.sh first)",
+    )
+    p.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
+                   help="extra vLLM server argument, e.g. --engine-arg=--enforce-eager")  # fmt: skip
     args = p.parse_args(argv)
     scale = SCALES[args.scale]
     for field in ("prompts", "max_new_tokens", "epochs", "eval_limit", "eval_tokens"):

@@ -20,7 +20,8 @@ Hidden-state capture through the engine: `capture_engine_args(layer_ids, out_dir
 `--speculative-config` / `--kv-transfer-config` for the connector in eagle3/vllm_capture.py;
 each completion's `kv_transfer_params.hidden_states_path` then names a safetensors file
 (`read_hidden_states`). vLLM layer ids: id k = HF `hidden_states[k]` (after k decoder layers,
-id L = before the final norm); the project's aux id k is vLLM id k + 1 (`vllm_layer_ids`).
+id L = before the final norm); the project's aux id k is vLLM id k + 1
+(`eagle3.checkpoint.vllm_aux_layer_ids`).
 """
 
 from __future__ import annotations
@@ -90,11 +91,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def vllm_layer_ids(aux_layer_ids: Sequence[int]) -> list[int]:
-    """Project aux ids (output of decoder layer k = HF hidden_states[k+1]) -> vLLM ids (k+1)."""
-    return [int(i) + 1 for i in aux_layer_ids]
 
 
 # -- spec-decode metrics -----------------------------------------------------------------------
@@ -187,7 +183,7 @@ def parse_spec_decode_metrics(text: str) -> SpecDecodeMetrics:
 def capture_engine_args(layer_ids: Sequence[int], out_dir: str | os.PathLike) -> list[str]:
     """Engine args for hidden-state extraction of vLLM layer ids `layer_ids` into out_dir.
 
-    Use `vllm_layer_ids(aux_ids)` for the project's aux ids, and `num_hidden_layers` for the
+    Use `eagle3.checkpoint.vllm_aux_layer_ids(aux_ids)` for the project's aux ids, and `num_hidden_layers` for the
     pre-final-norm last hidden state (apply the target's final norm for lm_head's input)."""
     ids = [int(i) for i in layer_ids]
     spec = {
@@ -282,40 +278,21 @@ class EngineClient:
 
     # API
     def chat(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        max_tokens: int = 128,
-        temperature: float = 0.0,
-        **extra: Any,
+        self, messages: list[dict[str, Any]], *, max_tokens: int = 128, **extra: Any
     ) -> dict[str, Any]:
-        """POST /v1/chat/completions (greedy by default) -> the response JSON."""
-        body = {
-            "model": self.model,
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            **extra,
-        }
-        return self.post("/v1/chat/completions", body)
+        """POST /v1/chat/completions (greedy unless `temperature` is given) -> the response."""
+        return self._sample(
+            "/v1/chat/completions", messages=messages, max_tokens=max_tokens, **extra
+        )
 
     def complete(
-        self,
-        prompt: str | list[int],
-        *,
-        max_tokens: int = 1,
-        temperature: float = 0.0,
-        **extra: Any,
+        self, prompt: str | list[int], *, max_tokens: int = 1, **extra: Any
     ) -> dict[str, Any]:
         """POST /v1/completions; `prompt` may be token ids -> the response JSON."""
-        body = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            **extra,
-        }
-        return self.post("/v1/completions", body)
+        return self._sample("/v1/completions", prompt=prompt, max_tokens=max_tokens, **extra)
+
+    def _sample(self, path: str, **body: Any) -> dict[str, Any]:
+        return self.post(path, {"model": self.model, "temperature": 0.0, **body})
 
     def metrics_text(self) -> str:
         return self.get("/metrics")
@@ -573,3 +550,49 @@ def engine_server(
     if model is None:
         raise Eagle3Error("pass a target model directory to start a vLLM server, or base_url")
     return VLLMServer(model, **kwargs)
+
+
+# -- the CLIs' engine flags ----------------------------------------------------------------------
+ENGINES = ("vllm",)
+
+
+def add_engine_args(p) -> None:
+    """`--engine vllm` and the flags of the managed server, shared by datagen.local,
+    datagen.capture and eagle3.evaluate. One design for engine flags: the common GPU one is
+    explicit (`--tensor-parallel-size`), anything else goes verbatim with `--engine-arg=ARG`
+    (repeatable; the `=` form, since ARG starts with dashes), after ours, so it wins."""
+    g = p.add_argument_group(
+        "serving engine (vLLM in .venv-engine; bash scripts/install_engine.sh)"
+    )
+    g.add_argument(
+        "--engine",
+        choices=ENGINES,
+        help="start a managed vLLM server for --target and run through it",
+    )
+    g.add_argument("--tensor-parallel-size", type=int, help="engine: GPUs per model (vLLM -tp)")
+    g.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="engine: one more vLLM server argument, verbatim and last, e.g. "
+        "--engine-arg=--gpu-memory-utilization=0.85 --engine-arg=--enforce-eager (repeatable)",
+    )
+    g.add_argument("--engine-log", help="engine: the server's log file (default: a temp file)")
+
+
+def managed_engine(args, model_dir: str | os.PathLike, **kwargs: Any) -> VLLMServer:
+    """The VLLMServer the engine flags of `args` ask for, serving HF dir `model_dir`.
+
+    On the CPU build the target is served in float32 (what the project's CPU path computes
+    in); a GPU engine keeps vLLM's dtype default unless `--engine-arg=--dtype=...` says."""
+    extra = [*kwargs.pop("extra_args", ()), *getattr(args, "engine_arg", [])]
+    if "dtype" not in kwargs and engine_is_cpu_build():
+        kwargs["dtype"] = "float32"
+    return VLLMServer(
+        model_dir,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", None),
+        log_path=getattr(args, "engine_log", None),
+        extra_args=extra,
+        **kwargs,
+    )

@@ -256,6 +256,7 @@ class EagleDrafter:
         self.cfg = cfg
         self.name = name
         self.feature = draft.config.feature  # which target features update() takes
+        self.aux_layer_ids = list(draft.config.aux_layer_ids)  # the target layers it was trained on
         vd = draft.config.draft_vocab_size
         self.vocab_ids = draft.draft_to_target(torch.arange(vd, device=draft.d2t.device))
         self.reset()
@@ -438,7 +439,15 @@ class SpeculativeDecoder:
             )
         decoder = decoder_of(self.model)
         self.layers, self.final_norm = decoder.layers, decoder.norm
-        self.aux_ids = list(target.aux_layer_ids)
+        # the drafter's own aux layers (a drafter may be trained on non-default ids), else the
+        # target's; the features it takes are these layers' outputs, concatenated in this order
+        self.aux_ids = list(getattr(drafter, "aux_layer_ids", None) or target.aux_layer_ids)
+        bad = [i for i in self.aux_ids if not 0 <= i < len(self.layers)]
+        if bad:
+            raise Eagle3Error(
+                f"drafter aux layer id(s) {bad} out of range: the target has {len(self.layers)} "
+                "decoder layers; the drafter was trained for another target"
+            )
         # "aux": the 3 aux layers (EAGLE-3); "last": the final post-norm state (ablation drafters)
         self.feature = getattr(drafter, "feature", "aux")
         self.eos = eos_token_ids(target) if eos_ids is None else set(eos_ids)

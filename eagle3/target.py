@@ -524,6 +524,33 @@ def load_embeddings(name_or_path: str | os.PathLike) -> torch.Tensor:
     return _read_tensor(name_or_path, "embed")
 
 
+def load_final_norm(name_or_path: str | os.PathLike) -> tuple[torch.Tensor, float]:
+    """The target's final RMSNorm (weight [H], eps), read alone from the safetensors: what
+    turns a pre-norm last hidden state (vLLM's id num_hidden_layers) into lm_head's input."""
+    _, hf_dir, _ = resolve(name_or_path)
+    weight_map = _weight_files(hf_dir)
+    # the decoder's own norm, not a layer's (model.layers.N.*norm) nor an MTP/vision copy
+    keys = sorted(
+        (k for k in weight_map if k.endswith("norm.weight") and ".layers." not in k),
+        key=lambda k: (not k.endswith("model.norm.weight"), not k.endswith(".norm.weight"), len(k)),
+    )
+    if not keys:
+        raise Eagle3Error(f"{hf_dir} holds no final norm (*.norm.weight); is it a causal LM?")
+    from safetensors import safe_open
+
+    with safe_open(_hf_file(hf_dir, weight_map[keys[0]]), framework="pt") as f:
+        weight = f.get_tensor(keys[0])
+    config = target_facts(name_or_path)["hf_config"]
+    return weight, float(getattr(config, "rms_norm_eps", 1e-6))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm (computed in fp32, as transformers' LlamaRMSNorm does)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.float() * h.to(x.dtype).float()
+
+
 # -- facts without weights ---------------------------------------------------------------------
 def target_facts(name_or_path: str | os.PathLike) -> dict[str, Any]:
     """name, vocab_size, hidden_size, num_layers, aux_layer_ids (the registry's, or None) and

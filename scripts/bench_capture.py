@@ -12,6 +12,12 @@ time of each, so a noisy neighbour hurts all three alike):
                  conversion, copy to CPU and shard writing (safetensors, fsync) included
 
 Goal: capture within 15% of the bare forward (ratio capture / model(...) time <= 1.15).
+
+`--engine vllm` then captures the same records through a managed vLLM server
+(`datagen.capture --engine vllm`'s path: token-id prompts, our connector, final norm here,
+shard writing; `--engine-concurrency` requests in flight; server start-up not timed) and
+prints engine / in-process capture tok/s. E.g. on CPU:
+    python scripts/bench_capture.py --records 16 --max-length 256 --engine vllm --engine-arg=--enforce-eager
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", help="cpu, cuda (default: cuda when there is one)")
     p.add_argument("--threads", type=int)
+    from eagle3.serving import add_engine_args
+
+    add_engine_args(p)
+    p.add_argument("--engine-concurrency", type=int, default=16)
     args = p.parse_args()
 
     from datagen.capture import Item, batches, capture_items, pad
@@ -109,6 +119,34 @@ def main() -> None:
         f"capture / model(...) time = {med['capture'] / med['model(...)']:.3f}   "
         f"capture / decoder(...) time = {med['capture'] / med['decoder(...)']:.3f}   (goal <= 1.15)"
     )
+    if args.engine:
+        engine_capture(args, items, meta, tokens, med["capture"])
+
+
+def engine_capture(args, items, meta, tokens: int, hf_seconds: float) -> None:
+    """The same items through a managed vLLM server, timed after one warm-up request."""
+    from datagen.capture import capture_items_engine, load_engine_target, start_capture_engine
+    from eagle3.data.shards import ShardWriter
+
+    args.aux_layers, args.chat_template = None, None
+    target = load_engine_target(args)
+    with tempfile.TemporaryDirectory() as out:
+        server, _ = start_capture_engine(args, target, Path(out))
+        try:
+            with ShardWriter(Path(out) / "warm", meta, args.dtype) as writer:
+                capture_items_engine(server, target, items[:1], writer, 1)
+            times = []
+            for r in range(args.repeats):
+                t0 = time.perf_counter()
+                with ShardWriter(Path(out) / f"run{r}", meta, args.dtype) as writer:
+                    capture_items_engine(server, target, items, writer, args.engine_concurrency)
+                times.append(time.perf_counter() - t0)
+        finally:
+            server.stop()
+    seconds = statistics.median(times)
+    print(f"  {'vllm capture':13s} {seconds:7.2f} s  {tokens / seconds:8,.0f} tok/s  "
+          f"({args.engine_concurrency} in flight)")  # fmt: skip
+    print(f"vllm capture / in-process capture tok/s = {hf_seconds / seconds:.2f}")
 
 
 if __name__ == "__main__":

@@ -116,3 +116,80 @@ def smollm2_target():
     from eagle3.target import load_target
 
     return load_target("smollm2-135m-q4", device="cpu")
+
+
+# -- the serving engine (vLLM in .venv-engine) -------------------------------------------------
+EMBEDDED = "smollm2-135m-q4"
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """Engine tests need `bash scripts/install_engine.sh` (scripts/test.sh runs it). Without the
+    engine they skip with that reason, except in CI (CI=true), where they fail: CI must run them."""
+    import os
+
+    from eagle3.serving import engine_available, engine_python
+
+    if engine_available():
+        return engine_python()
+    reason = "the vLLM engine venv is not installed (run `bash scripts/install_engine.sh`)"
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"CI=true but {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def embedded_target_dir():
+    """The HF dir of the embedded target (the de-quantised fp32 SmolLM2 dir engines serve)."""
+    from eagle3.errors import Eagle3Error
+    from eagle3.target import resolve
+
+    try:
+        return resolve(EMBEDDED)[1]
+    except Eagle3Error as err:
+        pytest.skip(f"embedded target unavailable: {err}")
+
+
+@pytest.fixture(scope="session")
+def embedded_drafter(tmp_path_factory, embedded_target_dir):
+    """A drafter for the embedded target that ACCEPTS tokens, built once per session in ~2
+    min: the target's own greedy answers to 6 MT-bench first turns (48 new tokens each),
+    captured, then trained (30 steps over the 6, lr 2e-3) long enough to learn them. Evaluated on those same prompts it
+    accepts many drafts: what an acceptance comparison (engine vs in-house) needs.
+    -> (checkpoint dir, prompts file)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    work = tmp_path_factory.mktemp("embedded_drafter")
+    from eagle3.data.prompts import load_prompts
+
+    prompts = load_prompts("mt_bench", dataset="mt_bench", limit=6)
+    bench = work / "mt_bench6.jsonl"
+    bench.write_text(
+        "".join(
+            json.dumps({"id": p.id, "turns": [p.messages[0]["content"]]}) + "\n" for p in prompts
+        )
+    )
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(repo)}
+
+    def run(*cmd: str) -> None:
+        proc = subprocess.run(
+            [sys.executable, *cmd], cwd=repo, env=env, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}"
+
+    run("-m", "datagen.local", "--target", EMBEDDED, "--prompts", str(bench),
+        "--max-new-tokens", "48", "--temperature", "0", "--batch-size", "6",
+        "--out", str(work / "responses"))  # fmt: skip
+    run("-m", "datagen.capture", "--target", EMBEDDED, "--data", str(work / "responses"),
+        "--out", str(work / "shards"))  # fmt: skip
+    run("train/train_drafter.py", "--config", "configs/train/smollm2-q4-cpu.yaml",
+        f"data.shard_dirs=[{work / 'shards'}]", f"train.out_dir={work / 'train'}",
+        "train.max_steps=30", "train.epochs=1000", "optim.lr=2e-3", "optim.warmup_steps=3",
+        "data.batch_size=6", "model.draft_vocab_size=2048", "train.save_every=1000",
+        "train.progress=false", "wandb.mode=disabled")  # fmt: skip
+    return work / "train" / "final", bench

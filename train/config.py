@@ -10,6 +10,7 @@ is a single line, before any model or data is touched.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,10 @@ from typing import Any
 import yaml
 
 from eagle3.config import load_typed
-from eagle3.model import FEATURES
+from eagle3.errors import Eagle3Error
+from eagle3.model import FEATURES, rope_scaling_for_engines
+
+EXPORT_DTYPES = ("bf16", "fp16", "fp32")  # names eagle3.checkpoint.save_draft(dtype=) takes
 
 
 @dataclass
@@ -35,13 +39,32 @@ class DataConfig:
     mode: str = "offline"  # offline: captured shards; online: the target runs in the loop
     shard_dirs: list[str] = field(default_factory=list)  # offline: datagen.capture output dirs
     records: list[str] = field(default_factory=list)  # online: JSONL files or datagen result dirs
-    max_length: int = 2048  # longer records are truncated (online) / refused by capture (offline)
+    max_length: int = 2048  # longer records are cut to their first max_length tokens
     batch_size: int = 4  # sequences per micro-batch per process
     group_by_length: bool = True  # length-grouped batches keep padding < 10% of tokens
     lm_head_chunk: int = (
         512  # rows per target lm_head chunk (soft labels); bounds full-vocab memory
     )
     num_workers: int = 0  # DataLoader workers (offline shard reads)
+
+
+@dataclass
+class RopeConfig:
+    theta: float | None = None  # None: the target's rope_theta
+    # None: the target's scaling (e.g. Kimi's YaRN); {rope_type: default} for none, or
+    # {rope_type: linear, factor} / {rope_type: yarn, factor, original_max_position_embeddings, ...}
+    scaling: dict | None = None
+
+
+@dataclass
+class DraftShapeConfig:
+    """The draft layer's shape; null = derived from the target (DraftConfig.from_target_config)."""
+
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None  # None: the target's (dense) MLP width
+    rope: RopeConfig = field(default_factory=RopeConfig)
 
 
 @dataclass
@@ -56,7 +79,7 @@ class ModelConfig:
     # (EAGLE-1/2's feature; with ttt_steps 1 this is the EAGLE-2-style ablation).
     feature: str = "aux"
     step_weight: float = 0.8  # loss = sum_k step_weight^k * CE_k
-    intermediate_size: int | None = None  # None: the target's (dense) MLP width
+    draft: DraftShapeConfig = field(default_factory=DraftShapeConfig)  # ignored with init_from
 
 
 @dataclass
@@ -92,6 +115,7 @@ class TrainConfig:
     resume_from: str | None = None  # "latest" (newest in out_dir), a checkpoint dir, or None
     mixed_precision: str = "auto"  # auto: bf16 on GPU, no (fp32) on CPU; or no/bf16/fp16
     progress: bool = True  # tqdm bar with ETA (main process, terminals only)
+    export_dtype: str = "bf16"  # SGLang/vLLM exports: bf16 (what engines serve), fp16 or fp32
 
 
 @dataclass
@@ -156,6 +180,7 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
     need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     need(m.feature in FEATURES, f"model.feature must be 'aux' or 'last', got {m.feature!r}")
     need(0 < m.step_weight <= 1, f"model.step_weight must be in (0, 1], got {m.step_weight}")
+    _check_draft_shape(m.draft, need)
     need(
         cfg.target.aux_layer_ids is None or len(cfg.target.aux_layer_ids) == 3,
         f"target.aux_layer_ids needs exactly 3 layer ids, got {cfg.target.aux_layer_ids}",
@@ -163,6 +188,10 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
     need(
         t.mixed_precision in ("auto", "no", "bf16", "fp16"),
         f"train.mixed_precision must be auto/no/bf16/fp16, got {t.mixed_precision!r}",
+    )
+    need(
+        t.export_dtype in EXPORT_DTYPES,
+        f"train.export_dtype must be {'/'.join(EXPORT_DTYPES)}, got {t.export_dtype!r}",
     )
     need(
         cfg.wandb.mode in ("auto", "online", "offline", "disabled"),
@@ -182,6 +211,29 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
             Path(t.resume_from).is_dir(),
             f"train.resume_from: {t.resume_from} is not a checkpoint dir (or use 'latest')",
         )
+
+
+def _check_draft_shape(shape: DraftShapeConfig, need: Callable[[bool, str], None]) -> None:
+    for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
+        value = getattr(shape, name)
+        need(value is None or value >= 1, f"model.draft.{name} must be >= 1 or null, got {value}")
+    heads, kv = shape.num_attention_heads, shape.num_key_value_heads
+    need(
+        not (heads and kv and kv >= 1 and heads % kv),
+        f"model.draft.num_attention_heads ({heads}) must be a multiple of "
+        f"num_key_value_heads ({kv})",
+    )
+    need(
+        shape.head_dim is None or shape.head_dim % 2 == 0,
+        f"model.draft.head_dim must be even (rotary pairs), got {shape.head_dim}",
+    )
+    theta = shape.rope.theta
+    need(theta is None or theta > 0, f"model.draft.rope.theta must be > 0 or null, got {theta}")
+    if shape.rope.scaling is not None:
+        try:
+            rope_scaling_for_engines(shape.rope.scaling)
+        except Eagle3Error as err:
+            need(False, f"model.draft.rope.scaling: {err}")
 
 
 def load_config(

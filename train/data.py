@@ -35,10 +35,14 @@ MEGA_BATCHES = 50  # global batches sorted together; larger = less padding, less
 
 # -- offline: captured shards ----------------------------------------------------------------
 def load_shards(
-    shard_dirs: list[str], dtype: torch.dtype = torch.float32
+    shard_dirs: list[str], dtype: torch.dtype = torch.float32, max_length: int | None = None
 ) -> tuple[Dataset, list[int], list[dict[str, Any]]]:
-    """-> (one dataset over all dirs, lengths, each dir's meta); hidden states read as `dtype`."""
-    parts = [ShardDataset(d, dtype=dtype) for d in shard_dirs]
+    """-> (one dataset over all dirs, lengths, each dir's meta); hidden states read as `dtype`,
+    records longer than `max_length` cut to it (as TokenRecords cuts online records)."""
+    parts = [ShardDataset(d, dtype=dtype, max_length=max_length) for d in shard_dirs]
+    truncated = sum(p.truncated for p in parts)
+    if truncated:
+        log.warning("truncated %d records to data.max_length=%d tokens", truncated, max_length)
     lengths = [n for p in parts for n in p.lengths]
     return ConcatDataset(parts), lengths, [p.meta for p in parts]
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import resource
 import shutil
 import sys
@@ -36,7 +37,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin, set_seed
+from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import Dataset
@@ -156,9 +157,15 @@ def find_resume(cfg: Config, out_dir: Path) -> Path | None:
 
 
 def export_draft(
-    accelerator: Accelerator, model: nn.Module, draft_cfg: DraftConfig, path: Path, extra: dict
+    accelerator: Accelerator,
+    model: nn.Module,
+    draft_cfg: DraftConfig,
+    path: Path,
+    extra: dict,
+    dtype: str,
 ) -> None:
-    """SGLang-format draft from the (possibly ZeRO-3 sharded) training model."""
+    """SGLang-format draft, weights in `dtype` (train.export_dtype), from the (possibly ZeRO-3
+    sharded) training model."""
     state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards onto the main process
     if accelerator.is_main_process:
         with torch.device("meta"):
@@ -168,7 +175,7 @@ def export_draft(
         draft.load_state_dict(
             {k: v.detach().cpu() for k, v in state.items()}, strict=False, assign=True
         )
-        save_draft(draft, path, extra_config=extra)
+        save_draft(draft, path, extra_config=extra, dtype=dtype)
 
 
 def save_checkpoint(run: Run, step: int) -> None:
@@ -177,7 +184,14 @@ def save_checkpoint(run: Run, step: int) -> None:
     accelerator, checkpoints = run.accelerator, run.out_dir / "checkpoints"
     ckpt = checkpoints / f"step-{step:07d}"
     accelerator.save_state(str(ckpt / "state"))  # model, optimizer, scheduler, RNG (all ranks)
-    export_draft(accelerator, run.model, run.draft_cfg, ckpt / "draft", run.export_extra)
+    export_draft(
+        accelerator,
+        run.model,
+        run.draft_cfg,
+        ckpt / "draft",
+        run.export_extra,
+        run.cfg.train.export_dtype,
+    )
     if accelerator.is_main_process:
         (ckpt / "trainer_state.json").write_text(json.dumps({"step": step}))  # last: marks complete
         done = sorted(checkpoints.glob("step-*/trainer_state.json"))
@@ -270,8 +284,14 @@ def make_accelerator(cfg: Config) -> tuple[Accelerator, torch.dtype]:
     mixed = cfg.train.mixed_precision
     if mixed == "auto":
         mixed = "bf16" if on_gpu else "no"
+    # accelerate launch with a DeepSpeed config (or ACCELERATE_USE_DEEPSPEED=true) asks for it;
+    # on a CPU that needs cpu=False too (DeepSpeed's CPU accelerator, DS_ACCELERATOR=cpu, gloo)
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    # without a named backend accelerate takes a GPU-less DeepSpeed launch for one process
+    cpu_backend = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and not on_gpu else []
     accelerator = Accelerator(
-        cpu=not on_gpu,  # lets torchrun / accelerate launch run several CPU processes (gloo)
+        cpu=not on_gpu and not deepspeed,  # torchrun / accelerate launch: CPU processes (gloo)
+        kwargs_handlers=cpu_backend,
         mixed_precision=mixed,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=cfg.optim.grad_accum, sync_with_dataloader=False
@@ -287,7 +307,9 @@ def load_data(
     """Offline: the shards, checked against the target, and the target's lm_head and
     embeddings read alone. Online: the target itself and the tokenized records."""
     if cfg.data.mode == "offline":
-        dataset, lengths, metas = load_shards(cfg.data.shard_dirs, hidden_dtype)
+        dataset, lengths, metas = load_shards(
+            cfg.data.shard_dirs, hidden_dtype, cfg.data.max_length
+        )
         aux_ids = cfg.target.aux_layer_ids or metas[0].get("aux_layer_ids")
         problems = check_shard_meta(
             metas,
@@ -333,9 +355,16 @@ def load_data(
 
 def build_draft(cfg: Config, facts: dict, vocab: DraftVocab, data: TrainData) -> Eagle3Draft:
     """A fresh drafter on the target's frozen embeddings, or the one of model.init_from."""
-    overrides = {"feature": cfg.model.feature}
-    if cfg.model.intermediate_size:
-        overrides["intermediate_size"] = cfg.model.intermediate_size
+    shape = cfg.model.draft  # nulls are derived from the target
+    overrides = {
+        "feature": cfg.model.feature,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "head_dim": shape.head_dim,
+        "intermediate_size": shape.intermediate_size,
+        "rope_theta": shape.rope.theta,
+        "rope_scaling": shape.rope.scaling,  # {rope_type: default} turns the target's off
+    }
     draft_cfg = DraftConfig.from_target_config(
         facts["hf_config"], vocab.size, data.aux_layer_ids, **overrides
     )
@@ -344,7 +373,10 @@ def build_draft(cfg: Config, facts: dict, vocab: DraftVocab, data: TrainData) ->
         draft.set_embeddings(data.embed.float().cpu())  # the target's, frozen
         draft.set_vocab(vocab.d2t, vocab.t2d)
         return draft
-    draft = load_draft(cfg.model.init_from, embed_weight=data.embed.float().cpu())
+    # exports are bf16 by default: train on fp32 master weights (mixed precision casts later)
+    draft = load_draft(
+        cfg.model.init_from, embed_weight=data.embed.float().cpu(), dtype=torch.float32
+    )
     if draft.config.feature != cfg.model.feature:
         raise Eagle3Error(
             f"model.init_from {cfg.model.init_from} takes feature {draft.config.feature!r} but "
@@ -419,8 +451,9 @@ def setup(cfg: Config) -> Run:
         (out_dir / "config.yaml").write_text(cfg.to_yaml())
         print(cfg.to_yaml(), flush=True)
         print(
-            f"{cfg.data.mode} training on {world} process(es): {len(data.lengths)} sequences, "
-            f"{total_steps} steps, draft vocab {vocab.size}"
+            f"{cfg.data.mode} training on {world} process(es) "
+            f"({accelerator.distributed_type.value}, {type(model).__name__}): "
+            f"{len(data.lengths)} sequences, {total_steps} steps, draft vocab {vocab.size}"
             + (f", resuming from {resume} (step {start_step})" if resume else ""),
             flush=True,
         )
@@ -579,7 +612,14 @@ def train_loop(run: Run) -> None:
 def cleanup(run: Run) -> None:
     """The final SGLang draft, then close the logger and the process group."""
     final = run.out_dir / "final"
-    export_draft(run.accelerator, run.model, run.draft_cfg, final, run.export_extra)
+    export_draft(
+        run.accelerator,
+        run.model,
+        run.draft_cfg,
+        final,
+        run.export_extra,
+        run.cfg.train.export_dtype,
+    )
     run.logger.write(f"done: {run.total_steps} steps; SGLang draft in {final}")
     run.logger.close()
     run.accelerator.end_training()

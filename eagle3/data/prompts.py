@@ -350,20 +350,9 @@ def _dataset_name(path: Path) -> str:
 # --------------------------------------------------------------------------- public API
 
 
-def load_prompts(
-    source: str | Path,
-    *,
-    dataset: str | None = None,
-    limit: int | None = None,
-    columns: dict[str, str] | None = None,
-) -> PromptList:
-    """Load and normalise prompts from ``source`` (see the module docstring).
-
-    ``dataset`` defaults to the file stem, the embedded name or the HF dataset name. ``limit``
-    stops after that many kept prompts (streaming sources are not read further). ``columns``
-    maps normalize's field names to source columns. Records that cannot be prompts are counted
-    in ``result.report.skipped`` by reason; only an unusable source raises PromptError.
-    """
+def open_source(source: str | Path, dataset: str | None = None) -> tuple[Iterable[Any], LoadReport]:
+    """The raw records of a prompt source (embedded name, ``hf:`` spec or file), streamed, and
+    the report that counts what reading them skipped. ``dataset`` defaults as in load_prompts."""
     src = str(source)
     what, label = "records", None
     if src in EMBEDDED:
@@ -384,16 +373,32 @@ def load_prompts(
 
     report = LoadReport(source=src, dataset=dataset)
     if path is None:
-        records: Iterable[Any] = _iter_hf(src[3:])
-    elif path.name.endswith((".jsonl", ".jsonl.gz")):
-        records = _iter_jsonl(path, report)
-    elif path.suffix == ".json":
-        records = _iter_json(path, report, what, label)
-    elif path.suffix == ".parquet":
-        records = _iter_parquet(path)
-    else:
-        raise PromptError(f"unknown prompt file type {path.name!r}: use .jsonl, .json or .parquet")
+        return _iter_hf(src[3:]), report
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
+        return _iter_jsonl(path, report), report
+    if path.suffix == ".json":
+        return _iter_json(path, report, what, label), report
+    if path.suffix == ".parquet":
+        return _iter_parquet(path), report
+    raise PromptError(f"unknown prompt file type {path.name!r}: use .jsonl, .json or .parquet")
 
+
+def load_prompts(
+    source: str | Path,
+    *,
+    dataset: str | None = None,
+    limit: int | None = None,
+    columns: dict[str, str] | None = None,
+) -> PromptList:
+    """Load and normalise prompts from ``source`` (see the module docstring).
+
+    ``dataset`` defaults to the file stem, the embedded name or the HF dataset name. ``limit``
+    stops after that many kept prompts (streaming sources are not read further). ``columns``
+    maps normalize's field names to source columns. Records that cannot be prompts are counted
+    in ``result.report.skipped`` by reason; only an unusable source raises PromptError.
+    """
+    records, report = open_source(source, dataset)
+    dataset = report.dataset
     out = PromptList()
     out.report = report
     if limit is not None and limit <= 0:

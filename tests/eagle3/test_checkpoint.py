@@ -309,3 +309,41 @@ def test_load_can_cast_a_bf16_export_back_to_fp32(tmp_path):
     loaded = load_draft(out, embed_weight=model.embed_tokens.weight, dtype=torch.float32)
     assert loaded.fc.weight.dtype == torch.float32 and loaded.d2t.dtype == torch.int64
     assert torch.equal(loaded.fc.weight, model.fc.weight.to(torch.bfloat16).float())
+
+
+def test_sglang_loader_captures_the_layers_we_trained_on(tiny_llama_dir, tmp_path):
+    """Our config.json read the way SGLang reads it, replayed on a real (tiny) target.
+
+    SGLang, as read from its source (sgl-project/sglang, python/sglang/srt/):
+    - model_executor/model_runner.py, ModelRunner.__init__ (EAGLE3 branch): the draft's HF
+      config via AutoConfig; `eagle_config = getattr(hf_config, "eagle_config", None)`,
+      `eagle_config.get("use_aux_hidden_state", True)` and
+      `eagle_config["eagle_aux_hidden_state_layer_ids"]` (the top-level key is never read);
+    - models/llama.py, LlamaForCausalLM.set_eagle3_layers_to_capture:
+      `self.model.layers_to_capture = [val + 1 for val in layer_ids]`;
+    - models/llama.py, LlamaModel.forward: before running layer i, `if i in
+      self.layers_to_capture: aux_hidden_states.append(hidden_states + residual)`, i.e. the
+      residual stream entering layer i = HF hidden_states[i].
+    So SGLang must feed the drafter exactly what eagle3.target.Target.capture gave in training.
+    """
+    from transformers import AutoConfig
+
+    from eagle3.target import load_target
+
+    target = load_target(tiny_llama_dir, device="cpu", aux_layer_ids=[0, 3, 6])
+    hf = AutoConfig.from_pretrained(tiny_llama_dir)
+    cfg = DraftConfig.from_target_config(hf, 100, target.aux_layer_ids)
+    out = save_draft(Eagle3Draft(cfg), tmp_path / "ckpt")
+
+    draft_config = AutoConfig.from_pretrained(out)  # SGLang's draft_model_config.hf_config
+    eagle_config = getattr(draft_config, "eagle_config", None)
+    assert eagle_config.get("use_aux_hidden_state", True) is True
+    layer_ids = eagle_config["eagle_aux_hidden_state_layer_ids"]
+    layers_to_capture = [val + 1 for val in layer_ids]  # set_eagle3_layers_to_capture
+
+    ids = torch.randint(0, hf.vocab_size, (1, 12))
+    with torch.no_grad():
+        hs = target.model(ids, output_hidden_states=True).hidden_states  # hs[i]: into layer i
+    sglang_features = torch.cat([hs[i] for i in layers_to_capture], dim=-1)
+    trained_features, _ = target.capture(ids)
+    assert torch.allclose(sglang_features, trained_features, atol=1e-6)

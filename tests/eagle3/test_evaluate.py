@@ -116,7 +116,7 @@ def test_evaluate_cli_reports_every_drafter_and_benchmark(
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(aux=(0, 3, 4)), r"aux layers \[0, 3, 4\] vs \[1, 3, 4\]"),
+        (dict(aux=(1, 3, 9)), r"aux layers \[1, 3, 9\] outside the target's 8 layers"),
         (dict(vocab=300), "vocab 300 vs the target's 256"),
         (dict(hidden=32), "target hidden size 32 vs 64"),
     ],
@@ -142,6 +142,39 @@ def test_drafter_for_another_target_is_refused(
     import re
 
     assert re.search(message, err), err
+
+
+def test_drafter_on_non_default_aux_layers_is_evaluated_on_its_own_layers(
+    chat_target_dir, prompts_file, tmp_path, capsys
+):
+    """A drafter trained on aux ids other than the target's default (here [0, 2, 6] vs the
+    default [1, 3, 4]) is evaluated, and the decoder feeds it exactly those layers' outputs."""
+    from eagle3.evaluate import load_drafter
+    from eagle3.speculative import DecodeConfig, SpeculativeDecoder
+    from eagle3.target import load_target
+
+    ckpt = make_ckpt(chat_target_dir, tmp_path / "exp" / "final", aux=(0, 2, 6))
+    target = load_target(chat_target_dir, device="cpu")
+    assert target.aux_layer_ids == [1, 3, 4]
+    cfg = DecodeConfig(steps=2, max_new_tokens=6)
+    drafter = load_drafter(str(ckpt), target, cfg)
+    decoder = SpeculativeDecoder(target, drafter, cfg)
+    assert decoder.aux_ids == [0, 2, 6]
+    seen: list[torch.Tensor] = []
+    update = drafter.update
+    drafter.update = lambda tokens, aux: (seen.append(aux), update(tokens, aux))[1]
+    prompt = [1, 5, 9, 12, 7]
+    decoder.generate(prompt)
+    with torch.no_grad():
+        hs = target.model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    want = torch.cat([hs[i + 1][0] for i in (0, 2, 6)], dim=-1)  # outputs of layers 0, 2, 6
+    assert torch.allclose(seen[0], want, atol=1e-5)
+    argv = [
+        "--target", str(chat_target_dir), "--device", "cpu", "--draft", str(ckpt),
+        "--bench", str(prompts_file), "--limit", "1", "--max-new-tokens", "4", "--steps", "2",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    assert "| exp/final | " in capsys.readouterr().out
 
 
 def test_wandb_offline_logs_to_the_training_run_and_compare_reads_it(

@@ -43,7 +43,9 @@ def naive_ttt(model: Eagle3Draft, input_ids, aux, steps):
         key = attn.k_proj(x).view(B, T, nkv, hd)
         val = attn.v_proj(x).view(B, T, nkv, hd)
         pos = torch.arange(T)[None].expand(B, T) + k
-        cos, sin = rotary_cos_sin(pos, hd, model.config.rope_theta, q.dtype)
+        cos, sin = rotary_cos_sin(
+            pos, hd, model.config.rope_theta, q.dtype, model.config.rope_scaling
+        )
         cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # (B, T, 1, hd)
         q, key = apply_rotary(q, cos, sin), apply_rotary(key, cos, sin)
         keys.append(key)
@@ -67,10 +69,16 @@ def naive_ttt(model: Eagle3Draft, input_ids, aux, steps):
     return outs
 
 
+# YaRN over a tiny original context, so that 9 positions already reach the scaled band
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}
+ROPES = [None, YARN, {"rope_type": "linear", "factor": 2.0}]
+
+
+@pytest.mark.parametrize("rope", ROPES, ids=["plain", "yarn", "linear"])
 @pytest.mark.parametrize("impl", ["sdpa", "split"])
 @pytest.mark.parametrize("steps", [1, 2, 3, 4])
-def test_ttt_attention_matches_naive_reference(steps, impl):
-    model = Eagle3Draft(tiny_config()).eval()
+def test_ttt_attention_matches_naive_reference(steps, impl, rope):
+    model = Eagle3Draft(tiny_config(rope_scaling=rope)).eval()
     model.midlayer.self_attn.ttt_impl = impl
     input_ids = torch.randint(0, 50, (2, 7))
     aux = torch.randn(2, 7, 96)
@@ -95,10 +103,11 @@ def test_ttt_split_and_sdpa_gradients_agree():
     assert torch.allclose(grads["sdpa"], grads["split"], atol=1e-5)
 
 
+@pytest.mark.parametrize("rope", ROPES, ids=["plain", "yarn", "linear"])
 @pytest.mark.parametrize("impl", ["sdpa", "split"])
-def test_ttt_step_equals_incremental_decoding_with_cache(impl):
+def test_ttt_step_equals_incremental_decoding_with_cache(impl, rope):
     """What TTT step k sees at position t is what the drafter sees after k chained steps."""
-    model = Eagle3Draft(tiny_config()).eval()
+    model = Eagle3Draft(tiny_config(rope_scaling=rope)).eval()
     model.midlayer.self_attn.ttt_impl = impl
     T, t = 9, 4
     input_ids = torch.randint(0, 50, (1, T))

@@ -2,7 +2,7 @@
 
 Server tests are `slow` (each server takes minutes to start on a CPU) and skip, with the
 reason, when the engine venv (`bash scripts/install_engine.sh`) or the embedded target is
-missing. At most one server runs at a time: `servers.get(kind)` stops the previous one.
+missing (the engine's absence fails instead under CI=true). At most one server runs at a time: `servers.get(kind)` stops the previous one.
 The metrics-parser and error tests at the top need no server.
 """
 
@@ -16,18 +16,17 @@ import time
 import pytest
 import torch
 
+from eagle3.checkpoint import vllm_aux_layer_ids
 from eagle3.errors import Eagle3Error
 from eagle3.serving import (
     EngineClient,
     SpecDecodeMetrics,
     VLLMServer,
     capture_engine_args,
-    engine_available,
     engine_python,
     engine_server,
     parse_spec_decode_metrics,
     read_hidden_states,
-    vllm_layer_ids,
 )
 
 TARGET = "smollm2-135m-q4"
@@ -78,7 +77,7 @@ def test_missing_engine_is_one_line_error(monkeypatch, tmp_path):
 
 
 def test_capture_args_use_our_connector(tmp_path):
-    assert vllm_layer_ids(AUX) == [2, 15, 27]
+    assert vllm_aux_layer_ids(AUX) == [2, 15, 27]
     args = capture_engine_args([2, 15, 27], tmp_path)
     spec = json.loads(args[args.index("--speculative-config") + 1])
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
@@ -101,10 +100,8 @@ def test_unreachable_server_is_a_clear_error():
 
 
 # -- real servers -------------------------------------------------------------------------------
-needs_engine = pytest.mark.skipif(
-    not engine_available(),
-    reason="vLLM engine venv not installed (run `bash scripts/install_engine.sh`)",
-)
+# the `engine` fixture (tests/conftest.py): skip without the engine venv, fail under CI=true
+needs_engine = pytest.mark.usefixtures("engine")
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +172,7 @@ class Servers:
             )
         elif kind == "capture":
             self.capture_dir = logs / "hidden"
-            ids = vllm_layer_ids(AUX) + [NUM_LAYERS]  # + the pre-norm last hidden state
+            ids = vllm_aux_layer_ids(AUX) + [NUM_LAYERS]  # + the pre-norm last hidden state
             server = VLLMServer(
                 self.target_dir, extra_args=capture_engine_args(ids, self.capture_dir), **common
             )
@@ -252,7 +249,7 @@ def test_vllm_uses_the_checkpoints_aux_layers(servers, drafter_dir):
         r"Using auxiliary layers from speculative config: \(([\d, ]+)\)", server.log_text()
     )
     assert m, "vLLM did not log its auxiliary layers"
-    assert [int(i) for i in m.group(1).split(",")] == vllm_layer_ids(AUX) == [2, 15, 27]
+    assert [int(i) for i in m.group(1).split(",")] == vllm_aux_layer_ids(AUX) == [2, 15, 27]
 
 
 @needs_engine

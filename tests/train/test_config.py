@@ -83,3 +83,12 @@ def test_resolved_config_round_trips(tmp_path):
     saved.write_text(cfg.to_yaml())
     assert load_config(saved, check_paths=False) == cfg
     json.dumps(cfg.to_dict())  # W&B config is JSON
+
+
+def test_export_dtype_defaults_to_bf16_and_is_validated():
+    cfg = load_config(None, ["data.shard_dirs=[x]"], check_paths=False)
+    assert cfg.train.export_dtype == "bf16"
+    fp32 = load_config(None, ["data.shard_dirs=[x]", "train.export_dtype=fp32"], check_paths=False)
+    assert fp32.train.export_dtype == "fp32"
+    with pytest.raises(ConfigError, match="train.export_dtype must be bf16/fp16/fp32, got 'int8'"):
+        load_config(None, ["data.shard_dirs=[x]", "train.export_dtype=int8"], check_paths=False)

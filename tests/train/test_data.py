@@ -89,3 +89,26 @@ def test_shard_token_counts_read_only_ids(shard_dir, records_file):
         ids = torch.tensor(r["input_ids"])[torch.tensor(r["loss_mask"]).bool()]
         expected += torch.bincount(ids, minlength=256)
     assert token_counts(ShardDataset(shard_dir), 256).equal(expected)
+
+
+def test_offline_honours_max_length_like_online(shard_dir, records_file):
+    """Shard records longer than data.max_length are cut to their first max_length tokens,
+    exactly the tokens and loss mask TokenRecords keeps online; counts see the cut too."""
+    from train.data import TokenRecords, load_shards
+
+    max_length = 30
+    full, full_lengths, _ = load_shards([str(shard_dir)])
+    cut, lengths, _ = load_shards([str(shard_dir)], max_length=max_length)
+    online = TokenRecords([str(records_file)], max_length)
+    assert max(full_lengths) > max_length and lengths == [min(n, max_length) for n in full_lengths]
+    assert cut.datasets[0].truncated == sum(n > max_length for n in full_lengths)
+    by_id = {r["id"]: r for r in (cut[i] for i in range(len(cut)))}
+    assert sorted(len(r["input_ids"]) for r in by_id.values()) == sorted(online.lengths)
+    for i in range(len(full)):
+        whole, short = full[i], by_id[full[i]["id"]]
+        T = len(short["input_ids"])
+        assert T == min(len(whole["input_ids"]), max_length)
+        for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
+            assert torch.equal(short[key], whole[key][:T]), key
+    expected = token_counts(online, 256)
+    assert token_counts(cut, 256).equal(expected)

