@@ -193,3 +193,27 @@ def embedded_drafter(tmp_path_factory, embedded_target_dir):
         "data.batch_size=6", "model.draft_vocab_size=2048", "train.save_every=1000",
         "train.progress=false", "wandb.mode=disabled")  # fmt: skip
     return work / "train" / "final", bench
+
+
+@pytest.fixture
+def tiny_config():
+    """A factory of tiny DraftConfigs (hidden 32, 4 heads of 8, vocab 50 -> 40): overrides
+    as keyword arguments."""
+    from eagle3.model import DraftConfig
+
+    def make(**overrides) -> DraftConfig:
+        values = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            vocab_size=50,
+            draft_vocab_size=40,
+            target_hidden_size=32,
+            aux_layer_ids=[0, 1, 2],
+        )
+        values.update(overrides)
+        return DraftConfig(**values)
+
+    return make

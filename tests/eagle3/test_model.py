@@ -10,22 +10,6 @@ from eagle3.model import DraftConfig, Eagle3Draft, apply_rotary, rotary_cos_sin
 from eagle3.vocab import build_draft_vocab, token_frequencies
 
 
-def tiny_config(**overrides) -> DraftConfig:
-    values = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=50,
-        draft_vocab_size=40,
-        target_hidden_size=32,
-        aux_layer_ids=[0, 1, 2],
-    )
-    values.update(overrides)
-    return DraftConfig(**values)
-
-
 def naive_ttt(model: Eagle3Draft, input_ids, aux, steps):
     """Reference unroll: every query's allowed keys listed explicitly, softmax by hand."""
     B, T = input_ids.shape
@@ -77,7 +61,7 @@ ROPES = [None, YARN, {"rope_type": "linear", "factor": 2.0}]
 @pytest.mark.parametrize("rope", ROPES, ids=["plain", "yarn", "linear"])
 @pytest.mark.parametrize("impl", ["sdpa", "split"])
 @pytest.mark.parametrize("steps", [1, 2, 3, 4])
-def test_ttt_attention_matches_naive_reference(steps, impl, rope):
+def test_ttt_attention_matches_naive_reference(steps, impl, rope, tiny_config):
     model = Eagle3Draft(tiny_config(rope_scaling=rope)).eval()
     model.midlayer.self_attn.ttt_impl = impl
     input_ids = torch.randint(0, 50, (2, 7))
@@ -90,7 +74,7 @@ def test_ttt_attention_matches_naive_reference(steps, impl, rope):
         assert (g - w).abs().max().item() < 1e-5
 
 
-def test_ttt_split_and_sdpa_gradients_agree():
+def test_ttt_split_and_sdpa_gradients_agree(tiny_config):
     torch.manual_seed(0)
     model = Eagle3Draft(tiny_config())
     input_ids, aux = torch.randint(0, 50, (2, 6)), torch.randn(2, 6, 96)
@@ -105,7 +89,7 @@ def test_ttt_split_and_sdpa_gradients_agree():
 
 @pytest.mark.parametrize("rope", ROPES, ids=["plain", "yarn", "linear"])
 @pytest.mark.parametrize("impl", ["sdpa", "split"])
-def test_ttt_step_equals_incremental_decoding_with_cache(impl, rope):
+def test_ttt_step_equals_incremental_decoding_with_cache(impl, rope, tiny_config):
     """What TTT step k sees at position t is what the drafter sees after k chained steps."""
     model = Eagle3Draft(tiny_config(rope_scaling=rope)).eval()
     model.midlayer.self_attn.ttt_impl = impl
@@ -127,7 +111,7 @@ def test_ttt_step_equals_incremental_decoding_with_cache(impl, rope):
             hidden = out
 
 
-def test_forward_explicit_mask_matches_default_causal():
+def test_forward_explicit_mask_matches_default_causal(tiny_config):
     model = Eagle3Draft(tiny_config()).eval()
     ids, h = torch.randint(0, 50, (2, 5)), torch.randn(2, 5, 32)
     pos = torch.arange(5)[None].expand(2, 5)
@@ -138,14 +122,14 @@ def test_forward_explicit_mask_matches_default_causal():
     assert torch.allclose(a, b, atol=1e-6)
 
 
-def test_config_errors_are_one_line():
+def test_config_errors_are_one_line(tiny_config):
     with pytest.raises(Eagle3Error, match="larger than the target vocab"):
         tiny_config(draft_vocab_size=51)
     with pytest.raises(Eagle3Error, match="exactly 3 aux layers"):
         tiny_config(aux_layer_ids=[1, 2])
 
 
-def test_wrong_embeddings_refused():
+def test_wrong_embeddings_refused(tiny_config):
     model = Eagle3Draft(tiny_config())
     with pytest.raises(Eagle3Error, match="another target"):
         model.set_embeddings(torch.randn(49, 32))

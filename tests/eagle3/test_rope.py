@@ -164,17 +164,8 @@ def test_kimi_sized_target_gets_specforges_gqa_shape():
     assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_theta == 50000.0
 
 
-def test_checkpoint_round_trip_with_yarn(tmp_path):
-    cfg = DraftConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=50,
-        draft_vocab_size=40,
-        target_hidden_size=32,
-        aux_layer_ids=[0, 1, 2],
+def test_checkpoint_round_trip_with_yarn(tmp_path, tiny_config):
+    cfg = tiny_config(
         rope_theta=50000.0,
         rope_scaling={**KIMI_YARN, "factor": 4.0, "original_max_position_embeddings": 4},
     )
@@ -195,18 +186,8 @@ def test_checkpoint_round_trip_with_yarn(tmp_path):
     assert params["rope_theta"] == 50000.0
 
 
-def test_old_checkpoint_without_rope_scaling_still_loads(tmp_path):
-    cfg = DraftConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=50,
-        draft_vocab_size=40,
-        target_hidden_size=32,
-        aux_layer_ids=[0, 1, 2],
-    )
+def test_old_checkpoint_without_rope_scaling_still_loads(tmp_path, tiny_config):
+    cfg = tiny_config()
     out = save_draft(Eagle3Draft(cfg), tmp_path / "old", dtype=None)
     raw = json.loads((out / "config.json").read_text())
     del raw["rope_scaling"]  # written before the field existed

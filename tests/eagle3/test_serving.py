@@ -105,13 +105,8 @@ needs_engine = pytest.mark.usefixtures("engine")
 
 
 @pytest.fixture(scope="module")
-def target_dir():
-    from eagle3.target import resolve
-
-    try:
-        return resolve(TARGET)[1]
-    except Eagle3Error as err:
-        pytest.skip(f"embedded target unavailable: {err}")
+def target_dir(embedded_target_dir):
+    return embedded_target_dir
 
 
 @pytest.fixture(scope="module")
