@@ -217,6 +217,7 @@ class EngineTarget:
     aux_layer_ids: list[int]
     norm_weight: torch.Tensor
     norm_eps: float
+    context: int | None = None  # max_position_embeddings: the engine's longest max_model_len
 
 
 def load_engine_target(args) -> EngineTarget:
@@ -233,6 +234,12 @@ def load_engine_target(args) -> EngineTarget:
         raise Eagle3Error(
             f"--aux-layers {aux}: the target has {layers} layers (ids 0..{layers - 1})"
         )
+    context = getattr(facts["hf_config"], "max_position_embeddings", None)
+    if context and args.max_length >= context:  # vLLM refuses a longer max_model_len
+        raise Eagle3Error(
+            f"--max-length {args.max_length} does not fit target {args.target}'s context of "
+            f"{context} tokens (max_position_embeddings): pass --max-length {context - 1} or less"
+        )
     remote = bool(
         spec and (spec.get("trust_remote_code") or spec.get("tokenizer_trust_remote_code"))
     )
@@ -243,7 +250,8 @@ def load_engine_target(args) -> EngineTarget:
         )
     weight, eps = load_final_norm(args.target)
     return EngineTarget(name, str(hf_dir), tokenizer, int(facts["vocab_size"]),
-                        int(facts["hidden_size"]), layers, aux, weight.float(), eps)  # fmt: skip
+                        int(facts["hidden_size"]), layers, aux, weight.float(), eps,
+                        int(context) if context else None)  # fmt: skip
 
 
 def engine_features(
@@ -315,7 +323,7 @@ def start_capture_engine(args, target: EngineTarget, out: Path):
         args,
         target.hf_dir,
         served_model_name=target.name,
-        max_model_len=args.max_length + 8,
+        max_model_len=min(args.max_length + 8, target.context or sys.maxsize),
         extra_args=capture_engine_args(ids, hidden_dir),
     )
     log.info("starting vLLM for %s (capturing vLLM layer ids %s); log %s", target.name, ids,

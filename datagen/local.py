@@ -15,6 +15,8 @@ resumed the same way: prompts already in ``--out`` are skipped)::
     python -m datagen.local --prompts sharegpt --limit 200 --out out/responses \\
         --target smollm2-135m-q4 --batch-size 16 --max-new-tokens 256
 
+``--exclude-benchmarks mt_bench,humaneval,gsm8k=FILE`` drops, before anything is generated,
+the prompts that overlap a benchmark (:mod:`eagle3.data.decontaminate`; one line says how many).
 Multi-turn prompts are answered turn by turn, each request carrying the target's own earlier
 answers. Reasoning is kept apart from the answer: servers return it in ``reasoning_content``
 (SGLang/vLLM with a reasoning parser) or ``reasoning``; in-process it is the text before the
@@ -49,6 +51,7 @@ from datagen.generate import (
 )
 from eagle3.cli import run_cli
 from eagle3.data.chat import RenderError, load_chat_template
+from eagle3.data.decontaminate import add_exclude_args, exclude_contaminated
 from eagle3.data.prompts import Prompt, dedupe, load_prompts, split_prompts
 from eagle3.data.records import ResultStore, make_failure
 from eagle3.errors import Eagle3Error
@@ -379,7 +382,8 @@ def select_prompts(args) -> list[Prompt]:
     if args.split != "all":
         train, evals = split_prompts(prompts, args.eval_fraction, seed=args.split_seed)
         prompts = train if args.split == "train" else evals
-    return prompts
+    # after --max-turns: what is checked is what would be answered and kept in the records
+    return exclude_contaminated(prompts, args.exclude_benchmarks)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -408,6 +412,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         help="answer only the first N user turns of multi-turn prompts (default: all)",
     )
+    add_exclude_args(p)
     p.add_argument("--eval-fraction", type=float, default=0.05)
     p.add_argument("--split-seed", type=int, default=0)
     backend = p.add_mutually_exclusive_group(required=True)

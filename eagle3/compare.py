@@ -2,8 +2,9 @@
 
 Each input is a file written by `python -m eagle3.evaluate --json`, a W&B run directory
 (local, e.g. offline runs: its files/eagle3_eval.json) or a W&B run path ENTITY/PROJECT/RUN_ID
-(needs the W&B API). Prints a markdown table of drafters x benchmarks (tau and speedup) and
-writes two PNGs: tau per benchmark (grouped bars) and per-position acceptance alpha_i.
+(needs the W&B API). Prints a markdown table of drafters x benchmarks (tau and speedup, with
+their 95% intervals where the results have them) and writes two PNGs: tau per benchmark
+(grouped bars, interval as error bars) and per-position acceptance alpha_i.
 """
 
 from __future__ import annotations
@@ -76,8 +77,13 @@ def _order(values) -> list:
     return list(dict.fromkeys(values))
 
 
+def _with_ci(value: str, ci: list[float] | None) -> str:
+    return f"{value} [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else value
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: drafters x benchmarks, each cell 'tau / speedup'."""
+    """Markdown: drafters x benchmarks, each cell 'tau / speedup', each with its 95% interval
+    '[lo, hi]' where the results have one (eagle3.evaluate rows before intervals have none)."""
     benches = _order(r["bench"] for r in rows)
     labels = _order(r["label"] for r in rows)
     cell = {(r["label"], r["bench"]): r for r in rows}
@@ -89,8 +95,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         cells = []
         for b in benches:
             r = cell.get((label, b))
-            cells.append("–" if r is None else f"{r['tau']:.2f} / {r['speedup']:.2f}x")
+            if r is None:
+                cells.append("–")
+                continue
+            tau = _with_ci(f"{r['tau']:.2f}", r.get("tau_ci95"))
+            speedup = _with_ci(f"{r['speedup']:.2f}x", r.get("speedup_ci95"))
+            cells.append(f"{tau} / {speedup}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if any(r.get("tau_ci95") or r.get("speedup_ci95") for r in rows):
+        lines += ["", "[lo, hi]: 95% bootstrap interval over prompts"]
     return "\n".join(lines)
 
 
@@ -102,13 +115,18 @@ def plot_tau(rows: list[dict[str, Any]], path: Path) -> Path:
 
     benches = _order(r["bench"] for r in rows)
     labels = _order(r["label"] for r in rows)
-    cell = {(r["label"], r["bench"]): r["tau"] for r in rows}
+    cell = {(r["label"], r["bench"]): r for r in rows}
     width = 0.8 / max(len(labels), 1)
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(benches) * max(1, len(labels) / 2)), 4))
     for i, label in enumerate(labels):
         xs = [b + (i - (len(labels) - 1) / 2) * width for b in range(len(benches))]
-        taus = [cell.get((label, bench), 0.0) for bench in benches]
-        bars = ax.bar(xs, taus, width, label=label)
+        found = [cell.get((label, bench)) for bench in benches]
+        taus = [r["tau"] if r else 0.0 for r in found]
+        cis = [(r or {}).get("tau_ci95") or (t, t) for r, t in zip(found, taus)]
+        below = [max(t - lo, 0.0) for t, (lo, _) in zip(taus, cis)]
+        above = [max(hi - t, 0.0) for t, (_, hi) in zip(taus, cis)]
+        yerr = [below, above] if any(below + above) else None  # the 95% interval, where known
+        bars = ax.bar(xs, taus, width, label=label, yerr=yerr, capsize=3)
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
     ax.set_xticks(range(len(benches)), benches)
     ax.set_ylabel("τ (tokens per verification step)")

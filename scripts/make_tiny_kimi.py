@@ -4,7 +4,8 @@
 
 What is Kimi's about it (see ../shared/reference/KIMI-MINIATURE.md for why each choice):
 - config.json: the vision-language wrapper (`KimiK25ForConditionalGeneration`, `kimi_k25`,
-  untied lm_head at top level and in text_config) around a DeepSeek-V3 text config (MLA with
+  untied lm_head at top level and in text_config) around a DeepSeek-V3 text config (8 layers,
+  so that the default aux layers [1, L//2 - 1, L - 4] = [1, 3, 4] are distinct; MLA with
   kv_lora_rank 512 + qk_rope_head_dim 64, the only sizes vLLM's MLA accepts; 8 routed + 1
   shared expert, first_k_dense_replace=1, noaux_tc sigmoid routing, YaRN rope) and a one-block
   vision tower.
@@ -120,7 +121,7 @@ def make_config(tok, vocab_size: int):
         hidden_size=64,
         intermediate_size=128,
         moe_intermediate_size=64,  # two INT4 groups of 32 along the down_proj input
-        num_hidden_layers=4,  # 1 dense + 3 MoE; default aux layers [1, 1, 0]
+        num_hidden_layers=8,  # 1 dense + 7 MoE; default aux layers [1, 3, 4], distinct
         first_k_dense_replace=1,
         num_attention_heads=4,
         num_key_value_heads=4,

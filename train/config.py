@@ -46,6 +46,19 @@ class DataConfig:
         512  # rows per target lm_head chunk (soft labels); bounds full-vocab memory
     )
     num_workers: int = 0  # DataLoader workers (offline shard reads)
+    # Held-out validation, by conversation: a record goes to validation iff hash(val_seed, id)
+    # < val_fraction, so every version of one conversation (regenerated, off-policy, in several
+    # shard dirs) lands on the same side and adding data never moves a validation record.
+    val_fraction: float = 0.05
+    val_seed: int = 0
+    # Or a fixed validation set (then nothing is split off the training dirs): shard dirs
+    # (offline) or record files (online), e.g. the target's own answers to held-out prompts,
+    # the same for every run that is compared.
+    val_shard_dirs: list[str] = field(default_factory=list)
+    # Train on at most this many sequences (after the validation split), chosen by id so a
+    # larger value keeps every sequence of a smaller one: learning curves on one capture.
+    max_sequences: int | None = None
+    val_records: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -112,6 +125,7 @@ class TrainConfig:
     save_every: int = 500  # optimizer steps between checkpoints (the final one is always saved)
     keep_last: int = 3  # state checkpoints kept (SGLang exports are all kept)
     log_every: int = 10
+    eval_every: int = 100  # optimizer steps between validation passes (and one at the end)
     resume_from: str | None = None  # "latest" (newest in out_dir), a checkpoint dir, or None
     mixed_precision: str = "auto"  # auto: bf16 on GPU, no (fp32) on CPU; or no/bf16/fp16
     progress: bool = True  # tqdm bar with ETA (main process, terminals only)
@@ -157,6 +171,18 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
         )
         for path in d.records if check_paths else []:
             need(Path(path).exists(), f"data.records: {path} does not exist")
+    for path in d.val_shard_dirs if check_paths else []:
+        need(
+            (Path(path) / "meta.json").is_file(),
+            f"data.val_shard_dirs: {path} has no meta.json (run datagen.capture into it first)",
+        )
+    for path in d.val_records if check_paths else []:
+        need(Path(path).exists(), f"data.val_records: {path} does not exist")
+    need(0 <= d.val_fraction < 1, f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
+    need(
+        d.max_sequences is None or d.max_sequences >= 1,
+        f"data.max_sequences must be >= 1 or null, got {d.max_sequences}",
+    )
     for name, value in [
         ("data.max_length", d.max_length),
         ("data.batch_size", d.batch_size),
@@ -167,6 +193,7 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
         ("train.epochs", t.epochs),
         ("train.save_every", t.save_every),
         ("train.log_every", t.log_every),
+        ("train.eval_every", t.eval_every),
         ("train.keep_last", t.keep_last),
     ]:
         need(value >= 1, f"{name} must be >= 1, got {value}")

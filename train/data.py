@@ -14,6 +14,7 @@ would let one conversation attend to another.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +24,7 @@ from safetensors import safe_open
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
 from eagle3.data.chat import RenderError, render_record
+from eagle3.data.prompts import unit_hash
 from eagle3.data.records import read_records
 from eagle3.data.shards import ShardDataset
 from eagle3.errors import Eagle3Error
@@ -36,15 +38,35 @@ MEGA_BATCHES = 50  # global batches sorted together; larger = less padding, less
 # -- offline: captured shards ----------------------------------------------------------------
 def load_shards(
     shard_dirs: list[str], dtype: torch.dtype = torch.float32, max_length: int | None = None
-) -> tuple[Dataset, list[int], list[dict[str, Any]]]:
-    """-> (one dataset over all dirs, lengths, each dir's meta); hidden states read as `dtype`,
-    records longer than `max_length` cut to it (as TokenRecords cuts online records)."""
+) -> tuple[list[ShardDataset], list[dict[str, Any]]]:
+    """-> (one dataset per dir, each dir's meta); hidden states read as `dtype`, records longer
+    than `max_length` cut to it (as TokenRecords cuts online records)."""
     parts = [ShardDataset(d, dtype=dtype, max_length=max_length) for d in shard_dirs]
     truncated = sum(p.truncated for p in parts)
     if truncated:
         log.warning("truncated %d records to data.max_length=%d tokens", truncated, max_length)
-    lengths = [n for p in parts for n in p.lengths]
-    return ConcatDataset(parts), lengths, [p.meta for p in parts]
+    return parts, [p.meta for p in parts]
+
+
+def concat(parts: list[Dataset]) -> tuple[ConcatDataset, list[int]]:
+    """One dataset over the parts and its sequence lengths."""
+    return ConcatDataset(parts), [n for p in parts for n in p.lengths]
+
+
+# -- held-out validation, by conversation ------------------------------------------------------
+def split_validation(
+    parts: list[Dataset], fraction: float, seed: int
+) -> tuple[list[Dataset], list[Dataset]]:
+    """(train parts, validation parts): a record is held out iff unit_hash("val<seed>", id) <
+    fraction, so every copy of a conversation (several dirs, regenerated and off-policy) falls
+    on one side, the side never depends on the other records, and the salt keeps this split
+    independent of datagen's train/eval prompt split (which hashes the bare seed)."""
+    train, val = [], []
+    for part in parts:
+        held = [unit_hash(f"val{seed}", rid) < fraction for rid in part.ids]
+        train.append(part.subset([i for i, h in enumerate(held) if not h]))
+        val.append(part.subset([i for i, h in enumerate(held) if h]))
+    return [p for p in train if len(p)], [p for p in val if len(p)]
 
 
 def check_shard_meta(
@@ -79,6 +101,22 @@ def check_shard_meta(
     return problems
 
 
+def take_sequences(parts: list[Dataset], n: int, seed: int) -> list[Dataset]:
+    """At most `n` sequences over all parts, the n lowest unit_hash("take<seed>", id): a larger
+    n keeps every sequence of a smaller one (nested learning-curve subsets)."""
+    keys = [
+        (unit_hash(f"take{seed}", rid), j, i)
+        for j, p in enumerate(parts)
+        for i, rid in enumerate(p.ids)
+    ]
+    chosen = sorted(keys)[:n]
+    keep: list[list[int]] = [[] for _ in parts]
+    for _, j, i in chosen:
+        keep[j].append(i)
+    subsets = [p.subset(sorted(k)) for p, k in zip(parts, keep)]
+    return [p for p in subsets if len(p)]
+
+
 # -- online: tokenized records ---------------------------------------------------------------
 class TokenRecords(Dataset):
     """Records as {"input_ids", "loss_mask"} LongTensors, truncated to max_length.
@@ -92,6 +130,7 @@ class TokenRecords(Dataset):
     def __init__(self, paths: list[str], max_length: int, tokenizer: Any = None):
 
         self.items: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.ids: list[str] = []  # each item's record id (the conversation: validation split)
         self.skipped = 0
         records = read_records(paths)
         for record in records:
@@ -113,6 +152,7 @@ class TokenRecords(Dataset):
             self.items.append(
                 (torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long))
             )
+            self.ids.append(str(record.get("id", len(self.ids))))
         if self.skipped:
             log.warning("skipped %d records (unrenderable or no loss tokens)", self.skipped)
         if not self.items:
@@ -121,6 +161,13 @@ class TokenRecords(Dataset):
 
     def __len__(self) -> int:
         return len(self.items)
+
+    def subset(self, keep: list[int]) -> TokenRecords:
+        part = copy.copy(self)
+        part.items = [self.items[i] for i in keep]
+        part.ids = [self.ids[i] for i in keep]
+        part.lengths = [self.lengths[i] for i in keep]
+        return part
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         ids, mask = self.items[i]

@@ -84,6 +84,24 @@ class MetricsLog:
                 flush=True,
             )
 
+    def log_eval(self, step: int, metrics: dict[str, Any], improved: bool) -> None:
+        """One validation pass: a metrics.jsonl line {"step", "split": "val", "val/...": ...}
+        (training lines have no "split"), the same keys in W&B, and one printed line."""
+        if not self.enabled:
+            return
+        row = {f"val/{key}": value for key, value in metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "split": "val", **row}) + "\n")
+        if self.run is not None:
+            self.run.log(row, step=step)
+        accs = [value for key, value in metrics.items() if key.startswith("acc_")]  # in k order
+        self.write(
+            f"validation at step {step}: loss {metrics['loss']:.3f}, acc "
+            + "/".join(f"{a:.2f}" for a in accs)
+            + f", simulated tau {metrics['sim_accept_len']:.2f}"
+            + (" (best so far: saved to best/)" if improved else "")
+        )
+
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
             self.bar.update(n)

@@ -11,11 +11,17 @@ processes x batch b equal 1 process x batch N*b and accumulation equals a bigger
 Outputs in `train.out_dir`:
 
     config.yaml               resolved config of this launch
+    provenance.json           the data: shard metas or records, sequences, tokens (train, val)
     draft_vocab.safetensors   d2t / t2d: built once, reused on resume and fine-tuning
     metrics.jsonl             one line per logged step (same numbers as W&B)
     checkpoints/step-N/       draft/ (SGLang EAGLE3 format) + state/ (accelerate: optimizer,
                               scheduler, RNG) + trainer_state.json (written last = complete)
     final/                    the last SGLang-format draft
+    best/                     the draft with the best validation simulated tau (best.json: step)
+
+Validation (data.val_fraction of the conversations, split by id, or data.val_shard_dirs /
+data.val_records) runs every train.eval_every steps and at the end: val/loss, val/acc_k and
+val/sim_accept_len in metrics.jsonl and W&B.
 """
 
 from __future__ import annotations
@@ -60,14 +66,19 @@ from train.config import Config, load_config
 from train.data import (
     TokenRecords,
     check_shard_meta,
+    collate,
+    concat,
     load_shards,
+    split_validation,
     step_batches,
     steps_per_epoch,
+    take_sequences,
     token_counts,
 )
 from train.metrics import MetricsLog
 
 VOCAB_FILE = "draft_vocab.safetensors"
+BEST = "best"  # the draft with the best validation simulated tau so far
 
 
 class TTTModel(nn.Module):
@@ -232,6 +243,8 @@ class TrainData:
     embed: torch.Tensor  # (V, H): the drafter's frozen embeddings
     target: Target | None  # online only: it runs inside the loop
     provenance: dict
+    val_dataset: Dataset | None = None  # held-out conversations (None: no validation)
+    val_lengths: list[int] | None = None
 
 
 @dataclass
@@ -307,13 +320,15 @@ def load_data(
     """Offline: the shards, checked against the target, and the target's lm_head and
     embeddings read alone. Online: the target itself and the tokenized records."""
     if cfg.data.mode == "offline":
-        dataset, lengths, metas = load_shards(
-            cfg.data.shard_dirs, hidden_dtype, cfg.data.max_length
+        parts, metas = load_shards(cfg.data.shard_dirs, hidden_dtype, cfg.data.max_length)
+        val_parts, val_metas = load_shards(
+            cfg.data.val_shard_dirs, hidden_dtype, cfg.data.max_length
         )
         aux_ids = cfg.target.aux_layer_ids or metas[0].get("aux_layer_ids")
+        dirs = cfg.data.shard_dirs + cfg.data.val_shard_dirs
         problems = check_shard_meta(
-            metas,
-            cfg.data.shard_dirs,
+            metas + val_metas,
+            dirs,
             target=facts["name"],
             vocab_size=facts["vocab_size"],
             hidden_size=facts["hidden_size"],
@@ -323,7 +338,7 @@ def load_data(
             raise ConfigError("; ".join(problems))
         target = None
         lm_head, embed = load_lm_head(cfg.target.name), load_embeddings(cfg.target.name)
-        provenance = {"shards": dict(zip(cfg.data.shard_dirs, metas))}
+        provenance = {"shards": dict(zip(dirs, metas + val_metas))}
     else:
         aux_ids = (
             cfg.target.aux_layer_ids
@@ -337,11 +352,30 @@ def load_data(
             device_map=cfg.target.device_map,
             aux_layer_ids=aux_ids,
         )
-        dataset = TokenRecords(cfg.data.records, cfg.data.max_length, target.tokenizer)
-        lengths = dataset.lengths
+        parts = [TokenRecords(cfg.data.records, cfg.data.max_length, target.tokenizer)]
+        val_parts = [
+            TokenRecords([path], cfg.data.max_length, target.tokenizer)
+            for path in cfg.data.val_records
+        ]
         lm_head, embed = target.lm_head_weight, target.embed_weight
-        provenance = {"records": cfg.data.records, "skipped_records": dataset.skipped}
-    provenance.update(target=facts["name"], sequences=len(lengths), tokens=sum(lengths))
+        provenance = {"records": cfg.data.records, "skipped_records": parts[0].skipped}
+    if not val_parts and cfg.data.val_fraction > 0:  # no fixed validation set: split one off
+        parts, val_parts = split_validation(parts, cfg.data.val_fraction, cfg.data.val_seed)
+        if not parts:
+            raise Eagle3Error(
+                f"data.val_fraction={cfg.data.val_fraction} held out every record; lower it"
+            )
+    if cfg.data.max_sequences is not None:
+        parts = take_sequences(parts, cfg.data.max_sequences, cfg.data.val_seed)
+    dataset, lengths = concat(parts)
+    val_dataset, val_lengths = concat(val_parts) if val_parts else (None, None)
+    provenance.update(
+        target=facts["name"],
+        sequences=len(lengths),
+        tokens=sum(lengths),
+        val_sequences=len(val_lengths or []),
+        val_tokens=sum(val_lengths or []),
+    )
     return TrainData(
         dataset=dataset,
         lengths=lengths,
@@ -350,6 +384,8 @@ def load_data(
         embed=embed,
         target=target,
         provenance=provenance,
+        val_dataset=val_dataset,
+        val_lengths=val_lengths,
     )
 
 
@@ -392,6 +428,13 @@ def count_steps(cfg: Config, lengths: list[int], world: int) -> int:
         raise Eagle3Error(
             f"{len(lengths)} sequences are fewer than one optimizer step needs (data.batch_size "
             f"{cfg.data.batch_size} x {world} processes x optim.grad_accum {cfg.optim.grad_accum})"
+            + (
+                f", after holding out data.val_fraction={cfg.data.val_fraction} for validation "
+                "(lower it, or set data.val_shard_dirs)"
+                if cfg.data.val_fraction > 0
+                and not (cfg.data.val_shard_dirs or cfg.data.val_records)
+                else ""
+            )
         )
     return cfg.train.max_steps or cfg.train.epochs * per_epoch
 
@@ -449,6 +492,7 @@ def setup(cfg: Config) -> Run:
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(cfg.to_yaml())
+        (out_dir / "provenance.json").write_text(json.dumps(data.provenance, indent=1))
         print(cfg.to_yaml(), flush=True)
         print(
             f"{cfg.data.mode} training on {world} process(es) "
@@ -524,13 +568,27 @@ def clip_gradients(run: Run) -> float:
 
 
 def add_to_sums(sums: torch.Tensor, m: dict, mb: dict, K: int) -> None:
-    """Running sums since the last log line: ce_k * count_k, correct_k, count_k, tokens, slots."""
+    """Running sums since the last log line: ce_k * count_k, correct_k, count_k (valid
+    positions: the loss), masked_k (every loss-masked position: the accuracy), tokens, slots."""
     for k in range(K):
         sums[k] += m[f"loss_{k}"] * m[f"count_{k}"]
         sums[K + k] += m[f"correct_{k}"]
         sums[2 * K + k] += m[f"count_{k}"]
-    sums[3 * K] += mb["tokens"]
-    sums[3 * K + 1] += mb["slots"]
+        sums[3 * K + k] += m[f"masked_{k}"]
+    sums[4 * K] += mb["tokens"]
+    sums[4 * K + 1] += mb["slots"]
+
+
+def summarize(total: list[float], K: int, w: float) -> dict[str, float]:
+    """loss, loss_k, acc_k and the simulated acceptance length from reduced sums."""
+    losses = [total[k] / max(total[2 * K + k], 1) for k in range(K)]
+    accs = [total[K + k] / max(total[3 * K + k], 1) for k in range(K)]
+    return {
+        "loss": sum(w**k * losses[k] for k in range(K)),
+        **{f"loss_{k}": losses[k] for k in range(K)},
+        **{f"acc_{k}": accs[k] for k in range(K)},
+        "sim_accept_len": simulated_acceptance(accs),
+    }
 
 
 def log_metrics(
@@ -539,37 +597,94 @@ def log_metrics(
     """Reduce the running sums over ranks (every rank takes part) and log them (main writes)."""
     K, w = run.cfg.model.ttt_steps, run.cfg.model.step_weight
     total = run.accelerator.reduce(sums, reduction="sum").tolist()
-    count = [max(c, 1) for c in total[2 * K : 3 * K]]
-    losses = [total[k] / count[k] for k in range(K)]
-    accs = [total[K + k] / count[k] for k in range(K)]
     metrics = {
-        "loss": sum(w**k * losses[k] for k in range(K)),
-        **{f"loss_{k}": losses[k] for k in range(K)},
-        **{f"acc_{k}": accs[k] for k in range(K)},
-        "sim_accept_len": simulated_acceptance(accs),
+        **summarize(total, K, w),
         "lr": lr,
         "grad_norm": grad_norm,
-        "tokens_per_s": total[3 * K] / seconds,
-        "padding_frac": 1 - total[3 * K] / max(total[3 * K + 1], 1),
+        "tokens_per_s": total[4 * K] / seconds,
+        "padding_frac": 1 - total[4 * K] / max(total[4 * K + 1], 1),
         "peak_mem_gb": peak_memory_gb(run.accelerator.device),
         "epoch": epoch,
     }
     run.logger.log(step, metrics)
 
 
+# -- validation -----------------------------------------------------------------------------------
+def val_batches(run: Run) -> list[tuple[list[int], bool]]:
+    """This rank's validation micro-batches, (indices, counts): fixed order, length-grouped.
+    Every rank runs the same number of forwards (ZeRO-3 gathers parameters in each), so a rank
+    with fewer batches repeats one whose numbers it then drops."""
+    lengths, size = run.data.val_lengths, run.cfg.data.batch_size
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches = [order[s : s + size] for s in range(0, len(order), size)]
+    world, rank = run.accelerator.num_processes, run.accelerator.process_index
+    mine = batches[rank::world]
+    per_rank = math.ceil(len(batches) / world)
+    return [(b, True) for b in mine] + [(batches[0], False)] * (per_rank - len(mine))
+
+
+@torch.no_grad()
+def validate(run: Run) -> dict[str, float]:
+    """TTT loss, acc_k (over every loss-masked position) and simulated tau on the held-out
+    conversations; every rank takes part."""
+    K, w = run.cfg.model.ttt_steps, run.cfg.model.step_weight
+    sums = torch.zeros(4 * K + 2, dtype=torch.float64, device=run.accelerator.device)
+    run.model.eval()
+    for indices, counts in val_batches(run):
+        mb = run.labelled(collate([run.data.val_dataset[i] for i in indices]))
+        step_logits = run.model(mb["input_ids"], mb["aux"])
+        _, m = ttt_loss(step_logits, mb["probs"], mb["in_vocab"], mb["loss_mask"], w)
+        if counts:
+            add_to_sums(sums, m, mb, K)
+    run.model.train()
+    total = run.accelerator.reduce(sums, reduction="sum").tolist()
+    return {"tokens": total[4 * K], **summarize(total, K, w)}
+
+
+def read_best(out_dir: Path) -> dict | None:
+    path = out_dir / BEST / "best.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def validation_step(run: Run, step: int) -> None:
+    """Validate, log val/* metrics, and export best/ when simulated tau beats the best so far."""
+    metrics = validate(run)
+    best = read_best(run.out_dir)
+    improved = best is None or metrics["sim_accept_len"] > best["val_sim_accept_len"]
+    run.logger.log_eval(step, metrics, improved=improved)
+    if improved:
+        export_draft(
+            run.accelerator,
+            run.model,
+            run.draft_cfg,
+            run.out_dir / BEST,
+            run.export_extra,
+            run.cfg.train.export_dtype,
+        )
+        if run.accelerator.is_main_process:  # written last: the export is complete
+            (run.out_dir / BEST / "best.json").write_text(
+                json.dumps({"step": step, "val_sim_accept_len": metrics["sim_accept_len"]})
+            )
+    run.accelerator.wait_for_everyone()
+
+
 def train_loop(run: Run) -> None:
     """One iteration = one optimizer step of optim.grad_accum micro-batches on every rank."""
     cfg, accelerator, model = run.cfg, run.accelerator, run.model
     K = cfg.model.ttt_steps
-    sums = torch.zeros(3 * K + 2, dtype=torch.float64, device=accelerator.device)
+    sums = torch.zeros(4 * K + 2, dtype=torch.float64, device=accelerator.device)
     grad_norm, epoch = float("nan"), 0
     model.train()
     t_last = time.perf_counter()
     step = run.start_step  # optimizer steps done
     while True:
         lr = run.scheduler.get_last_lr()[0]
-        # checkpoint the step just done (not the one resumed from); every rank takes part
+        # validate and checkpoint the step just done (not the one resumed from); every rank
+        # takes part. Validation first: a resumed run never repeats a logged validation pass.
         last = step >= run.total_steps
+        if run.data.val_dataset is not None and step > run.start_step:
+            if step % cfg.train.eval_every == 0 or last:
+                validation_step(run, step)
         if step > run.start_step and (step % cfg.train.save_every == 0 or last):
             save_checkpoint(run, step)
         if last:

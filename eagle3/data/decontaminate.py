@@ -9,13 +9,20 @@ lower-cased, punctuation dropped, so re-spaced or re-punctuated copies still mat
 
     index = BenchmarkIndex.from_sources(["mt_bench", "humaneval", "gsm8k=test.jsonl"])
     kept, dropped = index.split(prompts)
+
+Benchmarks are named by one spec, ``mt_bench,humaneval,gsm8k=PATH/test.jsonl``
+(:func:`parse_benches`): ``eagle3.evaluate --bench`` measures on it, and a data CLI given
+:func:`add_exclude_args` drops the prompts it overlaps before generating anything
+(:func:`exclude_contaminated`).
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from eagle3.data.prompts import Prompt, normalize, open_source
@@ -26,7 +33,39 @@ MIN_WORDS = 4  # shorter benchmark texts ("Hello") would match everything: left 
 # Raw record fields that hold a benchmark's reference answer (GSM8K, HumanEval, MT-bench refs).
 ANSWER_KEYS = ("answer", "canonical_solution", "reference", "references", "solution")
 
+EMBEDDED_BENCHES = ("mt_bench", "humaneval")
+# a file named like this takes its directory's name as the benchmark's: gsm8k/test.jsonl -> gsm8k
+GENERIC_STEMS = {"test", "train", "question", "questions", "data", "prompts", "validation"}
+
 _WORD = re.compile(r"[a-z0-9]+")
+
+
+def parse_benches(spec: str, flag: str = "--bench") -> list[tuple[str, str]]:
+    """'mt_bench,humaneval,gsm8k=FILE,FILE.jsonl' -> [(name, source)]; `flag` names the
+    option in the errors."""
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, sep, source = item.partition("=")
+        if sep:
+            out.append((name, source))
+        elif item in EMBEDDED_BENCHES:
+            out.append((item, item))
+        elif Path(item).exists():
+            path = Path(item)
+            stem = path.name.split(".")[0]
+            out.append((path.parent.name if stem in GENERIC_STEMS else stem, item))
+        elif item == "gsm8k":
+            raise Eagle3Error(
+                f"gsm8k has no embedded copy: pass its file, e.g. {flag} gsm8k=PATH/gsm8k/test.jsonl"
+            )
+        else:
+            raise Eagle3Error(
+                f"unknown benchmark {item!r} in {flag}: use mt_bench, humaneval, NAME=FILE.jsonl "
+                "or an existing prompts file"
+            )
+    if not out:
+        raise Eagle3Error(f"{flag} is empty; e.g. {flag} mt_bench,humaneval")
+    return out
 
 
 def words(text: str) -> list[str]:
@@ -103,3 +142,39 @@ class BenchmarkIndex:
         for p in prompts:
             (dropped if self.hit(p.messages) else kept).append(p)
         return kept, dropped
+
+
+# -- the CLI flag ---------------------------------------------------------------------------------
+def add_exclude_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--exclude-benchmarks SPEC`` (read by :func:`exclude_contaminated`)."""
+    parser.add_argument(
+        "--exclude-benchmarks",
+        metavar="SPEC",
+        help=f"drop prompts that share a {NGRAM}-word run with these benchmarks' questions or "
+        "answers, before generating: mt_bench,humaneval,gsm8k=PATH/gsm8k/test.jsonl (as "
+        "eagle3.evaluate --bench)",
+    )
+    return parser
+
+
+def exclude_contaminated(prompts: list[Prompt], spec: str | None) -> list[Prompt]:
+    """The prompts that overlap none of the benchmarks in ``spec`` (order kept; all of them
+    when ``spec`` is None). Prints one line: how many were dropped, and for which benchmark."""
+    if not spec:
+        return prompts
+    benches = parse_benches(spec, flag="--exclude-benchmarks")
+    indexes = {name: BenchmarkIndex.from_sources([source]) for name, source in benches}
+    kept, hits = [], {name: 0 for name in indexes}
+    for prompt in prompts:
+        name = next((n for n, index in indexes.items() if index.hit(prompt.messages)), None)
+        if name is None:
+            kept.append(prompt)
+        else:
+            hits[name] += 1
+    why = ", ".join(f"{name} {n}" for name, n in hits.items())
+    print(
+        f"--exclude-benchmarks: dropped {len(prompts) - len(kept)} of {len(prompts)} prompts "
+        f"sharing a {NGRAM}-word run with a benchmark question or answer ({why})",
+        flush=True,
+    )
+    return kept

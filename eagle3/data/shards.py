@@ -47,6 +47,7 @@ meta.json carries what training checks before using the data (``target``, ``voca
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import json
 import logging
@@ -490,8 +491,20 @@ class ShardDataset(torch.utils.data.Dataset):
         self.lengths = [int(e["length"]) for e in self.index]
         self._files: dict[str, Any] = {}
 
+    @property
+    def ids(self) -> list[str]:
+        return [str(e["id"]) for e in self.index]
+
     def __len__(self) -> int:
         return len(self.index)
+
+    def subset(self, keep: list[int]) -> ShardDataset:
+        """The same capture restricted to records `keep` (in that order); nothing is read."""
+        part = copy.copy(self)
+        part.index = [self.index[i] for i in keep]
+        part.lengths = [self.lengths[i] for i in keep]
+        part._files = {}
+        return part
 
     def __getstate__(self) -> dict:  # open shard handles do not pickle (DataLoader workers)
         return {**self.__dict__, "_files": {}}

@@ -213,3 +213,25 @@ def test_split_reasoning_at_the_think_tag():
         "",
         "it is 5",
     )
+
+
+def test_exclude_benchmarks_drops_a_copied_question_before_generating(servers, tmp_path, capsys):
+    from eagle3.data.prompts import load_prompts
+
+    question = load_prompts("mt_bench", limit=1)[0].messages[0]["content"]
+    path = tmp_path / "chat.jsonl"
+    rows = [PROMPTS[0], {"id": "copy", "messages": [{"role": "user", "content": question}]}]
+    path.write_text("".join(json.dumps(p) + "\n" for p in rows))
+    one, _ = servers
+    out = tmp_path / "out"
+    argv = ["--prompts", str(path), "--out", str(out), "--base-url", one.url,
+            "--exclude-benchmarks", "mt_bench"]  # fmt: skip
+    assert local.main(argv) == 0
+    assert (
+        "--exclude-benchmarks: dropped 1 of 2 prompts sharing a 13-word run with a benchmark "
+        "question or answer (mt_bench 1)\n" in capsys.readouterr().out
+    )
+    assert sorted(records(out)) == ["p0"]
+    assert not (out / "failed.jsonl").exists() or "copy" not in (out / "failed.jsonl").read_text()
+    asked = [m["content"] for body in one.requests for m in body["messages"]]
+    assert asked == [PROMPTS[0]["messages"][0]["content"]]  # the copy was never sent

@@ -54,3 +54,20 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     )
     assert main([str(tmp_path / "missing.json")]) == 2
     assert "not a results JSON" in capsys.readouterr().err
+
+
+def test_intervals_show_where_present_and_old_files_still_read(tmp_path, capsys):
+    new = {**row("x/final", "mt_bench", 1.45, 1.5, [0.5]), "tau_ci95": [1.3, 1.61],
+           "speedup_ci95": [1.2, 1.74], "per_prompt": [{"id": "a", "tau": 1.45}]}  # fmt: skip
+    vllm = {**row("x/final [vllm]", "mt_bench", 1.5, 1.6, [0.5]), "tau_ci95": None,
+            "speedup_ci95": None, "engine": {"name": "vllm"}}  # fmt: skip
+    a = write(tmp_path / "new.json", [new, vllm])
+    b = write(tmp_path / "old.json", [row("y/final", "mt_bench", 1.2, 1.1, [0.4])])
+    assert main([str(a), str(b), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "| x/final | 1.45 [1.30, 1.61] / 1.50x [1.20, 1.74] |" in out
+    assert "| x/final [vllm] | 1.50 / 1.60x |" in out
+    assert "| y/final | 1.20 / 1.10x |" in out
+    assert "[lo, hi]: 95% bootstrap interval over prompts" in out
+    assert (tmp_path / "out" / "tau.png").is_file()
+    assert "bootstrap" not in format_table(collect([str(b)]))  # no interval, no legend

@@ -143,7 +143,9 @@ def test_int4_experts_are_packed(kimi_dirs):
         for n in plain
         if ".mlp.experts." in n and n.endswith("_proj.weight")
     )
-    assert len(experts) == 3 * 8 * 3  # 3 MoE layers x 8 experts x gate/up/down
+    text = json.loads((kimi_dirs[0] / "config.json").read_text())["text_config"]
+    moe_layers = text["num_hidden_layers"] - text["first_k_dense_replace"]
+    assert len(experts) == moe_layers * text["n_routed_experts"] * 3  # x gate/up/down
     for name in experts:
         assert f"{name}.weight" not in packed
         w = plain[f"{name}.weight"]
@@ -170,15 +172,15 @@ def test_load_target_loads_the_wrapper_and_finds_the_text_layers(kimi_dirs):
     target = load_target(kimi_dirs[0], device="cpu")
     assert type(target.model).__name__ == "Kimi_K25ForConditionalGeneration"
     text_model = target.model.model.language_model
-    assert target._decoder is text_model and len(text_model.layers) == target.num_layers == 4
+    assert target._decoder is text_model and len(text_model.layers) == target.num_layers == 8
     assert (target.hidden_size, target.vocab_size) == (64, 49216)
-    assert target.aux_layer_ids == [1, 1, 0]  # default_aux_layers(4), clamped
+    assert target.aux_layer_ids == [1, 3, 4] == target_mod.default_aux_layers(8)
     assert target.lm_head_weight.data_ptr() != target.embed_weight.data_ptr()  # untied
     assert target.tokenizer is not None and "<think>" in target.tokenizer.chat_template
     # the INT4 experts were de-quantised (compressed-tensors) and upcast to the asked dtype
     assert {p.dtype for p in target.model.parameters()} == {torch.float32}
 
-    target.aux_layer_ids = [0, 1, 2]  # ids < L-1: HF's hidden_states[L] is post-norm
+    # the default ids are < L - 1, so each is compared with HF's pre-norm hidden_states[id + 1]
     ids = torch.randint(0, target.vocab_size, (2, 9))
     aux, last = target.capture(ids)
     with torch.no_grad():
@@ -204,7 +206,7 @@ def test_int4_capture_equals_dequantized_capture(kimi_dirs, dtype):
     ids = torch.randint(0, int4.vocab_size, (3, 21))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # left padding
-    for aux_ids in ([0, 1, 2], [1, 2, 3]):
+    for aux_ids in ([1, 3, 4], [0, 6, 7]):  # the default; the dense layer and the last two
         int4.aux_layer_ids = plain.aux_layer_ids = aux_ids
         aux4, last4 = int4.capture(ids, mask)
         aux, last = plain.capture(ids, mask)

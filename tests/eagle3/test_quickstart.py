@@ -53,9 +53,8 @@ def test_quickstart_tiny_killed_then_resumed(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "generate: done, skipped" in done.stdout
     stages = stage_status(run_dir)
-    assert [stages[s]["status"] for s in ("generate", "capture", "train", "evaluate")] == [
-        "done"
-    ] * 4
+    names = ("generate", "offpolicy", "capture", "capture-offpolicy", "train", "evaluate")
+    assert [stages[s]["status"] for s in names] == ["done"] * 6
 
     # Every artifact exists and parses.
     records = [json.loads(line) for line in (run_dir / "responses" / "sharegpt.jsonl").open()]
@@ -64,6 +63,11 @@ def test_quickstart_tiny_killed_then_resumed(tmp_path):
     assert meta["complete"] and meta["target"] == "smollm2-135m-q4"
     index = (run_dir / "shards" / "index.jsonl").read_text().splitlines()
     assert len(index) == 4
+    offpolicy = [json.loads(line) for line in (run_dir / "offpolicy" / "sharegpt.jsonl").open()]
+    assert len(offpolicy) == 4 and all(r["provider"] == "offpolicy" for r in offpolicy)
+    assert len((run_dir / "shards-offpolicy" / "index.jsonl").read_text().splitlines()) == 4
+    provenance = json.loads((run_dir / "train" / "provenance.json").read_text())
+    assert provenance["sequences"] == 8  # both shard dirs train (tiny: nothing held out)
     final = run_dir / "train" / "final"
     config = json.loads((final / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -72,7 +76,7 @@ def test_quickstart_tiny_killed_then_resumed(tmp_path):
     report = json.loads((run_dir / "eval.json").read_text())
     cells = {(r["drafter"], r["bench"]) for r in report["results"]}
     assert {b for _, b in cells} == {"mt_bench", "humaneval"}
-    assert len(cells) == 6  # drafter, prompt lookup and plain decoding on both benchmarks
+    assert len(cells) == 4  # drafter and prompt lookup on both (plain decoding in every row)
     assert all(r["tau"] >= 1.0 for r in report["results"])
     table = (run_dir / "results.md").read_text()
     assert table.startswith("| drafter | bench | τ |") and table in done.stdout
@@ -81,7 +85,7 @@ def test_quickstart_tiny_killed_then_resumed(tmp_path):
     # A third run skips everything and prints the same table.
     again = subprocess.run(quickstart(run_dir), cwd=REPO, env=env, capture_output=True, text=True)
     assert again.returncode == 0
-    assert again.stdout.count("done, skipped") == 4 and table in again.stdout
+    assert again.stdout.count("done, skipped") == 6 and table in again.stdout
 
     # --ablation on the same run: data, capture and the EAGLE-3 training are reused; the
     # EAGLE-2-style drafter is trained on the same shards and evaluated beside it.
@@ -89,11 +93,11 @@ def test_quickstart_tiny_killed_then_resumed(tmp_path):
         [*quickstart(run_dir), "--ablation"], cwd=REPO, env=env, capture_output=True, text=True
     )
     assert ablation.returncode == 0, ablation.stdout[-3000:] + ablation.stderr[-3000:]
-    assert ablation.stdout.count("done, skipped") == 3  # generate, capture, train
+    assert ablation.stdout.count("done, skipped") == 5  # data, both captures, train
     eagle2 = json.loads((run_dir / "train-eagle2" / "final" / "config.json").read_text())
     assert eagle2["feature"] == "last"
     report = json.loads((run_dir / "eval.json").read_text())
     drafters = {r["drafter"] for r in report["results"]}
-    assert {"train/final", "train-eagle2/final", "prompt-lookup", "none"} == drafters
+    assert {"train/final", "train-eagle2/final", "prompt-lookup"} == drafters
     table = (run_dir / "results.md").read_text()
     assert "τ EAGLE-3 / EAGLE-2-style (same data and steps): mt_bench " in table

@@ -111,9 +111,14 @@ def run_cli(args: list[str], launcher: list[str] | None = None, check: bool = Tr
     return proc
 
 
-def losses(out_dir: Path, key: str = "loss") -> list[float]:
+def metric_lines(out_dir: Path, split: str | None = None) -> list[dict]:
+    """metrics.jsonl lines: training ones (no "split") or those of `split` ("val")."""
     lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)[key] for line in lines]
+    return [r for r in map(json.loads, lines) if r.get("split") == split]
+
+
+def losses(out_dir: Path, key: str = "loss") -> list[float]:
+    return [r[key] for r in metric_lines(out_dir)]
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -52,6 +53,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(
     tmp_path, helpers, tiny_llama_dir, shard_dir
 ):
     steps = {"train.max_steps": 30, "train.save_every": 3, **helpers.offline(shard_dir)}
+    steps.update({"data.val_fraction": 0.3, "train.eval_every": 3})  # validation resumes too
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     helpers.run_cli(helpers.common_args(tiny_llama_dir, whole, **steps))
 
@@ -80,10 +82,13 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(
         helpers.common_args(tiny_llama_dir, killed, **steps, **{"train.resume_from": "latest"})
     )
     assert "resuming from" in out.stdout
-    assert [
-        json.loads(x)["step"] for x in (killed / "metrics.jsonl").read_text().splitlines()
-    ] == list(range(1, 31))
+    assert [r["step"] for r in helpers.metric_lines(killed)] == list(range(1, 31))
     assert helpers.losses(killed) == pytest.approx(helpers.losses(whole), rel=1e-6)
+    val, val_whole = helpers.metric_lines(killed, "val"), helpers.metric_lines(whole, "val")
+    assert [r["step"] for r in val] == list(range(3, 31, 3))  # none twice, none lost
+    assert [r["val/loss"] for r in val] == pytest.approx(
+        [r["val/loss"] for r in val_whole], rel=1e-6
+    )
     assert helpers.losses(killed, "lr") == pytest.approx(helpers.losses(whole, "lr"), rel=1e-9)
     # old optimizer states are pruned, every SGLang export is kept
     ckpts = sorted((killed / "checkpoints").iterdir())
@@ -162,3 +167,60 @@ def test_eagle2_style_ablation_trains_on_the_last_hidden_state(
     assert fc.shape[1] == config["target_hidden_size"]  # H, not 3H
     record = json.loads((off / "metrics.jsonl").read_text().splitlines()[-1])
     assert "loss_0" in record and "loss_1" not in record  # ttt_steps 1
+
+
+def test_validation_counts_every_masked_position_and_keeps_the_best(
+    tmp_path, helpers, tiny_llama_dir, shard_dir
+):
+    """Held-out conversations are validated every eval_every steps and at the end; val acc_k
+    counts every loss-masked position (a target token outside the draft vocab is a miss),
+    recomputed here from the exported draft; best/ holds the step with the best simulated tau,
+    and a killed-and-resumed run logs no validation pass twice."""
+    from eagle3.checkpoint import load_draft
+    from eagle3.loss import simulated_acceptance, target_probs
+    from eagle3.target import load_embeddings, load_lm_head
+    from train.data import load_shards, split_validation
+
+    out = tmp_path / "run"
+    args = helpers.common_args(
+        tiny_llama_dir,
+        out,
+        **helpers.offline(shard_dir),
+        **{"data.val_fraction": 0.3, "train.eval_every": 2, "train.export_dtype": "fp32"},
+        **{"model.draft_vocab_size": 120},  # many target tokens outside the draft vocab
+    )
+    helpers.run_cli(args)
+    val = helpers.metric_lines(out, "val")
+    assert [r["step"] for r in val] == [2, 4, 6]
+    best = json.loads((out / "best" / "best.json").read_text())
+    taus = {r["step"]: r["val/sim_accept_len"] for r in val}
+    assert (
+        best["step"] == max(taus, key=taus.get) and best["val_sim_accept_len"] == taus[best["step"]]
+    )
+    assert (out / "best" / "model.safetensors").is_file()
+
+    # recompute the final pass: acc_k = hits / every loss-masked position of step k
+    parts, _ = load_shards([str(shard_dir)])
+    _, held = split_validation(parts, 0.3, seed=0)
+    draft = load_draft(out / "final", embed_weight=load_embeddings(str(tiny_llama_dir)))
+    lm_head = load_lm_head(str(tiny_llama_dir))
+    K = 7  # common_args' recipe
+    hits, masked, in_vocab_positions = [0] * K, [0] * K, [0] * K
+    for i in range(len(held[0])):
+        r = held[0][i]
+        ids, mask = r["input_ids"][None], r["loss_mask"][None]
+        probs, in_vocab = target_probs(r["last_hidden"][None].float(), lm_head, draft.t2d)
+        with torch.no_grad():
+            steps = draft.ttt_forward(ids, r["aux_hidden"][None].float(), K)
+        for k, logits in enumerate(steps):
+            n = max(ids.shape[1] - k - 2, 0)
+            m = mask[:, k + 2 : k + 2 + n].bool()
+            hit = logits[:, :n].argmax(-1) == probs[:, k + 1 : k + 1 + n].argmax(-1)
+            hits[k] += int((hit & in_vocab[:, k + 1 : k + 1 + n] & m).sum())
+            masked[k] += int(m.sum())
+            in_vocab_positions[k] += int((m & in_vocab[:, k + 1 : k + 1 + n]).sum())
+    assert in_vocab_positions[0] < masked[0]  # the case the denominator is about
+    accs = [hits[k] / masked[k] for k in range(K)]
+    last = val[-1]
+    assert [last[f"val/acc_{k}"] for k in range(K)] == pytest.approx(accs, abs=1e-6)
+    assert last["val/sim_accept_len"] == pytest.approx(simulated_acceptance(accs), abs=1e-6)

@@ -66,3 +66,83 @@ def test_embedded_training_prompts_hold_no_benchmark_prompt():
     train = load_prompts("sharegpt", limit=2000)
     kept, dropped = index.split(train)
     assert dropped == [], [p.id for p in dropped]
+
+
+def test_exclude_contaminated_drops_and_says_why(bench_file, capsys):
+    import argparse
+
+    from eagle3.data.decontaminate import add_exclude_args, exclude_contaminated
+
+    args = add_exclude_args(argparse.ArgumentParser()).parse_args(
+        ["--exclude-benchmarks", f"mt_bench,mine={bench_file}"]
+    )
+    mt = load_prompts("mt_bench", limit=1)[0]
+    prompts = [
+        _prompt("write a poem about the sea"),
+        Prompt(id="copy", dataset="d", messages=mt.messages[:1]),
+        _prompt("Quick: name three primary colors please!"),
+    ]
+    kept = exclude_contaminated(prompts, args.exclude_benchmarks)
+    assert kept == prompts[:1]
+    assert capsys.readouterr().out == (
+        "--exclude-benchmarks: dropped 2 of 3 prompts sharing a 13-word run with a benchmark "
+        "question or answer (mt_bench 1, mine 1)\n"
+    )
+    assert exclude_contaminated(prompts, None) is prompts  # no flag: nothing read, nothing said
+    assert capsys.readouterr().out == ""
+
+
+def test_exclude_spec_errors_name_the_flag():
+    from eagle3.data.decontaminate import exclude_contaminated
+    from eagle3.errors import Eagle3Error
+
+    with pytest.raises(Eagle3Error, match="--exclude-benchmarks gsm8k=PATH/gsm8k/test.jsonl"):
+        exclude_contaminated([], "mt_bench,gsm8k")
+    with pytest.raises(Eagle3Error, match="unknown benchmark 'nope' in --exclude-benchmarks"):
+        exclude_contaminated([], "nope")
+
+
+@pytest.mark.parametrize("scale", ["default", "large"])
+def test_quickstart_training_prompts_miss_its_benchmarks(scale, tmp_path, capsys):
+    """The prompts the quickstart's generate stage answers (its own command, parsed and selected
+    by datagen.local) share no 13-word run with MT-bench, HumanEval or GSM8K test."""
+    from datagen import local
+    from eagle3 import quickstart
+
+    args = quickstart.parse_args(["--scale", scale, "--run-dir", str(tmp_path)])
+    cmd = dict(quickstart.stage_commands(args, tmp_path))["generate"]
+    assert cmd[1:3] == ["-m", "datagen.local"]
+    generate = local.parse_args(cmd[3:])
+    assert generate.exclude_benchmarks == args.bench  # what the evaluate stage measures on
+    prompts = local.select_prompts(generate)
+    assert "--exclude-benchmarks: dropped 0 of " in capsys.readouterr().out
+    assert len(prompts) > 0.9 * quickstart.SCALES[scale].prompts  # the train split of --limit
+    sources = ["mt_bench", "humaneval"]
+    if GSM8K_TEST.is_file():
+        sources.append(f"gsm8k={GSM8K_TEST}")
+    index = BenchmarkIndex.from_sources(sources)
+    _, dropped = index.split(prompts)
+    assert dropped == [], [p.id for p in dropped]
+
+
+@pytest.mark.parametrize("scale", ["default", "large"])
+def test_quickstart_offpolicy_conversations_miss_its_benchmarks(scale, tmp_path, capsys):
+    """The off-policy stage trains on ShareGPT's own answers too: its selected conversations,
+    answers included, share no 13-word run with MT-bench, HumanEval or GSM8K test."""
+    from datagen import offpolicy
+    from eagle3 import quickstart
+
+    args = quickstart.parse_args(["--scale", scale, "--run-dir", str(tmp_path)])
+    cmd = dict(quickstart.stage_commands(args, tmp_path))["offpolicy"]
+    assert cmd[1:3] == ["-m", "datagen.offpolicy"]
+    stage = offpolicy.parse_args(cmd[3:])
+    assert stage.exclude_benchmarks == args.bench
+    pairs = offpolicy.select(stage)
+    assert "--exclude-benchmarks: dropped 0 of " in capsys.readouterr().out
+    assert len(pairs) > 0.9 * quickstart.SCALES[scale].offpolicy
+    sources = ["mt_bench", "humaneval"]
+    if GSM8K_TEST.is_file():
+        sources.append(f"gsm8k={GSM8K_TEST}")
+    index = BenchmarkIndex.from_sources(sources)
+    leaked = [p.id for p, conversation in pairs if index.hit(conversation)]
+    assert leaked == []

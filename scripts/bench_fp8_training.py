@@ -1,0 +1,298 @@
+"""What fp8 hidden-state shards cost a *trained* drafter, measured against bf16 shards.
+
+    python scripts/bench_fp8_training.py [--work runs/bench-fp8-rope] [--conversations 150] [--steps 32]
+
+One run does it all (each stage is skipped when its output is already under --work):
+1. records: the first --conversations ShareGPT conversations (the embedded file) with their own
+   GPT assistant turns as off-policy training text, kept when the target's chat template renders
+   them to --min-tokens..--max-length tokens; a fixed ~--val-fraction of them (hash of the id)
+   is held out for validation, the same conversations for both dtypes;
+2. capture: one target forward per batch (datagen.capture's own rendering and batching) written
+   through two ShardWriters, bf16 and fp8: exactly what two `datagen.capture --dtype` runs over
+   the same records store, at the cost of one forward;
+3. training: train/train_drafter.py with configs/train/smollm2-q4-cpu.yaml, the same seed, steps
+   and overrides, once on the bf16 and once on the fp8 training shards (the two in parallel, one
+   thread each, unless --serial);
+4. validation: each final drafter's TTT unroll (Eagle3Draft.ttt_forward, the training step's
+   forward) over the *bf16* validation shards (the inputs the target really gives at inference),
+   scored against the bf16 soft labels' argmax. acc_k's denominator is every loss-masked
+   position of step k: a position whose target argmax lies outside the draft vocab is a miss
+   (the trainer's in-vocab acc_k is printed beside it).
+Printed: acc_k of both drafters, the fp8 - bf16 difference in percentage points, whether
+|acc_0 difference| < 0.5 pp, and the simulated chain acceptance length of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from datagen.capture import capture_items, capture_meta, render_all  # noqa: E402
+from eagle3.checkpoint import load_draft  # noqa: E402
+from eagle3.data.chat import RenderError, render_record  # noqa: E402
+from eagle3.data.prompts import PromptError, open_source, source_conversation  # noqa: E402
+from eagle3.data.shards import ShardDataset, ShardWriter, read_meta  # noqa: E402
+from eagle3.loss import simulated_acceptance, step_labels  # noqa: E402
+from eagle3.model import Eagle3Draft  # noqa: E402
+from eagle3.target import load_embeddings, load_lm_head, load_target  # noqa: E402
+
+TARGET = "smollm2-135m-q4"
+CONFIG = ROOT / "configs/train/smollm2-q4-cpu.yaml"
+
+
+# -- 1. records ------------------------------------------------------------------------------
+def sharegpt_records(
+    tokenizer, n: int, min_tokens: int, max_tokens: int, skip: int = 0
+) -> list[dict]:
+    """The first `n` usable ShareGPT conversations after `skip` of them, as datagen records
+    (their own assistant turns), rendered length in [min_tokens, max_tokens]."""
+    raws, _ = open_source("sharegpt")
+    out, seen = [], 0
+    for raw in raws:
+        try:
+            messages = source_conversation(raw)
+        except PromptError:
+            continue
+        seen += 1
+        if seen <= skip:
+            continue
+        record = {"id": str(raw.get("id")), "dataset": "sharegpt", "messages": messages}
+        try:
+            length = len(render_record(tokenizer, record).input_ids)
+        except RenderError:
+            continue
+        if min_tokens <= length <= max_tokens:
+            out.append(record)
+        if len(out) >= n:
+            break
+    close = getattr(raws, "close", None)
+    if close is not None:
+        close()
+    return out
+
+
+def split(records: list[dict], val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """round(val_fraction * n) records held out, chosen by a hash of (seed, id)."""
+    order = sorted(records, key=lambda r: hashlib.sha256(f"{seed}:{r['id']}".encode()).digest())
+    n_val = round(val_fraction * len(records))
+    val_ids = {r["id"] for r in order[:n_val]}
+    return [r for r in records if r["id"] not in val_ids], [
+        r for r in records if r["id"] in val_ids
+    ]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- 2. capture ------------------------------------------------------------------------------
+class Tee:
+    """One capture forward, several ShardWriters (one per storage dtype)."""
+
+    def __init__(self, writers: list[ShardWriter]):
+        self.writers = writers
+
+    def add_batch(self, *args, **kwargs) -> None:
+        for w in self.writers:
+            w.add_batch(*args, **kwargs)
+
+
+def capture_dtypes(target, records: list[dict], dirs: dict[str, Path], max_length: int) -> dict:
+    """Capture `records` once into one shard directory per dtype -> counts of render_all."""
+    from collections import Counter
+
+    args = SimpleNamespace(max_length=max_length, chat_template=None, template_kwargs=None)
+    stats: Counter = Counter()
+    items = render_all(records, target.tokenizer, args, stats)
+    writers = [
+        ShardWriter(d, capture_meta(target, SimpleNamespace(**vars(args), dtype=dt)), dt)
+        for dt, d in dirs.items()
+    ]
+    with torch.inference_mode():
+        capture_items(target, items, Tee(writers), batch_tokens=8192)
+    for w in writers:
+        w.close()
+    return dict(stats)
+
+
+def prepare(work: Path, args) -> dict[str, Path]:
+    """Records and bf16/fp8 shards under `work` (reused when present) -> the shard dirs."""
+    dirs = {
+        f"{dt}/{part}": work / "shards" / dt / part
+        for dt in ("bf16", "fp8")
+        for part in ("train", "val")
+    }
+    if all((read_meta(d) or {}).get("complete") for d in dirs.values()):
+        return dirs
+    t0 = time.perf_counter()
+    target = load_target(TARGET, device="cpu")
+    if not (work / "records/val.jsonl").is_file():
+        records = sharegpt_records(
+            target.tokenizer, args.conversations, args.min_tokens, args.max_length
+        )
+        train, val = split(records, args.val_fraction, args.seed)
+        write_jsonl(work / "records/train.jsonl", train)
+        write_jsonl(work / "records/val.jsonl", val)
+    for part in ("train", "val"):
+        out = {dt: dirs[f"{dt}/{part}"] for dt in ("bf16", "fp8")}
+        if all((read_meta(d) or {}).get("complete") for d in out.values()):
+            continue
+        for d in out.values():  # an interrupted capture: start this part over
+            shutil.rmtree(d, ignore_errors=True)
+        records = read_jsonl(work / f"records/{part}.jsonl")
+        stats = capture_dtypes(target, records, out, args.max_length)
+        print(f"captured {part}: {stats}", flush=True)
+    print(f"records + capture: {time.perf_counter() - t0:.0f} s", flush=True)
+    return dirs
+
+
+# -- 3. training -----------------------------------------------------------------------------
+def train_command(shard_dir: Path, out_dir: Path, args, extra: list[str] = ()) -> list[str]:
+    """The train/train_drafter.py command line of one drafter (every run shares all but the
+    shard dir, out dir and `extra`)."""
+    return [
+        sys.executable,
+        str(ROOT / "train/train_drafter.py"),
+        "--config",
+        str(CONFIG),
+        f"data.shard_dirs=[{shard_dir}]",
+        f"train.out_dir={out_dir}",
+        f"train.max_steps={args.steps}",
+        f"train.seed={args.seed}",
+        f"train.save_every={args.steps}",
+        f"data.batch_size={args.batch_size}",
+        f"optim.warmup_steps={args.warmup}",
+        "data.val_fraction=0",  # validation is this script's own held-out shard dir
+        "train.export_dtype=fp32",  # score the trained weights, not a bf16 rounding of them
+        "train.progress=false",
+        "wandb.mode=disabled",
+        *extra,
+    ]
+
+
+def train_all(runs: dict[str, list[str]], parallel: bool, log_dir: Path) -> float:
+    """Run the commands whose out dir has no final/ yet -> wall seconds."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    todo = {name: cmd for name, cmd in runs.items() if not final_dir(cmd).is_dir()}
+    procs = []
+    for name, cmd in todo.items():
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(log_dir / f"train-{name}.log", "w")
+        print(f"training {name}: {' '.join(cmd)}", flush=True)
+        procs.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)))
+        if not parallel:
+            procs[-1][1].wait()
+    for name, p in procs:
+        if p.wait() != 0:
+            raise SystemExit(f"training {name} failed: see {log_dir / f'train-{name}.log'}")
+    return time.perf_counter() - t0
+
+
+def final_dir(cmd: list[str]) -> Path:
+    out = next(a.split("=", 1)[1] for a in cmd if a.startswith("train.out_dir="))
+    return Path(out) / "final"
+
+
+# -- 4. validation ---------------------------------------------------------------------------
+def load_final(run_dir: Path) -> Eagle3Draft:
+    return load_draft(
+        run_dir / "final", embed_weight=load_embeddings(TARGET).float(), dtype=torch.float32
+    ).eval()
+
+
+@torch.inference_mode()
+def validate(draft: Eagle3Draft, val: ShardDataset, lm_head: torch.Tensor, K: int) -> dict:
+    """acc_k over every loss-masked position (out-of-vocab target argmax = miss), and the
+    trainer's acc_k over in-vocab positions only, summed over the validation records."""
+    correct, every, in_vocab_n = [0] * K, [0] * K, [0] * K
+    for i in range(len(val)):
+        row = val[i]
+        ids, mask = row["input_ids"][None], row["loss_mask"][None]
+        label = (row["last_hidden"].float() @ lm_head.T).argmax(-1)[None]  # (1, T) target ids
+        in_vocab = draft.t2d[label]
+        logits = draft.ttt_forward(ids, row["aux_hidden"][None].float(), K)
+        for k in range(K):
+            rows, valid_all = step_labels(torch.ones_like(in_vocab), mask, k)
+            _, valid_in = step_labels(in_vocab, mask, k)
+            n = valid_all.shape[1]
+            pred = draft.draft_to_target(logits[k][:, :n].argmax(-1))
+            hit = (pred == label[:, rows]) & valid_all
+            correct[k] += int(hit.sum())
+            every[k] += int(valid_all.sum())
+            in_vocab_n[k] += int(valid_in.sum())
+    acc = [c / max(n, 1) for c, n in zip(correct, every)]
+    acc_in = [c / max(n, 1) for c, n in zip(correct, in_vocab_n)]
+    return {"acc": acc, "acc_in_vocab": acc_in, "positions": every, "in_vocab": in_vocab_n}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--work", type=Path, default=Path("runs/bench-fp8-rope"), help="records, shards, runs"
+    )
+    p.add_argument("--conversations", type=int, default=150, help="ShareGPT conversations")
+    p.add_argument("--min-tokens", type=int, default=128, help="shortest rendered conversation")
+    p.add_argument("--max-length", type=int, default=1024, help="longest rendered conversation")
+    p.add_argument("--val-fraction", type=float, default=0.15, help="held-out conversations")
+    p.add_argument("--steps", type=int, default=32, help="optimizer steps of each drafter")
+    p.add_argument("--warmup", type=int, default=4, help="warmup steps (optim.warmup_steps)")
+    p.add_argument("--batch-size", type=int, default=2, help="sequences per step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--serial", action="store_true", help="train one drafter after the other")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dirs = prepare(args.work, args)
+    runs = {
+        dt: train_command(dirs[f"{dt}/train"], args.work / "runs" / dt, args)
+        for dt in ("bf16", "fp8")
+    }
+    seconds = train_all(runs, not args.serial, args.work / "logs")
+    print(f"training: {seconds:.0f} s wall", flush=True)
+
+    K = 4  # configs/train/smollm2-q4-cpu.yaml's model.ttt_steps
+    lm_head = load_lm_head(TARGET).float()
+    val = ShardDataset(dirs["bf16/val"])
+    res = {dt: validate(load_final(args.work / "runs" / dt), val, lm_head, K) for dt in runs}
+    n_train = len(ShardDataset(dirs["bf16/train"]))
+    print(
+        f"\n{TARGET}: {n_train} training / {len(val)} validation conversations, "
+        f"{args.steps} steps x batch {args.batch_size}, seed {args.seed}; validation on bf16 "
+        f"shards, {res['bf16']['positions'][0]} loss-masked positions at step 0 "
+        f"({res['bf16']['in_vocab'][0]} with the target argmax in the draft vocab)"
+    )
+    print(" " * 12 + "".join(f"{'acc_' + str(k):>9}" for k in range(K)) + f"{'sim tau':>9}")
+    for dt in runs:
+        acc = res[dt]["acc"]
+        print(
+            f"{dt + ' all':12s}"
+            + "".join(f"{a:9.2%}" for a in acc)
+            + f"{simulated_acceptance(acc):9.3f}"
+        )
+        print(f"{dt + ' in-vocab':12s}" + "".join(f"{a:9.2%}" for a in res[dt]["acc_in_vocab"]))
+    diff = [100 * (f - b) for f, b in zip(res["fp8"]["acc"], res["bf16"]["acc"])]
+    print(f"{'fp8 - bf16':12s}" + "".join(f"{d:+8.2f}p" for d in diff) + "  (percentage points)")
+    verdict = "under" if abs(diff[0]) < 0.5 else "NOT under"
+    print(f"|acc_0 difference| = {abs(diff[0]):.2f} pp: {verdict} the 0.5 pp rule")
+
+
+if __name__ == "__main__":
+    main()
