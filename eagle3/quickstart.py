@@ -7,14 +7,16 @@
 Stages, each the real CLI run as a subprocess (the exact command is printed and saved in the
 run directory, so any stage can be rerun by hand):
 
-  1. generate   python -m datagen.local       ShareGPT prompts (2 turns), answered in-process by
-                                             the target: on-policy text, second turns included
-  2. offpolicy  python -m datagen.offpolicy   more ShareGPT conversations with their own answers
-                                             (no generation: the target's soft labels come at
-                                             capture), benchmark questions and answers excluded
-  3. capture    python -m datagen.capture     aux + final hidden states of both into shards
+  1. generate   python -m datagen.local       ShareGPT prompts answered in-process by the
+                                             target (--turns user turns each), benchmark
+                                             questions and answers excluded
+  2. capture    python -m datagen.capture     aux + final hidden states into shards
+  3. offpolicy  python -m datagen.offpolicy   only with --offpolicy M: M more ShareGPT
+                + capture-offpolicy           conversations with their own answers, captured
+                                             (off by default: at the default training budget
+                                             they lose to the target's own answers, README)
   4. train      accelerate launch train/train_drafter.py --config configs/train/smollm2-q4-cpu.yaml
-                                             on both shard dirs, 5% of conversations held out
+                                             on the shard dirs, 5% of conversations held out
                                              for validation (best/ = best validation sim. tau)
   5. evaluate   python -m eagle3.evaluate     MT-bench + HumanEval, chain = the trained TTT depth,
                                              T=0, against the same 4-bit target: drafter vs prompt
@@ -67,12 +69,12 @@ SCALES = {
         eval_tokens=12, val_fraction=0.0,
     ),
     "default": Scale(
-        prompts=100, turns=2, offpolicy=150, max_new_tokens=128, epochs=2, eval_limit=5,
+        prompts=240, turns=1, offpolicy=0, max_new_tokens=128, epochs=6, eval_limit=5,
         eval_tokens=64, val_fraction=0.05,
     ),
     "large": Scale(
-        prompts=600, turns=2, offpolicy=2000, max_new_tokens=128, epochs=2, eval_limit=20,
-        eval_tokens=96, val_fraction=0.05,
+        prompts=2000, turns=1, offpolicy=0, max_new_tokens=128, epochs=3, eval_limit=20,
+        eval_tokens=64, val_fraction=0.05,
     ),
 }  # fmt: skip
 OFFPOLICY_MAX_LENGTH = 512  # ShareGPT answers run to thousands of tokens: their first 512
@@ -114,7 +116,7 @@ def train_command(args: argparse.Namespace, run: Path, out: str, *overrides: str
         "--config",
         str(TRAIN_RECIPE),
         f"target.name={args.target}",
-        f"data.shard_dirs=[{run / 'shards'},{run / 'shards-offpolicy'}]",
+        f"data.shard_dirs=[{','.join(str(run / d) for d in shard_dirs(args))}]",
         f"data.max_length={args.max_length}",
         f"data.val_fraction={args.val_fraction}",
         f"train.out_dir={run / out}",
@@ -142,8 +144,35 @@ def trained_depth(args: argparse.Namespace) -> int:
     return load_config(TRAIN_RECIPE, args.train_override, check_paths=False).model.ttt_steps
 
 
+def shard_dirs(args: argparse.Namespace) -> list[str]:
+    return ["shards", *(["shards-offpolicy"] if args.offpolicy else [])]
+
+
 def stage_commands(args: argparse.Namespace, run: Path) -> list[tuple[str, list[str]]]:
     py = sys.executable
+    offpolicy = [  # --offpolicy 0: the target's own answers only
+        (
+            "offpolicy",
+            [
+                py,
+                "-m",
+                "datagen.offpolicy",
+                "--prompts",
+                "sharegpt",
+                "--limit",
+                str(args.offpolicy),
+                "--split",
+                "train",
+                "--max-turns",
+                "3",
+                "--exclude-benchmarks",
+                args.bench,
+                "--out",
+                str(run / "offpolicy"),
+            ],
+        ),
+        capture_command(args, run, "offpolicy", "shards-offpolicy", OFFPOLICY_MAX_LENGTH),
+    ]
     group = wandb_group(args, run)
     # The ablation: same shards, recipe and steps, but EAGLE-2's recipe (the final hidden state
     # only, no training-time test); evaluated next to the EAGLE-3 drafter.
@@ -178,28 +207,8 @@ def stage_commands(args: argparse.Namespace, run: Path) -> list[tuple[str, list[
                 str(run / "responses"),
             ],
         ),
-        (
-            "offpolicy",
-            [
-                py,
-                "-m",
-                "datagen.offpolicy",
-                "--prompts",
-                "sharegpt",
-                "--limit",
-                str(args.offpolicy),
-                "--split",
-                "train",
-                "--max-turns",
-                "3",
-                "--exclude-benchmarks",
-                args.bench,
-                "--out",
-                str(run / "offpolicy"),
-            ],
-        ),
         capture_command(args, run, "responses", "shards", args.max_length),
-        capture_command(args, run, "offpolicy", "shards-offpolicy", OFFPOLICY_MAX_LENGTH),
+        *(offpolicy if args.offpolicy else []),
         ("train", train_command(args, run, "train")),
         *(ablation if args.ablation else []),
         (
@@ -316,7 +325,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--offpolicy",
         type=int,
-        help="ShareGPT conversations with their own answers (overrides --scale)",
+        help="ShareGPT conversations with their own answers, 0 for none (overrides --scale)",
     )
     p.add_argument("--max-new-tokens", type=int, help="per generated turn (overrides --scale)")
     p.add_argument("--epochs", type=int, help="training epochs (overrides --scale)")
@@ -368,8 +377,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ):
         if getattr(args, field) is None:
             setattr(args, field, getattr(scale, field))
-        elif getattr(args, field) < 1:
-            p.error(f"--{field.replace('_', '-')} must be >= 1")
+        elif getattr(args, field) < (0 if field == "offpolicy" else 1):
+            p.error(f"--{field.replace('_', '-')} must be >= {0 if field == 'offpolicy' else 1}")
     args.val_fraction = scale.val_fraction
     return args
 

@@ -127,19 +127,21 @@ def test_quickstart_training_prompts_miss_its_benchmarks(scale, tmp_path, capsys
 
 @pytest.mark.parametrize("scale", ["default", "large"])
 def test_quickstart_offpolicy_conversations_miss_its_benchmarks(scale, tmp_path, capsys):
+    # --offpolicy 2000: the most the README suggests
     """The off-policy stage trains on ShareGPT's own answers too: its selected conversations,
     answers included, share no 13-word run with MT-bench, HumanEval or GSM8K test."""
     from datagen import offpolicy
     from eagle3 import quickstart
 
-    args = quickstart.parse_args(["--scale", scale, "--run-dir", str(tmp_path)])
+    argv = ["--scale", scale, "--run-dir", str(tmp_path), "--offpolicy", "2000"]
+    args = quickstart.parse_args(argv)  # the stage is off by default (README: data mix)
     cmd = dict(quickstart.stage_commands(args, tmp_path))["offpolicy"]
     assert cmd[1:3] == ["-m", "datagen.offpolicy"]
     stage = offpolicy.parse_args(cmd[3:])
     assert stage.exclude_benchmarks == args.bench
     pairs = offpolicy.select(stage)
     assert "--exclude-benchmarks: dropped 0 of " in capsys.readouterr().out
-    assert len(pairs) > 0.9 * quickstart.SCALES[scale].offpolicy
+    assert len(pairs) > 0.9 * 2000
     sources = ["mt_bench", "humaneval"]
     if GSM8K_TEST.is_file():
         sources.append(f"gsm8k={GSM8K_TEST}")
