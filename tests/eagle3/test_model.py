@@ -136,7 +136,8 @@ def test_wrong_embeddings_refused(tiny_config):
 
 
 def test_overfit_two_sequences_on_tiny_llama_target():
-    """Train the drafter on a tiny random Llama target: step-0 accuracy 1.0, loss -90%."""
+    """Train the drafter on a tiny random Llama target: step 0 right wherever the draft vocab
+    can be, loss -90%."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -174,7 +175,9 @@ def test_overfit_two_sequences_on_tiny_llama_target():
         opt.step()
         losses.append(loss.item())
     assert metrics["count_0"] > 0
-    assert metrics["acc_0"] == 1.0
+    # every position the draft vocab can match is matched; acc_0 counts the others as misses
+    assert metrics["correct_0"] == metrics["count_0"]
+    assert metrics["acc_0"] == metrics["correct_0"] / metrics["masked_0"] < 1.0
     assert losses[-1] < 0.1 * losses[0]
 
 
