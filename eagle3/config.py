@@ -129,11 +129,11 @@ def parse_overrides(overrides: list[str], problems: list[str]) -> dict[str, Any]
     return nested
 
 
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+            out[key] = merge(out[key], value)
         else:
             out[key] = value
     return out
@@ -169,7 +169,7 @@ def load_typed(
     whose fields all have the right types (a field with a type problem keeps its default)."""
     problems: list[str] = []
     raw = read_yaml(path) if path is not None else {}
-    raw = _merge(raw, parse_overrides(list(overrides), problems))
+    raw = merge(raw, parse_overrides(list(overrides), problems))
     cfg = cls()
     _fill(cfg, raw, "", problems)
     if check is not None:

@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3.config import merge, parse_overrides, read_yaml
 from eagle3.errors import Eagle3Error
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,10 +139,17 @@ def capture_command(
 
 
 def trained_depth(args: argparse.Namespace) -> int:
-    """The recipe's TTT steps (after --train-override): the chain length evaluated."""
-    from train.config import load_config
-
-    return load_config(TRAIN_RECIPE, args.train_override, check_paths=False).model.ttt_steps
+    """The recipe's TTT steps (after --train-override): the chain length evaluated. Read from
+    the YAML with eagle3's own loader (the library never imports train/, the app it runs)."""
+    problems: list[str] = []
+    raw = merge(read_yaml(TRAIN_RECIPE), parse_overrides(list(args.train_override), problems))
+    steps = (raw.get("model") or {}).get("ttt_steps")
+    if problems or not isinstance(steps, int):
+        raise Eagle3Error(
+            f"cannot read model.ttt_steps from {TRAIN_RECIPE} and --train-override: "
+            + ("; ".join(problems) or f"got {steps!r}")
+        )
+    return steps
 
 
 def shard_dirs(args: argparse.Namespace) -> list[str]:
