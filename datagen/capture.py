@@ -63,14 +63,12 @@ from eagle3.data.shards import (
     target_meta,
 )
 from eagle3.errors import Eagle3Error
+from eagle3.served_target import ServedTarget, describe_served_target
 from eagle3.serving import add_engine_args
 from eagle3.target import (
     Target,
-    default_aux_layers,
-    load_final_norm,
     load_target,
     resolve,
-    rms_norm,
     target_facts,
 )
 
@@ -203,132 +201,51 @@ def capture_items(target, items: list[Item], writer: ShardWriter, batch_tokens: 
 # ----------------------------------------------------------------------------- engine
 
 
-@dataclass
-class EngineTarget:
-    """What the capture needs of a target served by vLLM: its identity (meta.json), tokenizer
-    and final norm, read without loading the model."""
-
-    name: str
-    hf_dir: str
-    tokenizer: Any
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    aux_layer_ids: list[int]
-    norm_weight: torch.Tensor
-    norm_eps: float
-    context: int | None = None  # max_position_embeddings: the engine's longest max_model_len
-
-
-def load_engine_target(args) -> EngineTarget:
-    from transformers import AutoTokenizer
-
-    from eagle3.checkpoint import check_aux_ids
-
-    name, hf_dir, spec = resolve(args.target)
-    facts = target_facts(args.target)
-    layers = int(facts["num_layers"])
-    aux = list(args.aux_layers or facts["aux_layer_ids"] or default_aux_layers(layers))
-    aux = check_aux_ids(aux, "--aux-layers")  # vLLM returns them in layer order
-    if aux[-1] >= layers:
-        raise Eagle3Error(
-            f"--aux-layers {aux}: the target has {layers} layers (ids 0..{layers - 1})"
-        )
-    context = getattr(facts["hf_config"], "max_position_embeddings", None)
-    if context and args.max_length >= context:  # vLLM refuses a longer max_model_len
-        raise Eagle3Error(
-            f"--max-length {args.max_length} does not fit target {args.target}'s context of "
-            f"{context} tokens (max_position_embeddings): pass --max-length {context - 1} or less"
-        )
-    remote = bool(
-        spec and (spec.get("trust_remote_code") or spec.get("tokenizer_trust_remote_code"))
-    )
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=remote)
-    if args.chat_template is None and not getattr(tokenizer, "chat_template", None):
+def load_engine_target(args) -> ServedTarget:
+    """The target as vLLM will serve it (eagle3.served_target), checked against the flags."""
+    target = describe_served_target(args.target, args.aux_layers, "--aux-layers")
+    target.check_length(args.max_length, "--max-length")
+    target.concurrency = args.engine_concurrency
+    if args.chat_template is None and not getattr(target.tokenizer, "chat_template", None):
         raise Eagle3Error(
             f"target {args.target}'s tokenizer has no chat template; pass --chat-template FILE"
         )
-    weight, eps = load_final_norm(args.target)
-    return EngineTarget(name, str(hf_dir), tokenizer, int(facts["vocab_size"]),
-                        int(facts["hidden_size"]), layers, aux, weight.float(), eps,
-                        int(context) if context else None)  # fmt: skip
+    return target
 
 
-def engine_features(
-    hidden: torch.Tensor, target: EngineTarget
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's [T, 4, H] (aux layers, then pre-norm last) -> (aux [T, 3H], last [T, H])."""
-    t = hidden.shape[0]
-    aux = hidden[:, :3].float().reshape(t, -1)
-    last = rms_norm(hidden[:, 3].float(), target.norm_weight, target.norm_eps)
-    return aux, last
-
-
-def capture_items_engine(
-    server, target: EngineTarget, items: list[Item], writer: ShardWriter, concurrency: int
-) -> int:
-    """Capture every item through the engine (`concurrency` requests in flight: the engine
-    batches them) and write it; returns the number of tokens captured."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from eagle3.serving import read_hidden_states
-
-    def one(item: Item) -> torch.Tensor:
-        reply = server.complete(item.input_ids, max_tokens=1, temperature=0.0)
-        path = (reply.get("kv_transfer_params") or {}).get("hidden_states_path")
-        if not path:
-            raise Eagle3Error(
-                "the engine returned no kv_transfer_params.hidden_states_path: was it started "
-                "with the capture connector (eagle3.serving.capture_engine_args)?"
-            )
-        data = read_hidden_states(path, cleanup=True)
-        got = data["token_ids"].tolist()
-        if got != item.input_ids:
-            raise Eagle3Error(
-                f"record {item.id}: the engine saw {len(got)} tokens that differ from our "
-                f"{len(item.input_ids)} rendered ones; it must be sent token ids, not text"
-            )
-        return data["hidden_states"]
-
+def capture_items_engine(target: ServedTarget, items: list[Item], writer: ShardWriter) -> int:
+    """Capture every item through the started engine (target.concurrency requests in flight:
+    the engine batches them) and write it; returns the number of tokens captured."""
     # written in the HF path's order (longest first), whatever order the engine finishes in:
     # the same records give the same shards and index, hence the same training batches
     order = sorted(items, key=lambda it: -len(it.input_ids))
     total, t0, last_log = 0, time.monotonic(), time.monotonic()
-    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-        futures = [pool.submit(one, it) for it in order]
-        try:
-            for item, future in zip(order, futures):
-                aux, last = engine_features(future.result(), target)
-                writer.add(item.id, item.input_ids, item.loss_mask, aux, last, dataset=item.dataset)
-                total += len(item.input_ids)
-                now = time.monotonic()
-                if now - last_log >= LOG_EVERY_S:
-                    last_log = now
-                    log.info("%d tokens, %.0f tok/s", total, total / (now - t0))
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
+    pool = target.pool()
+    futures = [pool.submit(target.hidden_states, it.input_ids, f"record {it.id}") for it in order]
+    try:
+        for item, future in zip(order, futures):
+            aux, last = target.features(future.result())
+            writer.add(item.id, item.input_ids, item.loss_mask, aux, last, dataset=item.dataset)
+            total += len(item.input_ids)
+            now = time.monotonic()
+            if now - last_log >= LOG_EVERY_S:
+                last_log = now
+                log.info("%d tokens, %.0f tok/s", total, total / (now - t0))
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise
     return total
 
 
-def start_capture_engine(args, target: EngineTarget, out: Path):
-    """A managed vLLM server with the hidden-states connector for target's aux layers."""
-    from eagle3.checkpoint import vllm_aux_layer_ids
-    from eagle3.serving import capture_engine_args, managed_engine
-
-    ids = vllm_aux_layer_ids(target.aux_layer_ids) + [target.num_layers]  # + pre-norm last
-    hidden_dir = out / ".engine-hidden"  # one file per request, deleted once read
-    server = managed_engine(
-        args,
-        target.hf_dir,
-        served_model_name=target.name,
-        max_model_len=min(args.max_length + 8, target.context or sys.maxsize),
-        extra_args=capture_engine_args(ids, hidden_dir),
+def start_capture_engine(args, target: ServedTarget) -> ServedTarget:
+    """Start the managed vLLM server the engine flags ask for, with the capture connector."""
+    return target.start(
+        args.max_length,
+        tensor_parallel_size=args.tensor_parallel_size,
+        extra_args=args.engine_arg,
+        log_path=args.engine_log,
     )
-    log.info("starting vLLM for %s (capturing vLLM layer ids %s); log %s", target.name, ids,
-             server.log_path or "a temp file")  # fmt: skip
-    return server.start(), hidden_dir
 
 
 # ----------------------------------------------------------------------------- estimate
@@ -671,16 +588,13 @@ def run(args) -> int:
     models, providers = response_origins(mine, items)
 
     if args.engine and items:
-        server, hidden_dir = start_capture_engine(args, target, out)
+        start_capture_engine(args, target)
         t0 = time.monotonic()
         try:
             with writer:  # on an error or Ctrl-C, what was captured is written: re-run to resume
-                captured = capture_items_engine(
-                    server, target, items, writer, args.engine_concurrency
-                )
+                captured = capture_items_engine(target, items, writer)
         finally:
-            server.stop()
-            shutil.rmtree(hidden_dir, ignore_errors=True)
+            target.stop()
         seconds = time.monotonic() - t0
     else:
         t0 = time.monotonic()

@@ -604,10 +604,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-batch", type=int, default=8, help="engine: concurrent requests of the x-N rows"
     )
+    p.add_argument(
+        "--engine-only",
+        action="store_true",
+        help="engine: only the engine's rows (skip in-house decoding, e.g. of a big target)",
+    )
     return p
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.engine_only and not args.engine:
+        raise Eagle3Error("--engine-only needs --engine vllm (it keeps only the engine's rows)")
     cfg = decode_config(args)
     benches = parse_benches(args.bench)
     specs = [s.strip() for item in args.draft for s in item.split(",") if s.strip()]
@@ -639,7 +646,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not prompts:
             raise Eagle3Error(f"benchmark {bench} ({source}) has no prompts")
         loaded.append((bench, prompts))
-    for bench, prompts in loaded:
+    for bench, prompts in [] if args.engine_only else loaded:
         if not warmed:
             warm_up(target, drafters, prompts, cfg)
             warmed = True

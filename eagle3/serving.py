@@ -623,17 +623,22 @@ def add_engine_args(p) -> None:
 
 
 def managed_engine(args, model_dir: str | os.PathLike, **kwargs: Any) -> VLLMServer:
-    """The VLLMServer the engine flags of `args` ask for, serving HF dir `model_dir`.
-
-    On the CPU build the target is served in float32 (what the project's CPU path computes
-    in); a GPU engine keeps vLLM's dtype default unless `--engine-arg=--dtype=...` says."""
-    extra = [*kwargs.pop("extra_args", ()), *getattr(args, "engine_arg", [])]
-    if "dtype" not in kwargs and engine_is_cpu_build():
-        kwargs["dtype"] = "float32"
-    return VLLMServer(
+    """The VLLMServer the engine flags of `args` ask for, serving HF dir `model_dir`."""
+    return vllm_server(
         model_dir,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", None),
         log_path=getattr(args, "engine_log", None),
-        extra_args=extra,
+        extra_args=[*kwargs.pop("extra_args", ()), *getattr(args, "engine_arg", [])],
         **kwargs,
     )
+
+
+def vllm_server(model_dir: str | os.PathLike, **kwargs: Any) -> VLLMServer:
+    """A VLLMServer for HF dir `model_dir` (not started). On the CPU build the target is served
+    in float32 (what the project's CPU path computes in); a GPU engine keeps vLLM's dtype
+    default unless `--dtype` is in extra_args or dtype= is given."""
+    extra = [str(a) for a in kwargs.get("extra_args", ())]
+    explicit = any(a == "--dtype" or a.startswith("--dtype=") for a in extra)
+    if "dtype" not in kwargs and not explicit and engine_is_cpu_build():
+        kwargs["dtype"] = "float32"
+    return VLLMServer(model_dir, **kwargs)

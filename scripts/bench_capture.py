@@ -131,18 +131,21 @@ def engine_capture(args, items, meta, tokens: int, hf_seconds: float) -> None:
     args.aux_layers, args.chat_template = None, None
     target = load_engine_target(args)
     with tempfile.TemporaryDirectory() as out:
-        server, _ = start_capture_engine(args, target, Path(out))
+        start_capture_engine(args, target)
         try:
+            target.concurrency = 1  # the warm-up: one request
             with ShardWriter(Path(out) / "warm", meta, args.dtype) as writer:
-                capture_items_engine(server, target, items[:1], writer, 1)
+                capture_items_engine(target, items[:1], writer)
+            target.stop_requests()
+            target.concurrency = args.engine_concurrency
             times = []
             for r in range(args.repeats):
                 t0 = time.perf_counter()
                 with ShardWriter(Path(out) / f"run{r}", meta, args.dtype) as writer:
-                    capture_items_engine(server, target, items, writer, args.engine_concurrency)
+                    capture_items_engine(target, items, writer)
                 times.append(time.perf_counter() - t0)
         finally:
-            server.stop()
+            target.stop()
     seconds = statistics.median(times)
     print(f"  {'vllm capture':13s} {seconds:7.2f} s  {tokens / seconds:8,.0f} tok/s  "
           f"({args.engine_concurrency} in flight)")  # fmt: skip

@@ -21,15 +21,15 @@ A finished arm is skipped on rerun.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.data.shards import ShardDataset  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_arms import last_val, train_arm  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "train" / "smollm2-q4-cpu.yaml"
@@ -38,43 +38,6 @@ RECIPE = REPO / "configs" / "train" / "smollm2-q4-cpu.yaml"
 def mean_length(dirs: list[str], max_length: int) -> tuple[float, int]:
     lengths = [n for d in dirs for n in ShardDataset(d, max_length=max_length).lengths]
     return sum(lengths) / len(lengths), len(lengths)
-
-
-def train_arm(args: argparse.Namespace, name: str, dirs: list[str], steps: int) -> float:
-    out = Path(args.out) / name
-    done = out / "final" / "model.safetensors"
-    timing = out / "bench_seconds.json"
-    if done.is_file() and timing.is_file():
-        return json.loads(timing.read_text())["seconds"]
-    cmd = [sys.executable, str(REPO / "train" / "train_drafter.py"), "--config", args.config]
-    cmd += [
-        f"data.shard_dirs=[{','.join(dirs)}]",
-        f"data.val_shard_dirs=[{','.join(args.val_shards)}]",
-        f"data.max_length={args.max_length}",
-        f"train.max_steps={steps}",
-        f"train.eval_every={max(steps // 4, 1)}",
-        f"train.out_dir={out}",
-        "train.resume_from=latest",
-        "wandb.mode=disabled",
-        *args.override,
-    ]
-    print(f"$ {' '.join(cmd)}", flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    with open(out.parent / f"{name}.log", "a") as log:
-        proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        sys.exit(
-            f"bench_data_mix: arm {name} failed ({proc.returncode}), see {out.parent}/{name}.log"
-        )
-    seconds = time.monotonic() - start
-    timing.write_text(json.dumps({"seconds": seconds}))
-    return seconds
-
-
-def last_val(out: Path) -> dict:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r.get("split") == "val"][-1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +59,15 @@ def main(argv: list[str] | None = None) -> int:
         dirs = dirs.split(",")
         mean, n = mean_length(dirs, args.max_length)
         steps = max(1, round(args.tokens / (args.batch_size * mean)))
-        seconds = train_arm(args, name, dirs, steps)
+        overrides = [
+            f"data.shard_dirs=[{','.join(dirs)}]",
+            f"data.val_shard_dirs=[{','.join(args.val_shards)}]",
+            f"data.max_length={args.max_length}",
+            f"train.max_steps={steps}",
+            f"train.eval_every={max(steps // 4, 1)}",
+            *args.override,
+        ]
+        seconds = train_arm(Path(args.out) / name, args.config, overrides, "bench_data_mix")
         rows.append((name, steps, mean, n, last_val(Path(args.out) / name), seconds))
     K = sum(1 for key in rows[0][4] if key.startswith("val/acc_"))
     head = ["arm", "steps", "mean len", "sequences", *[f"val acc_{k}" for k in range(K)]]

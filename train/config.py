@@ -24,6 +24,25 @@ from eagle3.model import FEATURES, rope_scaling_for_engines
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")  # names eagle3.checkpoint.save_draft(dtype=) takes
 
 
+ENGINES = ("vllm",)
+
+
+@dataclass
+class EngineConfig:
+    """Online training with the target served by a vLLM engine instead of loaded by the
+    trainer: the first rank of every node starts one server for its node (spreading the target
+    over the node's GPUs), every rank sends its sequences to it and only trains the drafter.
+    The engine captures the next step's batches while the ranks train on this one."""
+
+    kind: str | None = None  # null: the target runs in-process (target.device_map); vllm
+    tensor_parallel_size: int | None = None  # GPUs one server spreads the target over (-tp)
+    args: list[str] = field(default_factory=list)  # more vLLM server args, verbatim, last
+    port: int | None = None  # null: MASTER_PORT + 1 under accelerate launch, else a free one
+    concurrency: int = 16  # requests in flight per rank (the engine batches them)
+    startup_timeout_s: float = 3600.0  # a 1T target takes a while to load
+    log: str | None = None  # null: <out_dir>/engine-<host>.log
+
+
 @dataclass
 class TargetConfig:
     name: str = "smollm2-135m-q4"  # registry name (configs/targets/), HF dir/hub id, or .gguf
@@ -32,6 +51,7 @@ class TargetConfig:
     )
     dtype: str = "auto"  # online target weights: auto = bf16 on GPU, fp32 on CPU
     device_map: str | None = None  # online: "auto" spreads a big target over all visible GPUs
+    engine: EngineConfig = field(default_factory=EngineConfig)  # online: serve it instead
 
 
 @dataclass
@@ -178,6 +198,7 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
         )
     for path in d.val_records if check_paths else []:
         need(Path(path).exists(), f"data.val_records: {path} does not exist")
+    _check_engine(cfg, need)
     need(0 <= d.val_fraction < 1, f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
     need(
         d.max_sequences is None or d.max_sequences >= 1,
@@ -238,6 +259,39 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
             Path(t.resume_from).is_dir(),
             f"train.resume_from: {t.resume_from} is not a checkpoint dir (or use 'latest')",
         )
+
+
+def _check_engine(cfg: Config, need: Callable[[bool, str], None]) -> None:
+    e = cfg.target.engine
+    need(
+        e.kind is None or e.kind in ENGINES,
+        f"target.engine.kind must be null or {'/'.join(ENGINES)}, got {e.kind!r}",
+    )
+    if e.kind is None:
+        return
+    need(
+        cfg.data.mode == "online",
+        "target.engine serves the target for online training (data.mode: online); offline "
+        "training reads captured shards and needs no target",
+    )
+    need(
+        cfg.target.device_map is None,
+        "target.device_map places a target loaded in-process; with target.engine the engine "
+        "places it: use target.engine.tensor_parallel_size",
+    )
+    need(e.concurrency >= 1, f"target.engine.concurrency must be >= 1, got {e.concurrency}")
+    need(
+        e.tensor_parallel_size is None or e.tensor_parallel_size >= 1,
+        f"target.engine.tensor_parallel_size must be >= 1 or null, got {e.tensor_parallel_size}",
+    )
+    need(
+        e.port is None or 0 < e.port < 65536,
+        f"target.engine.port must be a TCP port or null, got {e.port}",
+    )
+    need(
+        e.startup_timeout_s > 0,
+        f"target.engine.startup_timeout_s must be > 0, got {e.startup_timeout_s}",
+    )
 
 
 def _check_draft_shape(shape: DraftShapeConfig, need: Callable[[bool, str], None]) -> None:

@@ -22,6 +22,11 @@ Outputs in `train.out_dir`:
 Validation (data.val_fraction of the conversations, split by id, or data.val_shard_dirs /
 data.val_records) runs every train.eval_every steps and at the end: val/loss, val/acc_k and
 val/sim_accept_len in metrics.jsonl and W&B.
+
+Online, the target runs in this process (target.device_map spreads a big one over the GPUs) or,
+with `target.engine.kind: vllm`, in a vLLM server the first rank of each node starts and every
+rank of the node sends its sequences to (eagle3.served_target): no rank loads the target, and
+the engine captures the next step while the ranks train on this one.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ import math
 import os
 import resource
 import shutil
+import socket
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +60,8 @@ from eagle3.cli import run_cli
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.loss import simulated_acceptance, target_probs, ttt_loss, valid_counts
 from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.served_target import ServedTarget, describe_served_target
+from eagle3.serving import EngineClient, engine_available, free_port
 from eagle3.target import (
     Target,
     default_aux_layers,
@@ -241,7 +250,7 @@ class TrainData:
     aux_layer_ids: list[int]
     lm_head: torch.Tensor  # (V, H) on the device: soft labels, chunked, never full-vocab x T
     embed: torch.Tensor  # (V, H): the drafter's frozen embeddings
-    target: Target | None  # online only: it runs inside the loop
+    target: Target | ServedTarget | None  # online only: in-process or served by an engine
     provenance: dict
     val_dataset: Dataset | None = None  # held-out conversations (None: no validation)
     val_lengths: list[int] | None = None
@@ -272,7 +281,7 @@ class Run:
         """Move a micro-batch to the device and attach soft labels from the target."""
         device, dtype = self.accelerator.device, self.hidden_dtype
         ids = batch["input_ids"].to(device)
-        if self.data.target is None:  # offline: the shards hold the target's hidden states
+        if "aux_hidden" in batch:  # offline shards, or captured ahead by a served target
             aux, last = batch["aux_hidden"], batch["last_hidden"]
         else:  # online: run the target now
             aux, last = self.data.target.capture(ids, batch["attention_mask"])
@@ -314,11 +323,89 @@ def make_accelerator(cfg: Config) -> tuple[Accelerator, torch.dtype]:
     return accelerator, torch.bfloat16 if mixed == "bf16" else torch.float32
 
 
+def engine_port(cfg: Config, accelerator: Accelerator) -> int:
+    """The port of this node's engine: configured, MASTER_PORT + 1 when several processes
+    (every rank of a node derives the same one without talking), else any free port."""
+    if cfg.target.engine.port:
+        return cfg.target.engine.port
+    if accelerator.num_processes == 1:
+        return free_port()
+    if "MASTER_PORT" not in os.environ:
+        raise ConfigError("several processes without MASTER_PORT: set target.engine.port")
+    return int(os.environ["MASTER_PORT"]) + 1
+
+
+def describe_target(cfg: Config, aux_ids: list[int]) -> ServedTarget:
+    """The served target as its files describe it (tokenizer, shapes, final norm), not started:
+    every cheap check of the run happens before an engine spends minutes loading it."""
+    if not engine_available():
+        raise Eagle3Error(
+            "target.engine.kind=vllm needs the vLLM engine venv: run bash scripts/install_engine.sh"
+        )
+    served = describe_served_target(cfg.target.name, aux_ids, "target.aux_layer_ids")
+    served.check_length(cfg.data.max_length, "data.max_length")
+    served.concurrency = cfg.target.engine.concurrency
+    return served
+
+
+def start_served(cfg: Config, accelerator: Accelerator, served: ServedTarget) -> None:
+    """The first rank of each node starts the node's vLLM server; the node's other ranks wait
+    until it answers and then send it their sequences too."""
+    e = cfg.target.engine
+    port = engine_port(cfg, accelerator)
+    if accelerator.is_local_main_process:
+        log_path = e.log or Path(cfg.train.out_dir) / f"engine-{socket.gethostname()}.log"
+        print(f"starting vLLM for {served.name} on port {port} (log {log_path})", flush=True)
+        served.start(
+            cfg.data.max_length,
+            tensor_parallel_size=e.tensor_parallel_size,
+            extra_args=e.args,
+            log_path=log_path,
+            port=port,
+            startup_timeout=e.startup_timeout_s,
+            dtype=None if cfg.target.dtype == "auto" else cfg.target.dtype,
+        )
+        return
+    client = EngineClient(f"http://127.0.0.1:{port}", served.name)
+    deadline = time.monotonic() + e.startup_timeout_s + 60
+    while not client.healthy():  # the local main process is starting it (or failed: it raises)
+        if time.monotonic() > deadline:
+            raise Eagle3Error(f"no engine answered on port {port} within the startup timeout")
+        time.sleep(2.0)
+    served.attach(client.base_url)
+
+
+def captured_ahead(
+    stream: Iterator[tuple[int, list[dict]]], target: ServedTarget
+) -> Iterator[tuple[int, list[dict]]]:
+    """The step stream with each micro-batch's hidden states attached, the next step's already
+    requested: the engine forwards step n+1 while the ranks train on step n."""
+    pending: deque = deque()
+
+    def request() -> None:
+        epoch, micro = next(stream)  # endless
+        futures = [target.capture_async(b["input_ids"], b["attention_mask"]) for b in micro]
+        pending.append((epoch, micro, futures))
+
+    request()
+    while True:
+        request()
+        epoch, micro, futures = pending.popleft()
+        for batch, future in zip(micro, futures):
+            batch["aux_hidden"], batch["last_hidden"] = future.result()
+        yield epoch, micro
+
+
 def load_data(
-    cfg: Config, facts: dict, device: torch.device, hidden_dtype: torch.dtype
+    cfg: Config,
+    facts: dict,
+    accelerator: Accelerator,
+    hidden_dtype: torch.dtype,
 ) -> TrainData:
     """Offline: the shards, checked against the target, and the target's lm_head and
-    embeddings read alone. Online: the target itself and the tokenized records."""
+    embeddings read alone. Online: the target itself (in-process or served) and the tokenized
+    records."""
+    device = accelerator.device
     if cfg.data.mode == "offline":
         parts, metas = load_shards(cfg.data.shard_dirs, hidden_dtype, cfg.data.max_length)
         val_parts, val_metas = load_shards(
@@ -345,20 +432,30 @@ def load_data(
             or facts["aux_layer_ids"]
             or default_aux_layers(facts["num_layers"])
         )
-        target = load_target(
-            cfg.target.name,
-            dtype=None if cfg.target.dtype == "auto" else cfg.target.dtype,
-            device=None if cfg.target.device_map else device,
-            device_map=cfg.target.device_map,
-            aux_layer_ids=aux_ids,
-        )
+        if cfg.target.engine.kind:  # served (started by setup): lm_head, embeddings read here
+            target = describe_target(cfg, aux_ids)
+            lm_head, embed = load_lm_head(cfg.target.name), load_embeddings(cfg.target.name)
+        else:
+            target = load_target(
+                cfg.target.name,
+                dtype=None if cfg.target.dtype == "auto" else cfg.target.dtype,
+                device=None if cfg.target.device_map else device,
+                device_map=cfg.target.device_map,
+                aux_layer_ids=aux_ids,
+            )
+            lm_head, embed = target.lm_head_weight, target.embed_weight
         parts = [TokenRecords(cfg.data.records, cfg.data.max_length, target.tokenizer)]
         val_parts = [
             TokenRecords([path], cfg.data.max_length, target.tokenizer)
             for path in cfg.data.val_records
         ]
-        lm_head, embed = target.lm_head_weight, target.embed_weight
         provenance = {"records": cfg.data.records, "skipped_records": parts[0].skipped}
+        if isinstance(target, ServedTarget):  # which forwards make the labels
+            provenance["served_by"] = {
+                "engine": cfg.target.engine.kind,
+                "model": target.hf_dir,
+                "engine_layer_ids": target.engine_layer_ids(),
+            }
     if not val_parts and cfg.data.val_fraction > 0:  # no fixed validation set: split one off
         parts, val_parts = split_validation(parts, cfg.data.val_fraction, cfg.data.val_seed)
         if not parts:
@@ -476,7 +573,7 @@ def setup(cfg: Config) -> Run:
     resume = find_resume(cfg, out_dir)
     set_seed(cfg.train.seed)
     facts = target_facts(cfg.target.name)
-    data = load_data(cfg, facts, accelerator.device, hidden_dtype)
+    data = load_data(cfg, facts, accelerator, hidden_dtype)
     vocab = setup_vocab(cfg, accelerator, data.dataset, facts["vocab_size"], out_dir)
     draft = build_draft(cfg, facts, vocab, data)
     total_steps = count_steps(cfg, data.lengths, world)
@@ -523,6 +620,9 @@ def setup(cfg: Config) -> Run:
         start_step=start_step,  # the data position of the checkpoint
         num_workers=cfg.data.num_workers,
     )
+    if isinstance(data.target, ServedTarget):  # last: everything else is checked by now
+        start_served(cfg, accelerator, data.target)
+        stream = captured_ahead(stream, data.target)
     export_extra = {
         "target": facts["name"],
         "target_architectures": list(getattr(facts["hf_config"], "architectures", None) or []),
@@ -737,14 +837,25 @@ def cleanup(run: Run) -> None:
     )
     run.logger.write(f"done: {run.total_steps} steps; SGLang draft in {final}")
     run.logger.close()
+    run.accelerator.wait_for_everyone()  # no rank still needs this node's engine
+    stop_target(run)
     run.accelerator.end_training()
+
+
+def stop_target(run: Run) -> None:
+    """Stop the engine this process started (a no-op otherwise)."""
+    if isinstance(run.data.target, ServedTarget):
+        run.data.target.stop()
 
 
 def train(cfg: Config) -> None:
     """The whole recipe: setup, the loop, the final export."""
     run = setup(cfg)
-    train_loop(run)
-    cleanup(run)
+    try:
+        train_loop(run)
+        cleanup(run)
+    finally:
+        stop_target(run)  # on an error too: the engine holds GPUs (and dies with us anyway)
 
 
 def main(argv: list[str] | None = None) -> int:

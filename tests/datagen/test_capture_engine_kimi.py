@@ -148,7 +148,7 @@ def test_max_length_beyond_the_context_is_one_line_error_before_the_engine_start
         run(parse_args(argv))
     message = str(excinfo.value)
     assert "\n" not in message and "context of 1024 tokens" in message, message
-    assert "pass --max-length 1023 or less" in message
+    assert "use --max-length 1023 or less" in message
 
 
 def test_startup_failure_names_the_root_cause_not_vllms_wrappers():

@@ -306,3 +306,11 @@ def test_module_entry_point_prints_usage():
         cwd=REPO,
     )
     assert out.returncode == 0 and "--total-tokens" in out.stdout
+
+
+def test_engine_only_needs_the_engine(chat_target_dir, prompts_file, capsys):
+    argv = ["--target", str(chat_target_dir), "--draft", "prompt-lookup",
+            "--bench", str(prompts_file), "--engine-only"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "error: --engine-only needs --engine vllm (it keeps only the engine's rows)"

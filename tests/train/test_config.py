@@ -92,3 +92,30 @@ def test_export_dtype_defaults_to_bf16_and_is_validated():
     assert fp32.train.export_dtype == "fp32"
     with pytest.raises(ConfigError, match="train.export_dtype must be bf16/fp16/fp32, got 'int8'"):
         load_config(None, ["data.shard_dirs=[x]", "train.export_dtype=int8"], check_paths=False)
+
+
+def test_a_served_target_is_for_online_training_and_places_itself(tmp_path):
+    cfg = load_config(
+        REPO / "configs" / "train" / "kimi-k2.5-online.yaml", check_paths=False
+    )  # the recipe as shipped: served by vLLM over 8 GPUs
+    assert (cfg.target.engine.kind, cfg.target.engine.tensor_parallel_size) == ("vllm", 8)
+    assert cfg.target.device_map is None
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            None,
+            [
+                "data.shard_dirs=[x]",
+                "target.engine.kind=vllm",
+                "target.device_map=auto",
+                "target.engine.concurrency=0",
+            ],
+            check_paths=False,
+        )
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "target.engine serves the target for online training (data.mode: online)" in msg
+    assert "with target.engine the engine places it" in msg
+    assert "target.engine.concurrency must be >= 1" in msg
+    with pytest.raises(ConfigError, match="target.engine.kind must be null or vllm, got 'sglang'"):
+        load_config(None, ["data.mode=online", f"data.records=[{tmp_path}]",
+                           "target.engine.kind=sglang"])  # fmt: skip

@@ -1,0 +1,252 @@
+"""A target served by a vLLM engine: its hidden states come back through the capture connector.
+
+    served = describe_served_target("smollm2-135m-q4")
+    served.start(max_length=2048)             # a managed vLLM server with the connector
+    aux, last = served.capture(input_ids, attention_mask)   # as eagle3.target.Target.capture
+    served.stop()
+
+The process that uses it never builds the model: it reads the target's identity, tokenizer and
+final norm from the checkpoint's files, and the engine (its own process, its own GPUs, its own
+kernels, INT4 where the engine has them) runs every forward. Each request asks for one token of
+a prompt of exact token ids; the connector (eagle3.vllm_capture) writes that prompt's hidden
+states of the requested layers to a file, named in the response, which is read and deleted.
+
+What comes back is `capture`'s contract of eagle3.target.Target: aux [B, T, 3H] = the outputs of
+the project's aux layer ids in that order (vLLM's ids are ours + 1), last [B, T, H] = the final
+hidden state after the target's final norm (lm_head's input: vLLM returns it pre-norm),
+padded positions zero. datagen.capture --engine and online training with `target.engine` both
+go through here.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.errors import Eagle3Error
+from eagle3.target import (
+    default_aux_layers,
+    load_final_norm,
+    resolve,
+    rms_norm,
+    target_facts,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServedTarget:
+    """What a client needs of a target served by vLLM (see the module docstring)."""
+
+    name: str
+    hf_dir: str
+    tokenizer: Any
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    aux_layer_ids: list[int]
+    norm_weight: torch.Tensor
+    norm_eps: float
+    context: int | None = None  # max_position_embeddings: the engine's longest max_model_len
+    concurrency: int = 16  # requests in flight (the engine batches them)
+    server: Any = None  # an EngineClient once started or attached
+    hidden_dir: Path | None = None  # where the connector writes (a temp dir we made, or None)
+    _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
+    _assembly: ThreadPoolExecutor | None = field(default=None, repr=False)
+
+    # -- the engine --------------------------------------------------------------------------
+    def engine_layer_ids(self) -> list[int]:
+        """vLLM's layer ids to extract: our aux ids + 1, then the last layer (pre-norm)."""
+        from eagle3.checkpoint import vllm_aux_layer_ids
+
+        return vllm_aux_layer_ids(self.aux_layer_ids) + [self.num_layers]
+
+    def check_length(self, max_length: int, what: str) -> None:
+        """One line when max_length does not fit the target's context (vLLM refuses it)."""
+        if self.context and max_length >= self.context:
+            raise Eagle3Error(
+                f"{what} {max_length} does not fit target {self.name}'s context of "
+                f"{self.context} tokens (max_position_embeddings): use {what} "
+                f"{self.context - 1} or less"
+            )
+
+    def start(
+        self,
+        max_length: int,
+        *,
+        tensor_parallel_size: int | None = None,
+        extra_args: list[str] = (),
+        log_path: str | Path | None = None,
+        port: int | None = None,
+        startup_timeout: float = 900.0,
+        dtype: str | None = None,
+    ) -> ServedTarget:
+        """Start a managed vLLM server for this target with the capture connector; its hidden
+        states go to a fresh temp dir (TMPDIR; on a GPU node a tmpfs such as /dev/shm is the
+        fast choice), removed by stop()."""
+        from eagle3.serving import capture_engine_args, vllm_server
+
+        self.hidden_dir = Path(tempfile.mkdtemp(prefix="eagle3-engine-hidden-"))
+        server = vllm_server(
+            self.hf_dir,
+            **({"dtype": dtype} if dtype else {}),  # else: fp32 on the CPU build, vLLM's on GPU
+            served_model_name=self.name,
+            max_model_len=min(max_length + 8, self.context or sys.maxsize),
+            tensor_parallel_size=tensor_parallel_size,
+            log_path=log_path,
+            port=port,
+            startup_timeout=startup_timeout,
+            extra_args=[
+                *capture_engine_args(self.engine_layer_ids(), self.hidden_dir),
+                *extra_args,
+            ],
+        )
+        log.info("starting vLLM for %s (capturing vLLM layer ids %s); log %s", self.name,
+                 self.engine_layer_ids(), server.log_path or "a temp file")  # fmt: skip
+        try:
+            self.server = server.start()
+        except BaseException:
+            shutil.rmtree(self.hidden_dir, ignore_errors=True)
+            raise
+        log.info("vLLM up at %s after %.0f s", server.base_url, server.startup_seconds)
+        return self
+
+    def attach(self, base_url: str) -> ServedTarget:
+        """Use a server someone else started (with this target's capture connector)."""
+        from eagle3.serving import EngineClient
+
+        self.server = EngineClient(base_url, self.name)
+        return self
+
+    def stop_requests(self) -> None:
+        """Drop the request threads (queued requests are cancelled); new ones start on use."""
+        for pool in (self._pool, self._assembly):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._assembly = None
+
+    def stop(self) -> None:
+        """Stop the server if we started it, drop the request threads and the temp dir."""
+        self.stop_requests()
+        stop = getattr(self.server, "stop", None)
+        if callable(stop) and hasattr(self.server, "proc"):  # a VLLMServer: ours to stop
+            stop()
+        self.server = None
+        if self.hidden_dir is not None:
+            shutil.rmtree(self.hidden_dir, ignore_errors=True)
+            self.hidden_dir = None
+
+    # -- hidden states ---------------------------------------------------------------------------
+    def hidden_states(self, token_ids: list[int], label: str = "a prompt") -> torch.Tensor:
+        """One prompt of token ids -> the engine's [T, 4, H] (aux layers, then pre-norm last)."""
+        from eagle3.serving import read_hidden_states
+
+        if self.server is None:
+            raise Eagle3Error("the served target is not started: call start() or attach()")
+        reply = self.server.complete(token_ids, max_tokens=1, temperature=0.0)
+        path = (reply.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path:
+            raise Eagle3Error(
+                "the engine returned no kv_transfer_params.hidden_states_path: was it started "
+                "with the capture connector (eagle3.serving.capture_engine_args)?"
+            )
+        data = read_hidden_states(path, cleanup=True)
+        got = data["token_ids"].tolist()
+        if got != list(token_ids):
+            raise Eagle3Error(
+                f"{label}: the engine saw {len(got)} tokens that differ from the "
+                f"{len(token_ids)} sent; it must be sent token ids, not text"
+            )
+        return data["hidden_states"]
+
+    def features(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The engine's [T, 4, H] -> (aux [T, 3H], last [T, H] after the final norm), fp32."""
+        t = hidden.shape[0]
+        aux = hidden[:, :3].float().reshape(t, -1)
+        last = rms_norm(hidden[:, 3].float(), self.norm_weight, self.norm_eps)
+        return aux, last
+
+    def pool(self) -> ThreadPoolExecutor:
+        """The request threads (one request each: the engine batches what is in flight)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max(1, self.concurrency), "served-target")
+        return self._pool
+
+    def assembler(self) -> ThreadPoolExecutor:
+        """One thread that waits for a batch's rows and pads them (never a request thread,
+        so a batch wider than `concurrency` cannot wait on itself)."""
+        if self._assembly is None:
+            self._assembly = ThreadPoolExecutor(1, "served-target-batch")
+        return self._assembly
+
+    def capture_async(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> Future:
+        """Start `capture` in the background: every row is its own request, all in flight."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        ids, keep = input_ids.cpu(), attention_mask.cpu().bool()
+        rows = [self.pool().submit(self.hidden_states, ids[b][keep[b]].tolist())
+                for b in range(ids.shape[0])]  # fmt: skip
+
+        def assemble() -> tuple[torch.Tensor, torch.Tensor]:
+            B, T = ids.shape
+            aux = torch.zeros(B, T, 3 * self.hidden_size)
+            last = torch.zeros(B, T, self.hidden_size)
+            for b, row in enumerate(rows):
+                aux[b, keep[b]], last[b, keep[b]] = self.features(row.result())
+            return aux, last
+
+        return self.assembler().submit(assemble)
+
+    def capture(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, attention_mask [B, T] -> (aux [B, T, 3H], last [B, T, H]) on the CPU, as
+        eagle3.target.Target.capture (left or right padding; padded positions are zeros)."""
+        return self.capture_async(input_ids, attention_mask).result()
+
+
+def describe_served_target(
+    name: str, aux_layer_ids: list[int] | None = None, what: str = "aux layer ids"
+) -> ServedTarget:
+    """A ServedTarget for registry name / HF dir `name`, read from its files (no weights but
+    the final norm); aux ids default to the registry's, else [1, L//2 - 1, L - 4]."""
+    from transformers import AutoTokenizer
+
+    from eagle3.checkpoint import check_aux_ids
+
+    display, hf_dir, spec = resolve(name)
+    facts = target_facts(name)
+    layers = int(facts["num_layers"])
+    aux = list(aux_layer_ids or facts["aux_layer_ids"] or default_aux_layers(layers))
+    aux = check_aux_ids(aux, what)  # vLLM returns them in layer order
+    if aux[-1] >= layers:
+        raise Eagle3Error(f"{what} {aux}: the target has {layers} layers (ids 0..{layers - 1})")
+    context = getattr(facts["hf_config"], "max_position_embeddings", None)
+    remote = bool(
+        spec and (spec.get("trust_remote_code") or spec.get("tokenizer_trust_remote_code"))
+    )
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=remote)
+    weight, eps = load_final_norm(name)
+    return ServedTarget(
+        name=display,
+        hf_dir=str(hf_dir),
+        tokenizer=tokenizer,
+        vocab_size=int(facts["vocab_size"]),
+        hidden_size=int(facts["hidden_size"]),
+        num_layers=layers,
+        aux_layer_ids=aux,
+        norm_weight=weight.float(),
+        norm_eps=eps,
+        context=int(context) if context else None,
+    )

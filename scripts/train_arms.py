@@ -1,0 +1,46 @@
+"""The benchmark scripts' shared step: train one arm of a comparison with the real CLI.
+
+    seconds = train_arm(out_dir, config, ["data.shard_dirs=[...]", "train.max_steps=100"], "bench")
+    val = last_val(out_dir)   # the last "split": "val" line of its metrics.jsonl
+
+An arm that finished (final/ and bench_seconds.json exist) is skipped, so a killed comparison
+is rerun with the same command; an unfinished one resumes from its latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def train_arm(out: Path, config: str, overrides: list[str], tool: str) -> float:
+    """Train into `out` (log: out.log beside it) -> training seconds of the launch that
+    finished it (a ratio between arms of one run, not an absolute). Exits on a failure."""
+    out = Path(out)
+    timing = out / "bench_seconds.json"
+    if (out / "final" / "model.safetensors").is_file() and timing.is_file():
+        return json.loads(timing.read_text())["seconds"]
+    cmd = [sys.executable, str(REPO / "train" / "train_drafter.py"), "--config", str(config)]
+    cmd += [*overrides, f"train.out_dir={out}", "train.resume_from=latest", "wandb.mode=disabled"]
+    print(f"$ {' '.join(cmd)}", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out.with_name(out.name + ".log")
+    start = time.monotonic()
+    with open(log, "a") as f:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        sys.exit(f"{tool}: training {out.name} failed ({proc.returncode}), see {log}")
+    seconds = time.monotonic() - start
+    timing.write_text(json.dumps({"seconds": seconds}))
+    return seconds
+
+
+def last_val(out: Path) -> dict:
+    """The last validation line of a run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("split") == "val"][-1]
