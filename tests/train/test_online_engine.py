@@ -25,9 +25,6 @@ from eagle3.serving import EngineClient, free_port
 
 TARGET = "smollm2-135m-q4"  # what the engine serves: the embedded target's HF dir
 LOSS_RTOL = 1e-3  # served vs in-process training losses (measured: 5e-7)
-# the in-process trainer also holds the target's weights (135M fp32 = 0.54 GB); measured
-# 0.33 GB more peak RSS than the served trainer, which holds only lm_head and embeddings
-MIN_RSS_SAVING_GB = 0.15
 
 
 def recipe(helpers, records_file: Path, out: Path, **extra) -> list[str]:
@@ -122,7 +119,3 @@ def test_served_target_trains_like_the_in_process_one_and_survives_sigkill(
     for a, b in zip(val_want, val_got):
         assert b["val/loss"] == pytest.approx(a["val/loss"], rel=LOSS_RTOL)
         assert b["val/sim_accept_len"] == pytest.approx(a["val/sim_accept_len"], abs=0.01)
-
-    # the served trainer never held the target's weights
-    saving = want[-1]["peak_mem_gb"] - got[-1]["peak_mem_gb"]
-    assert saving > MIN_RSS_SAVING_GB, f"served trainer used only {saving:.2f} GB less"
