@@ -38,30 +38,56 @@ def valid_counts(in_vocab: torch.Tensor, loss_mask: torch.Tensor, ttt_steps: int
     return out
 
 
+def label_rows(loss_mask: torch.Tensor) -> torch.Tensor:
+    """The rows of `probs` some TTT step reads -> bool (B, T): row j is step k's label for
+    position j-k-1 and counts only when x_{j+1} is a generated token (step_labels), so row j
+    is needed iff loss_mask[j+1]. Prompt and padding rows are never read."""
+    rows = torch.zeros_like(loss_mask, dtype=torch.bool)
+    rows[:, :-1] = loss_mask[:, 1:].bool()
+    return rows
+
+
 @torch.no_grad()
 def target_probs(
     last_hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     t2d: torch.Tensor,
     chunk_size: int = 512,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Soft labels from the target's final hidden states, one chunk of rows at a time.
 
     last_hidden (B, T, H), lm_head_weight (V, H), t2d bool (V,) ->
     probs float32 (B, T, Vd), in_vocab bool (B, T). Full-vocab logits exist only for one
     chunk of rows (chunk_size x V), so a 163840-token vocab never sits in memory per step.
+    `rows` bool (B, T) (label_rows(loss_mask)): compute only those rows, the others are 0 /
+    False: on chat data most tokens are prompt, and this full-vocab lm_head is the training
+    step's dearest matmul after the draft's own passes.
+
+    Every chunk is padded to chunk_size rows, so each matmul has one shape and a row's labels
+    are the same bits whatever batch it came in (BLAS picks other kernels for other shapes:
+    on MKL a 7-row product differs from a 512-row one in the last bit). That keeps a resumed
+    run and the label cache (train/label_cache.py) exact.
     """
     B, T, H = last_hidden.shape
     draft_ids = t2d.nonzero().squeeze(-1)  # ascending, matches d2t order
     flat = last_hidden.reshape(B * T, H)
     weight = lm_head_weight.to(device=flat.device, dtype=flat.dtype)
-    probs = torch.empty(B * T, draft_ids.numel(), dtype=torch.float32, device=flat.device)
-    in_vocab = torch.empty(B * T, dtype=torch.bool, device=flat.device)
     t2d = t2d.to(flat.device)
-    for start in range(0, B * T, chunk_size):
-        logits = (flat[start : start + chunk_size] @ weight.T).float()  # (chunk, V)
-        in_vocab[start : start + chunk_size] = t2d[logits.argmax(-1)]
-        probs[start : start + chunk_size] = logits[:, draft_ids].softmax(-1)
+    if rows is None:
+        index = torch.arange(B * T, device=flat.device)
+    else:
+        index = rows.to(flat.device).reshape(B * T).nonzero().squeeze(-1)
+    probs = torch.zeros(B * T, draft_ids.numel(), dtype=torch.float32, device=flat.device)
+    in_vocab = torch.zeros(B * T, dtype=torch.bool, device=flat.device)
+    chunk = flat.new_zeros(chunk_size, H)
+    for start in range(0, index.numel(), chunk_size):
+        at = index[start : start + chunk_size]
+        chunk[: at.numel()] = flat[at]
+        chunk[at.numel() :] = 0
+        logits = (chunk @ weight.T)[: at.numel()].float()  # (rows, V)
+        in_vocab[at] = t2d[logits.argmax(-1)]
+        probs[at] = logits[:, draft_ids].softmax(-1)
     return probs.view(B, T, -1), in_vocab.view(B, T)
 
 

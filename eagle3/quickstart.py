@@ -70,7 +70,7 @@ SCALES = {
         eval_tokens=12, val_fraction=0.0,
     ),
     "default": Scale(
-        prompts=240, turns=1, offpolicy=0, max_new_tokens=128, epochs=6, eval_limit=5,
+        prompts=240, turns=1, offpolicy=0, max_new_tokens=128, epochs=8, eval_limit=5,
         eval_tokens=64, val_fraction=0.05,
     ),
     "large": Scale(

@@ -21,7 +21,9 @@ go through here.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import socket
 import sys
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -59,6 +61,7 @@ class ServedTarget:
     context: int | None = None  # max_position_embeddings: the engine's longest max_model_len
     concurrency: int = 16  # requests in flight (the engine batches them)
     server: Any = None  # an EngineClient once started or attached
+    owned: bool = False  # start() made the server, so stop() stops it (attach() does not)
     hidden_dir: Path | None = None  # where the connector writes (a temp dir we made, or None)
     _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
     _assembly: ThreadPoolExecutor | None = field(default=None, repr=False)
@@ -95,7 +98,8 @@ class ServedTarget:
         fast choice), removed by stop()."""
         from eagle3.serving import capture_engine_args, vllm_server
 
-        self.hidden_dir = Path(tempfile.mkdtemp(prefix="eagle3-engine-hidden-"))
+        remove_orphaned_hidden_dirs(Path(tempfile.gettempdir()))
+        self.hidden_dir = Path(tempfile.mkdtemp(prefix=hidden_dir_prefix(os.getpid())))
         server = vllm_server(
             self.hf_dir,
             **({"dtype": dtype} if dtype else {}),  # else: fp32 on the CPU build, vLLM's on GPU
@@ -117,6 +121,7 @@ class ServedTarget:
         except BaseException:
             shutil.rmtree(self.hidden_dir, ignore_errors=True)
             raise
+        self.owned = True
         log.info("vLLM up at %s after %.0f s", server.base_url, server.startup_seconds)
         return self
 
@@ -124,7 +129,7 @@ class ServedTarget:
         """Use a server someone else started (with this target's capture connector)."""
         from eagle3.serving import EngineClient
 
-        self.server = EngineClient(base_url, self.name)
+        self.server, self.owned = EngineClient(base_url, self.name), False
         return self
 
     def stop_requests(self) -> None:
@@ -137,10 +142,9 @@ class ServedTarget:
     def stop(self) -> None:
         """Stop the server if we started it, drop the request threads and the temp dir."""
         self.stop_requests()
-        stop = getattr(self.server, "stop", None)
-        if callable(stop) and hasattr(self.server, "proc"):  # a VLLMServer: ours to stop
-            stop()
-        self.server = None
+        if self.owned:
+            self.server.stop()
+        self.server, self.owned = None, False
         if self.hidden_dir is not None:
             shutil.rmtree(self.hidden_dir, ignore_errors=True)
             self.hidden_dir = None
@@ -214,6 +218,38 @@ class ServedTarget:
         """input_ids, attention_mask [B, T] -> (aux [B, T, 3H], last [B, T, H]) on the CPU, as
         eagle3.target.Target.capture (left or right padding; padded positions are zeros)."""
         return self.capture_async(input_ids, attention_mask).result()
+
+
+def hidden_dir_prefix(pid: int | None = None) -> str:
+    """The hidden-state temp dir name of process `pid` on this host, or this host's prefix."""
+    host = f"eagle3-engine-hidden-{socket.gethostname()}-"
+    return host if pid is None else f"{host}{pid}-"
+
+
+def remove_orphaned_hidden_dirs(tmp: Path) -> list[Path]:
+    """Remove this host's hidden-state temp dirs whose process is gone (a SIGKILLed trainer or
+    capture cannot clean up; its dir may hold in-flight hidden states) -> the removed dirs.
+    Other hosts' dirs (a shared TMPDIR) and live processes' dirs are left alone."""
+    host = hidden_dir_prefix()
+    removed = []
+    for path in sorted(tmp.glob(f"{host}*")):
+        pid = path.name[len(host) :].split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        log.info("removed %d hidden-state dir(s) of processes that are gone", len(removed))
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 def describe_served_target(

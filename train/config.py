@@ -66,6 +66,9 @@ class DataConfig:
         512  # rows per target lm_head chunk (soft labels); bounds full-vocab memory
     )
     num_workers: int = 0  # DataLoader workers (offline shard reads)
+    # Offline, more than one epoch: keep each record's soft labels after its first pass, up to
+    # this many GB on the labels' device (train/label_cache.py); 0 recomputes them every epoch
+    label_cache_gb: float = 1.0
     # Held-out validation, by conversation: a record goes to validation iff hash(val_seed, id)
     # < val_fraction, so every version of one conversation (regenerated, off-policy, in several
     # shard dirs) lands on the same side and adding data never moves a validation record.
@@ -219,6 +222,7 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
     ]:
         need(value >= 1, f"{name} must be >= 1, got {value}")
     need(d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
+    need(d.label_cache_gb >= 0, f"data.label_cache_gb must be >= 0, got {d.label_cache_gb}")
     need(
         t.max_steps is None or t.max_steps >= 1, f"train.max_steps must be >= 1, got {t.max_steps}"
     )

@@ -304,7 +304,8 @@ def step_batches(
             dataset, batch_sampler=mine, collate_fn=collate, num_workers=num_workers
         )
         window: list[dict[str, torch.Tensor]] = []
-        for batch in loader:
+        for indices, batch in zip(mine, loader):
+            batch["index"] = torch.tensor(indices)  # the records' dataset indices (label cache)
             window.append(batch)
             if len(window) == grad_accum:
                 yield epoch, window

@@ -58,7 +58,7 @@ from torch.utils.data import Dataset
 from eagle3.checkpoint import load_draft, save_draft
 from eagle3.cli import run_cli
 from eagle3.errors import ConfigError, Eagle3Error
-from eagle3.loss import simulated_acceptance, target_probs, ttt_loss, valid_counts
+from eagle3.loss import label_rows, simulated_acceptance, target_probs, ttt_loss, valid_counts
 from eagle3.model import DraftConfig, Eagle3Draft
 from eagle3.served_target import ServedTarget, describe_served_target
 from eagle3.serving import EngineClient, engine_available, free_port
@@ -84,6 +84,7 @@ from train.data import (
     take_sequences,
     token_counts,
 )
+from train.label_cache import LabelCache
 from train.metrics import MetricsLog
 
 VOCAB_FILE = "draft_vocab.safetensors"
@@ -276,9 +277,11 @@ class Run:
     total_steps: int
     start_step: int  # optimizer steps already done: the resumed checkpoint's step, else 0
     export_extra: dict  # config.json fields of every exported draft
+    label_cache: LabelCache | None  # offline runs of more than one epoch
 
-    def labelled(self, batch: dict) -> dict:
-        """Move a micro-batch to the device and attach soft labels from the target."""
+    def labelled(self, batch: dict, split: str = "train") -> dict:
+        """Move a micro-batch to the device and attach soft labels from the target (or from
+        the label cache: the same records' labels of an earlier epoch)."""
         device, dtype = self.accelerator.device, self.hidden_dtype
         ids = batch["input_ids"].to(device)
         if "aux_hidden" in batch:  # offline shards, or captured ahead by a served target
@@ -286,15 +289,25 @@ class Run:
         else:  # online: run the target now
             aux, last = self.data.target.capture(ids, batch["attention_mask"])
         aux, last = aux.to(device, dtype), last.to(device, dtype)
-        probs, in_vocab = target_probs(
-            last, self.data.lm_head, self.t2d, self.cfg.data.lm_head_chunk
-        )
+        loss_mask = batch["loss_mask"].to(device)
+        rows = label_rows(loss_mask)
+        cache, keys = self.label_cache, None
+        if cache is not None and "index" in batch:
+            keys = [(split, i) for i in batch["index"].tolist()]
+        labels = cache.get(keys, ids.shape[1]) if keys else None
+        if labels is None:
+            labels = target_probs(
+                last, self.data.lm_head, self.t2d, self.cfg.data.lm_head_chunk, rows
+            )
+            if keys:
+                cache.put(keys, *labels, rows)
+        probs, in_vocab = labels
         return {
             "input_ids": ids,
             "aux": aux if self.draft_cfg.feature == "aux" else last,
             "probs": probs,
             "in_vocab": in_vocab,
-            "loss_mask": batch["loss_mask"].to(device),
+            "loss_mask": loss_mask,
             "tokens": int(batch["attention_mask"].sum()),
             "slots": ids.numel(),
         }
@@ -518,6 +531,17 @@ def build_draft(cfg: Config, facts: dict, vocab: DraftVocab, data: TrainData) ->
     return draft
 
 
+def make_label_cache(
+    cfg: Config, lengths: list[int], world: int, total_steps: int
+) -> LabelCache | None:
+    """A label cache when the run reads stored records more than once (offline, past one
+    epoch) and data.label_cache_gb allows; online runs recompute the target anyway."""
+    per_epoch = steps_per_epoch(lengths, cfg.data.batch_size, world, cfg.optim.grad_accum)
+    if cfg.data.mode != "offline" or cfg.data.label_cache_gb <= 0 or total_steps <= per_epoch:
+        return None
+    return LabelCache(int(cfg.data.label_cache_gb * 2**30))
+
+
 def count_steps(cfg: Config, lengths: list[int], world: int) -> int:
     """Optimizer steps of the run: train.max_steps, else train.epochs over the data."""
     per_epoch = steps_per_epoch(lengths, cfg.data.batch_size, world, cfg.optim.grad_accum)
@@ -577,6 +601,7 @@ def setup(cfg: Config) -> Run:
     vocab = setup_vocab(cfg, accelerator, data.dataset, facts["vocab_size"], out_dir)
     draft = build_draft(cfg, facts, vocab, data)
     total_steps = count_steps(cfg, data.lengths, world)
+    label_cache = make_label_cache(cfg, data.lengths, world, total_steps)
     model = TTTModel(draft, cfg.model.ttt_steps)
     params, optimizer, scheduler = make_optimizer(cfg, model, total_steps)
     configure_deepspeed(cfg, accelerator)
@@ -595,7 +620,12 @@ def setup(cfg: Config) -> Run:
             f"{cfg.data.mode} training on {world} process(es) "
             f"({accelerator.distributed_type.value}, {type(model).__name__}): "
             f"{len(data.lengths)} sequences, {total_steps} steps, draft vocab {vocab.size}"
-            + (f", resuming from {resume} (step {start_step})" if resume else ""),
+            + (f", resuming from {resume} (step {start_step})" if resume else "")
+            + (
+                f"; soft labels kept for later epochs (up to {cfg.data.label_cache_gb:g} GB)"
+                if label_cache is not None
+                else ""
+            ),
             flush=True,
         )
     logger = MetricsLog(
@@ -646,6 +676,7 @@ def setup(cfg: Config) -> Run:
         total_steps=total_steps,
         start_step=start_step,
         export_extra=export_extra,
+        label_cache=label_cache,
     )
 
 
@@ -731,7 +762,9 @@ def validate(run: Run) -> dict[str, float]:
     sums = torch.zeros(4 * K + 2, dtype=torch.float64, device=run.accelerator.device)
     run.model.eval()
     for indices, counts in val_batches(run):
-        mb = run.labelled(collate([run.data.val_dataset[i] for i in indices]))
+        batch = collate([run.data.val_dataset[i] for i in indices])
+        batch["index"] = torch.tensor(indices)
+        mb = run.labelled(batch, "val")
         step_logits = run.model(mb["input_ids"], mb["aux"])
         _, m = ttt_loss(step_logits, mb["probs"], mb["in_vocab"], mb["loss_mask"], w)
         if counts:

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.errors import Eagle3Error
-from eagle3.loss import target_probs, ttt_loss
+from eagle3.loss import label_rows, target_probs, ttt_loss
 from eagle3.model import DraftConfig, Eagle3Draft, apply_rotary, rotary_cos_sin
 from eagle3.vocab import build_draft_vocab, token_frequencies
 
@@ -190,3 +190,30 @@ def test_target_probs_chunking_and_vocab_restriction():
     logits = h @ w.T
     assert torch.allclose(probs, F.softmax(logits[..., t2d], -1), atol=1e-6)
     assert torch.equal(in_vocab, t2d[logits.argmax(-1)])
+
+
+def test_target_probs_of_label_rows_only_are_the_same_bits_in_any_batch():
+    torch.manual_seed(0)
+    B, T, H, V = 3, 40, 64, 300
+    h, w = torch.randn(B, T, H), torch.randn(V, H)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.randperm(V)[:120]] = True
+    loss_mask = torch.zeros(B, T, dtype=torch.long)
+    loss_mask[0, 10:], loss_mask[1, 30:35], loss_mask[2, 39] = 1, 1, 1
+    rows = label_rows(loss_mask)
+    assert rows.sum() == loss_mask[:, 1:].sum()  # row j is read iff x_{j+1} is generated
+    assert rows[0, 9] and not rows[0, 8] and not rows[:, -1].any()
+
+    full_p, full_v = target_probs(h, w, t2d, chunk_size=16)
+    p, v = target_probs(h, w, t2d, chunk_size=16, rows=rows)
+    assert torch.allclose(p[rows], full_p[rows], atol=1e-6) and torch.equal(v[rows], full_v[rows])
+    assert not p[~rows].any() and not v[~rows].any()
+    # the losses and every metric read only those rows
+    logits = [torch.randn(B, T, 120) for _ in range(3)]
+    (loss, m), (full_loss, full_m) = (
+        ttt_loss(logits, *labels, loss_mask) for labels in ((p, v), (full_p, full_v))
+    )
+    assert torch.equal(loss, full_loss) and m == full_m
+    # a sequence's labels are the same bits alone or in a batch (chunks have one shape)
+    alone_p, alone_v = target_probs(h[1:2], w, t2d, chunk_size=16, rows=rows[1:2])
+    assert torch.equal(alone_p[0], p[1]) and torch.equal(alone_v[0], v[1])

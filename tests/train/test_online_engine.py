@@ -6,21 +6,26 @@ in-process must give the same losses: both sides run the target in fp32 on ident
 and differ only in kernels and summation order (the hidden states agree to ~1e-6 relative,
 tests/datagen/test_capture_engine.py), so after 12 steps the losses agree to LOSS_RTOL.
 The served run is SIGKILLed after its step-3 checkpoint: its engine must die with it, and the
-resumed run must land on the uninterrupted in-process run's numbers.
+resumed run must land on the uninterrupted in-process run's numbers, and the resumed run removes
+the hidden-state temp dir the killed one could not. The engine runs --enforce-eager (no
+compile: ~80 s less per start on 2 cores; the kernels, and so the numbers, are the same).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from eagle3.served_target import hidden_dir_prefix
 from eagle3.serving import EngineClient, free_port
 
 TARGET = "smollm2-135m-q4"  # what the engine serves: the embedded target's HF dir
@@ -58,8 +63,9 @@ def engine_processes(port: int) -> list[int]:
     return pids
 
 
-def kill_after_checkpoint(cmd: list[str], out: Path, env: dict) -> str:
-    """Run the served trainer, SIGKILL it once checkpoint step 3 is complete -> its stdout."""
+def kill_after_checkpoint(cmd: list[str], out: Path, env: dict) -> tuple[str, int]:
+    """Run the served trainer, SIGKILL it once checkpoint step 3 is complete -> (its stdout,
+    its pid)."""
     log = out.parent / "served-killed.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -74,11 +80,21 @@ def kill_after_checkpoint(cmd: list[str], out: Path, env: dict) -> str:
             time.sleep(0.1)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    return log.read_text()
+    return log.read_text(), proc.pid
+
+
+@pytest.fixture
+def short_tmpdir(monkeypatch):
+    """TMPDIR for the served runs, to see their hidden-state dirs (short: vLLM puts its IPC
+    sockets there, and a socket path has ~107 characters)."""
+    path = Path(tempfile.mkdtemp(prefix="e3t-"))
+    monkeypatch.setenv("TMPDIR", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_served_target_trains_like_the_in_process_one_and_survives_sigkill(
-    engine, embedded_target_dir, records_file, tmp_path, helpers
+    engine, embedded_target_dir, records_file, tmp_path, helpers, short_tmpdir
 ):
     inproc, served = tmp_path / "in-process", tmp_path / "served"
     helpers.run_cli(recipe(helpers, records_file, inproc))
@@ -86,11 +102,14 @@ def test_served_target_trains_like_the_in_process_one_and_survives_sigkill(
     port = free_port()
     args = recipe(helpers, records_file, served, **{
         "target.engine.kind": "vllm", "target.engine.port": port, "train.resume_from": "latest",
+        "target.engine.args": "[--enforce-eager]",
     })  # fmt: skip
     cmd = [sys.executable, str(helpers.SCRIPT), *args]
     env = helpers.env()
-    text = kill_after_checkpoint(cmd, served, env)
+    text, killed_pid = kill_after_checkpoint(cmd, served, env)
     assert f"starting vLLM for {TARGET} on port {port}" in text
+    # nothing runs at SIGKILL: the killed trainer's hidden-state dir is left behind
+    assert list(short_tmpdir.glob(f"{hidden_dir_prefix(killed_pid)}*"))
 
     # the engine dies with its trainer (it gets SIGTERM when the parent dies): nothing holds
     # the GPUs or the port when the job is restarted
@@ -107,6 +126,8 @@ def test_served_target_trains_like_the_in_process_one_and_survives_sigkill(
     assert provenance["served_by"]["engine"] == "vllm"
     assert provenance["served_by"]["engine_layer_ids"][-1] == 30  # pre-norm last of 30 layers
     assert not engine_processes(port), "the finished trainer left its engine running"
+    leftover = list(short_tmpdir.glob(f"{hidden_dir_prefix()}*"))
+    assert not leftover, f"hidden-state dirs left: {leftover}"  # the killed run's and its own
 
     want, got = helpers.metric_lines(inproc), helpers.metric_lines(served)
     assert [r["step"] for r in got] == list(range(1, 13))  # none lost, none twice
