@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3.data.shards import ShardDataset  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_arms import last_val, train_arm  # noqa: E402
+from train_arms import last_val, markdown_table, train_arm  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "train" / "smollm2-q4-cpu.yaml"
@@ -72,14 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     K = sum(1 for key in rows[0][4] if key.startswith("val/acc_"))
     head = ["arm", "steps", "mean len", "sequences", *[f"val acc_{k}" for k in range(K)]]
     head += ["val sim τ", "train s", "data s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cells_of = []
     for name, steps, mean, n, val, seconds in rows:
         cells = [name, str(steps), f"{mean:.0f}", str(n)]
         cells += [f"{val[f'val/acc_{k}']:.3f}" for k in range(K)]
         cells += [f"{val['val/sim_accept_len']:.3f}", f"{seconds:.0f}"]
         cells += [f"{costs[name]:.0f}" if name in costs else "–"]
-        lines.append("| " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
+        cells_of.append(cells)
+    table = markdown_table(head, cells_of)
     (Path(args.out) / "data_mix.md").write_text(table + "\n")
     print(table)
     return 0

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from eagle3.evaluate import drafter_name, format_table  # noqa: E402
 
 sys.path.insert(0, str(REPO / "scripts"))
-from train_arms import last_val, train_arm  # noqa: E402
+from train_arms import last_val, markdown_table, train_arm  # noqa: E402
 
 RECIPE = REPO / "configs" / "train" / "smollm2-q4-cpu.yaml"
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {(r["drafter"], r["bench"]): r for r in report["results"]}
     benches = list(dict.fromkeys(r["bench"] for r in report["results"]))
     head = ["sequences", "train tokens", "val acc_0", "val sim τ", *[f"τ {b}" for b in benches]]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cells_of = []
     for size in sizes:
         run_dir = out / f"n{size}"
         meta = json.loads((run_dir / "provenance.json").read_text())
@@ -137,11 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         cells = [str(size), f"{meta['tokens']:,}", f"{val['val/acc_0']:.3f}"]
         cells += [f"{val['val/sim_accept_len']:.3f}"]
         cells += [tau_cell(rows.get((name, b))) for b in benches]
-        lines.append("| " + " | ".join(cells) + " |")
+        cells_of.append(cells)
     for name in [*(drafter_name(d) for d in args.extra_draft), "prompt-lookup"]:
-        cells = [name, "", "", ""] + [tau_cell(rows.get((name, b))) for b in benches]
-        lines.append("| " + " | ".join(cells) + " |")
-    table = "\n".join(lines) + "\n\nAll rows, in full:\n\n" + format_table(report["results"])
+        cells_of.append([name, "", "", ""] + [tau_cell(rows.get((name, b))) for b in benches])
+    table = markdown_table(head, cells_of)
+    table += "\n\nAll rows, in full:\n\n" + format_table(report["results"])
     (out / "learning_curve.md").write_text(table + "\n")
     print(table)
     return 0

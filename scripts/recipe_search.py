@@ -30,7 +30,7 @@ from eagle3.data.shards import ShardDataset  # noqa: E402
 from eagle3.loss import simulated_acceptance  # noqa: E402
 
 sys.path.insert(0, str(REPO / "scripts"))
-from train_arms import last_val, train_arm  # noqa: E402
+from train_arms import last_val, markdown_table, train_arm  # noqa: E402
 
 RECIPE = REPO / "configs" / "train" / "smollm2-q4-cpu.yaml"
 
@@ -91,14 +91,14 @@ def main(argv: list[str] | None = None) -> int:
 
     head = ["arm", "overrides", "val loss", *[f"acc_{k}" for k in range(K)], "val sim τ",
             f"sim τ @{common}", "vocab coverage", "train s"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cells_of = []
     for name, overrides, val, k, seconds, cov in sorted(rows, key=lambda r: -tau_at(r[2], common)):
         accs = [f"{val[f'val/acc_{i}']:.3f}" if i < k else "–" for i in range(K)]
         cells = [name, " ".join(overrides) or "(recipe)", f"{val['val/loss']:.3f}", *accs,
                  f"{val['val/sim_accept_len']:.3f}", f"{tau_at(val, common):.3f}", f"{cov:.1%}",
                  f"{seconds:.0f}"]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
+        cells_of.append(cells)
+    table = markdown_table(head, cells_of)
     (Path(args.out) / "recipe_search.md").write_text(table + "\n")
     print(table)
     return 0

@@ -1,7 +1,9 @@
-"""The benchmark scripts' shared step: train one arm of a comparison with the real CLI.
+"""The benchmark scripts' shared steps: train one arm of a comparison with the real CLI, read its
+validation, print the comparison's table.
 
     seconds = train_arm(out_dir, config, ["data.shard_dirs=[...]", "train.max_steps=100"], "bench")
     val = last_val(out_dir)   # the last "split": "val" line of its metrics.jsonl
+    print(markdown_table(head, rows))  # the comparison's printed table
 
 An arm that finished (final/ and bench_seconds.json exist) is skipped, so a killed comparison
 is rerun with the same command; an unfinished one resumes from its latest checkpoint.
@@ -44,3 +46,9 @@ def last_val(out: Path) -> dict:
     """The last validation line of a run's metrics.jsonl."""
     rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r.get("split") == "val"][-1]
+
+
+def markdown_table(head: list[str], rows: list[list[str]]) -> str:
+    """A markdown table of string cells, the header first."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
