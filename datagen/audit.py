@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle3.cli import run_cli
+from eagle3.cli import HelpFormatter, run_cli
 from eagle3.data.chat import RenderError, load_chat_template, render_record
 from eagle3.data.records import read_records
 from eagle3.errors import Eagle3Error
@@ -510,6 +510,7 @@ class OnlineAudit:
 # -- CLI ---------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         prog="python -m datagen.audit",
         description="Check that each provider's responses come from the target: score them "
         "under the local target and flag providers whose mean NLL stands out.",
@@ -536,7 +537,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=MIN_RECORDS,
         help=f"fewest records for a provider to be compared (default {MIN_RECORDS})",
     )
-    p.add_argument("--top-p", type=float, default=TOP_P, help=f"nucleus for out_top_p ({TOP_P})")
+    p.add_argument("--top-p", type=float, default=TOP_P, help="nucleus for out_top_p")
     p.add_argument("--bootstrap", type=int, default=BOOTSTRAP, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=SEED, help="record sampling and bootstrap seed")
     p.add_argument("--max-length", type=int, default=MAX_LENGTH, help="tokens per record")

@@ -14,6 +14,7 @@ final post-norm hidden state, no lm_head), and the result is written as shards
         --data out/responses --out /shared/shards      # one process, the target over all GPUs
     python -m datagen.capture --engine vllm --target smollm2-135m-q4 --data out/responses \\
         --out out/shards [--tensor-parallel-size 8] [--engine-arg=--enforce-eager]
+    python -m datagen.capture --verify --out out/shards    # every shard whole? (no model)
 
 ``--engine vllm`` takes the hidden states from a managed vLLM server instead of HF in-process
 (vLLM's ``extract_hidden_states`` method with the CPU-safe connector eagle3/vllm_capture.py):
@@ -26,12 +27,21 @@ meta.json and resume are the HF path's.
 Scale-out: under ``accelerate launch`` (or ``torchrun``) every process captures its own slice
 of the records (one process per GPU, or one per node with ``--device-map auto`` for a target
 larger than one GPU), writing its own shards; process 0 merges the index at the end.
-Resume: re-run the same command; records already in complete shards are skipped.
+Resume: re-run the same command; records already in complete shards are skipped. A resume
+first verifies every shard (size and xxh3, :mod:`eagle3.data.shards` Integrity) and drops the
+damaged or missing ones, so it captures exactly their records again and leaves every other
+shard byte-identical. ``--verify`` only checks: one line per damaged or missing shard and a
+summary; exit 0 when all are intact, 1 when not (2, as always, for bad input).
 
 Bad input never stops the run: records without a user turn, with an empty response or a
 template error are skipped; responses cut at max tokens are kept without an end-of-turn token;
-records longer than ``--max-length`` are truncated (skipped if no response token is left).
-Every case is counted in the summary printed at the end and stored in meta.json.
+a record longer than ``--max-length`` is captured as windows of it (``--long-records window``,
+the default; :mod:`eagle3.data.windows`: ids ``<id>#w<i>``, each window run through the target
+from its own first token, every generated token in exactly one window's loss mask) or cut to
+its first ``--max-length`` tokens (``cut``; skipped if no response token is left). The run
+prints the records' length distribution and what a cut at ``--max-length`` would drop (also
+meta.json's ``long_records``). Every case is counted in the summary printed at the end and
+stored in meta.json.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import sys
 import time
@@ -49,7 +60,7 @@ from typing import Any
 
 import torch
 
-from eagle3.cli import run_cli
+from eagle3.cli import EXIT_ERROR, HelpFormatter, run_cli
 from eagle3.data.chat import RenderError, load_chat_template, render_record
 from eagle3.data.records import read_records
 from eagle3.data.shards import (
@@ -60,7 +71,19 @@ from eagle3.data.shards import (
     finalize,
     read_index,
     read_meta,
+    recapture_command,
+    repair,
     target_meta,
+    verify_shards,
+)
+from eagle3.data.windows import MODES as WINDOW_MODES
+from eagle3.data.windows import (
+    Window,
+    cut_losses,
+    lengths_line,
+    record_of,
+    split_windows,
+    window_mask,
 )
 from eagle3.errors import Eagle3Error
 from eagle3.served_target import ServedTarget, describe_served_target
@@ -79,6 +102,18 @@ DEFAULT_BATCH_TOKENS = 16384  # padded tokens per forward; lower it if the targe
 ESTIMATE_RATES = (1_000, 10_000, 50_000)  # tokens/s shown by --estimate when none is given
 LOG_EVERY_S = 30.0
 TB_WARN = 1e12  # bytes beyond which --estimate recommends online training
+EXIT_DAMAGED = EXIT_ERROR  # --verify found damage: 1, as `sha256sum -c` for a mismatch
+# flags that change neither which records are captured nor what is stored: not in meta's command
+NOT_IN_COMMAND = {
+    "help",
+    "out",
+    "verify",
+    "estimate",
+    "tokens",
+    "tokens_per_s",
+    "no_disk_check",
+    "engine_log",
+}
 
 
 @dataclass
@@ -92,33 +127,68 @@ class Item:
 # ----------------------------------------------------------------------------- records
 
 
-def render_all(records: list[dict], tokenizer: Any, args, stats: Counter) -> list[Item]:
-    """Rendered items; every record that cannot be used is counted in ``stats`` instead."""
+def render_all(
+    records: list[dict],
+    tokenizer: Any,
+    args,
+    stats: Counter,
+    lengths: list | None = None,
+    done: set[str] = frozenset(),
+) -> list[Item]:
+    """Rendered items, windows of a long record (--long-records window) or its cut; every
+    record that cannot be used is counted in ``stats`` instead, and windows in `done`
+    (captured by an earlier run) are left out. `lengths` collects each rendered record's
+    (tokens, loss tokens a cut would drop, loss tokens) for the report."""
     items = []
     for record in records:
         try:
             r = render_record(
                 tokenizer,
                 record,
-                max_length=args.max_length,
                 chat_template=args.chat_template,
                 template_kwargs=args.template_kwargs,
             )
         except RenderError as err:
             stats[f"skipped: {err.reason}"] += 1
             continue
-        if not any(r.loss_mask):
+        ids, mask = torch.tensor(r.input_ids), torch.tensor(r.loss_mask)
+        if lengths is not None:
+            lengths.append((len(ids), *cut_losses(mask, args.max_length)))
+        if args.long_records == "window":
+            windows = split_windows(mask, args.max_length, args.window_context)
+        else:
+            windows = [Window(0, min(len(ids), args.max_length), 0)]
+        if not any(window_mask(mask, w).any() for w in windows):
             stats["skipped: too long (no response token within --max-length)"] += 1
             continue
-        if r.truncated:
-            stats["kept: truncated to --max-length"] += 1
+        rid, windowed = str(record["id"]), args.long_records == "window" and len(windows) > 1
+        # a long record's windows all carry #wI: the bare id is never "done" for select()
+        wids = [f"{rid}#w{i}" if windowed else rid for i in range(len(windows))]
+        new = [(wid, w) for wid, w in zip(wids, windows) if wid not in done]
+        if not new:
+            stats["already captured"] += 1
+            continue
+        if len(ids) > args.max_length:
+            stats[f"kept: longer than --max-length ({args.long_records})"] += 1
         if record.get("finish_reason") == "length":
             stats["kept: response cut at max tokens (no end-of-turn token)"] += 1
         if r.reasoning_dropped:
             stats["kept: reasoning left out (the template has no place for it)"] += 1
         stats["kept"] += 1
-        items.append(Item(str(record["id"]), record.get("dataset"), r.input_ids, r.loss_mask))
+        for wid, w in new:
+            items.append(Item(wid, record.get("dataset"), ids[w.start : w.end].tolist(),
+                              window_mask(mask, w).tolist()))  # fmt: skip
     return items
+
+
+def report_lengths(state, lengths: list[tuple[int, int, int]], args) -> None:
+    """Process 0 prints this run's records' length distribution and what a cut at
+    --max-length would drop (every process's records)."""
+    rows = [row for part in _gather(state, lengths) for row in part]
+    if state.process_index == 0 and rows:
+        line = lengths_line([n for n, _, _ in rows], [(d, t) for _, d, t in rows], args.max_length)
+        how = "windows" if args.long_records == "window" else "cut"
+        log.info("records to capture: %s (--long-records %s)", line, how)
 
 
 def select(records: list[dict], done: set[str], stats: Counter) -> list[dict]:
@@ -360,12 +430,15 @@ def run_estimate(args) -> int:
 # ----------------------------------------------------------------------------- main
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         prog="python -m datagen.capture",
         description="Capture the target's hidden states over finished conversations into shards.",
     )
-    p.add_argument("--target", required=True, help="registry name, HF model directory or .gguf")
+    p.add_argument(
+        "--target", help="registry name, HF model directory or .gguf (required unless --verify)"
+    )
     p.add_argument(
         "--data", nargs="+", default=[], help="result files or directories (datagen output)"
     )
@@ -377,12 +450,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--max-length",
         type=int,
         default=DEFAULT_MAX_LENGTH,
-        help="tokens per record; longer ones are truncated",
+        help="tokens per captured sequence; a longer record becomes windows (or is cut)",
+    )
+    p.add_argument(
+        "--long-records",
+        choices=WINDOW_MODES,
+        default="window",
+        help="a record longer than --max-length: windows of it that keep --window-context "
+        "tokens of preceding context (every generated token captured once), or its first "
+        "--max-length tokens",
+    )
+    p.add_argument(
+        "--window-context",
+        type=int,
+        help="tokens of context each later window keeps (default: half of --max-length)",
     )
     p.add_argument(
         "--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS, help="padded tokens per forward"
     )
-    p.add_argument("--shard-mb", type=int, default=256, help="approximate shard size in MB")
+    p.add_argument("--shard-mb", type=float, default=256, help="approximate shard size in MB")
     p.add_argument("--limit", type=int, help="capture at most this many records (smoke runs)")
     p.add_argument(
         "--chat-template", help="a Jinja chat template (file or text) instead of the tokenizer's"
@@ -409,15 +495,60 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--estimate", action="store_true", help="print tokens, bytes and hours, then exit"
     )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every shard of --out (size, xxh3), print the damaged or missing ones, exit "
+        "1 if any (no model; a resume recaptures them)",
+    )
     p.add_argument("--tokens", type=parse_count, help="token count for --estimate (e.g. 40M)")
     p.add_argument("--tokens-per-s", type=float, help="capture speed for --estimate")
     add_engine_args(p)
     p.add_argument("--engine-concurrency", type=int, default=16, help="engine: requests in flight")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
-    args.chat_template = load_chat_template(args.chat_template)
+    if args.verify:
+        if not args.out:
+            p.error("--verify needs --out DIR")
+        return args
+    if not args.target:
+        p.error("--target is required")
     if not args.estimate and not (args.data and args.out):
         p.error("--data and --out are required (or use --estimate)")
+    if args.window_context is not None and not 0 < args.window_context < args.max_length:
+        p.error(f"--window-context must be in (0, --max-length={args.max_length})")
+    args.flags = command_flags(p, args)  # before the template file is replaced by its text
+    args.chat_template = load_chat_template(args.chat_template)
     return args
+
+
+def command_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """This run's flags that shape the data, as a command line with absolute paths, less --data
+    and --out (meta.json's ``command`` adds the directory's sources: see recapture_command)."""
+    argv: list[str] = []
+    for action in p._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or action.dest in NOT_IN_COMMAND | {"data"}:
+            continue
+        if value is None or value is False or value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        path = os.path.expanduser(str(value))
+        if action.dest in ("target", "chat_template") and os.path.exists(path):  # not inline text
+            value = os.path.realpath(path)
+        if action.nargs == 0:  # store_true
+            argv.append(flag)
+        elif isinstance(action, argparse._AppendAction):  # the = form: values start with dashes
+            argv += [f"{flag}={v}" for v in value]
+        elif isinstance(value, list | tuple):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return argv
 
 
 def _state():
@@ -438,6 +569,41 @@ def _gather(state, obj: Any) -> list[Any]:
     return out
 
 
+def capture_command(args, data: list[str], old_sources: list[str]) -> list[str]:
+    """meta.json's ``command``: this run's flags, with --data naming every source of the
+    directory when earlier runs read others (so a resume finds all of its records)."""
+    if not set(old_sources) <= set(data):
+        data = sorted(set(old_sources) | set(data))
+    target, rest = args.flags[:2], args.flags[2:]  # command_flags lists --target first
+    return [*target, "--data", *data, *rest]
+
+
+def run_verify(args) -> int:
+    """--verify: one line per damaged or missing shard of --out, then a summary."""
+    out = Path(args.out)
+    meta = read_meta(out)
+    if meta is None:
+        raise Eagle3Error(f"{out} is not a hidden-state capture (no meta.json); nothing to verify")
+    entries = read_index(out)
+    shards = len({e["shard"] for e in entries})
+    problems = verify_shards(out)
+    for p in problems:
+        print(f"{out / p.shard}: {p.problem}, {p.records} record(s)")
+    unfinished = "" if meta.get("complete") else " (the capture did not finish)"
+    if problems:
+        print(
+            f"{len(problems)} of {shards} shards damaged or missing, "
+            f"{sum(p.records for p in problems)} of {len(entries)} records{unfinished}; "
+            f"recapture exactly those by resuming the capture: {recapture_command(out, meta)}"
+        )
+        return EXIT_DAMAGED
+    how = "size and xxh3"
+    if not all("shard_xxh3" in e for e in entries):  # captured before checksums were recorded
+        how = "size and xxh3 where recorded, else the size the shard's header says"
+    print(f"all {shards} shards of {out} are intact ({len(entries)} records; {how}){unfinished}")
+    return 0
+
+
 def summary_text(stats: Counter, meta: dict) -> str:
     """The one-line summary printed at the end: this run's counts, then the directory's totals."""
     kept = stats.get("kept", 0)
@@ -454,6 +620,11 @@ def summary_text(stats: Counter, meta: dict) -> str:
         )
     if stats.get("already captured"):
         parts.append(f"{stats['already captured']} already captured")
+    if stats.get("dropped: damaged shards"):
+        parts.append(
+            f"dropped {stats['dropped: damaged shards']} damaged or missing shard(s) holding "
+            f"{stats['dropped: records']} records (captured again in this run when in --data)"
+        )
     parts.append(
         f"directory: {meta.get('num_records', 0)} records, {meta.get('num_tokens', 0):,} tokens "
         f"({meta.get('num_loss_tokens', 0):,} under the loss mask) in {meta.get('num_shards', 0)} shards"
@@ -522,14 +693,19 @@ def check_disk(state, items: list[Item], hidden_size: int, args, out: Path) -> N
 def response_origins(records: list[dict], items: list[Item]) -> tuple[Counter, Counter]:
     """How many of the captured items each model and each provider wrote (provenance)."""
     by_id = {str(r["id"]): r for r in records}
-    kept = {it.id for it in items}
+    kept = {record_of(it.id) for it in items}  # a long record's windows count once
     models = Counter(str(by_id[i].get("model")) for i in kept)
     providers = Counter(str(by_id[i].get("provider")) for i in kept)
     return models, providers
 
 
 def merge_provenance(
-    out: Path, gathered: list, sources: list[str], processes: int
+    out: Path,
+    gathered: list,
+    sources: list[str],
+    processes: int,
+    served_by: dict | None = None,
+    command: list[str] | None = None,
 ) -> tuple[Counter, dict]:
     """Process 0, once every writer closed: add this run's sources, origins and counts (from
     every process) to the directory's, merge the index and mark it complete.
@@ -549,6 +725,10 @@ def merge_provenance(
             "providers": dict(Counter(old.get("providers") or {}) + providers),
             "summary": dict(stats),
             "processes": processes,
+            # the flags a resume repeats: what error messages name to recapture a damaged shard
+            **({"command": command} if command else {}),
+            # an engine capture: the dtype and attention backend it served (the last run's)
+            **({"served_by": served_by} if served_by else {}),
         },
     )
     return stats, final
@@ -556,6 +736,8 @@ def merge_provenance(
 
 def run(args) -> int:
     """Capture this process's share of the records; process 0 merges and prints the summary."""
+    if args.verify:
+        return run_verify(args)
     if args.estimate:
         return run_estimate(args)
     state = _state()
@@ -575,15 +757,28 @@ def run(args) -> int:
     meta = capture_meta(target, args)
     check_resumable(out, meta)
 
-    with state.main_process_first():  # process 0 creates (or re-opens) the directory
-        writer = ShardWriter(
-            out, meta, args.dtype, args.shard_mb << 20, part=f"{rank:03d}", finalize_on_close=False
-        )
     stats: Counter = Counter()
-    pending = select(records, {e["id"] for e in read_index(out)}, stats)
+    with state.main_process_first():  # process 0 repairs, creates (or re-opens) the directory
+        if rank == 0:  # damaged or missing shards are dropped: their records are pending again
+            for problem in repair(out):
+                log.warning("%s is %s: dropped, its %d record(s) are captured again",
+                            out / problem.shard, problem.problem, problem.records)  # fmt: skip
+                stats.update({"dropped: damaged shards": 1, "dropped: records": problem.records})
+        writer = ShardWriter(
+            out,
+            meta,
+            args.dtype,
+            int(args.shard_mb * 2**20),
+            part=f"{rank:03d}",
+            finalize_on_close=False,
+        )
+    done = {e["id"] for e in read_index(out)}
+    pending = select(records, done, stats)
     state.wait_for_everyone()  # all read what is done before anyone writes: the same split
     mine = my_slice(pending, rank, world)
-    items = render_all(mine, target.tokenizer, args, stats)
+    lengths: list[tuple[int, int, int]] = []
+    items = render_all(mine, target.tokenizer, args, stats, lengths, done)
+    report_lengths(state, lengths, args)
     check_disk(state, items, target.hidden_size, args, out)
     models, providers = response_origins(mine, items)
 
@@ -613,7 +808,11 @@ def run(args) -> int:
     state.wait_for_everyone()
     if rank == 0:
         sources = [str(Path(p).expanduser().resolve()) for p in args.data]
-        stats, final = merge_provenance(out, gathered, sources, world)
+        served_by = (
+            {"engine": args.engine, **target.serving} if args.engine and target.serving else None
+        )
+        command = capture_command(args, sources, (read_meta(out) or {}).get("sources") or [])
+        stats, final = merge_provenance(out, gathered, sources, world, served_by, command)
         print(summary_text(stats, final))
     return 0
 

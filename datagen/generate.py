@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from eagle3.data.chat import THINK_CLOSE, end_of_turn_ids, prompt_ids
-from eagle3.target import cache_kwarg
+from eagle3.target import cache_kwarg, output_cache
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class Generator:
         out = self.model(
             input_ids=torch.tensor([[self.pad_id]], device=self.device), use_cache=True
         )
-        cache = getattr(out, "past_key_values", None)
+        cache = output_cache(out)
         plain = isinstance(cache, DynamicCache) and all(
             type(layer) is DynamicLayer for layer in cache.layers
         )
@@ -181,7 +181,7 @@ class Generator:
             use_cache=True,
             logits_to_keep=1,
         )
-        return _layers(out.past_key_values), attn.to(self.device), out.logits[:, -1].float()
+        return _layers(output_cache(out)), attn.to(self.device), out.logits[:, -1].float()
 
     def _next_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, V) logits -> (B,) next ids: greedy, or temperature + exact top-p sampling."""

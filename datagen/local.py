@@ -49,7 +49,7 @@ from datagen.generate import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
 )
-from eagle3.cli import run_cli
+from eagle3.cli import HelpFormatter, run_cli
 from eagle3.data.chat import RenderError, load_chat_template
 from eagle3.data.decontaminate import add_exclude_args, exclude_contaminated
 from eagle3.data.prompts import Prompt, dedupe, load_prompts, split_prompts
@@ -351,8 +351,8 @@ def run_engine(args, prompts: list[Prompt], store: ResultStore, stats: Stats) ->
         )
     served = args.model or name
     with managed_engine(args, hf_dir, served_model_name=served) as server:
-        log.info("vLLM server for %s up in %.0f s (log %s)", name, server.startup_seconds,
-                 server.log_path)  # fmt: skip
+        log.info("vLLM server for %s up in %.0f s, %s (log %s)", name, server.startup_seconds,
+                 server.serving.describe(), server.log_path)  # fmt: skip
         engine_args = argparse.Namespace(**{**vars(args), "base_url": [server.base_url],
                                             "model": served})  # fmt: skip
         asyncio.run(ServerPool(engine_args, store, stats).run(prompts))
@@ -388,6 +388,7 @@ def select_prompts(args) -> list[Prompt]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         prog="python -m datagen.local",
         description="Regenerate responses with the target: OpenAI-compatible servers or in-process.",
     )

@@ -24,7 +24,7 @@ import argparse
 import logging
 import sys
 
-from eagle3.cli import run_cli
+from eagle3.cli import HelpFormatter, run_cli
 from eagle3.data.decontaminate import add_exclude_args, exclude_contaminated
 from eagle3.data.prompts import (
     Prompt,
@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         prog="python -m datagen.offpolicy",
         description="Write a dataset's own conversations (assistant turns included) as records.",
     )

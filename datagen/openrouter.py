@@ -51,7 +51,7 @@ from datagen import providers, retry
 from datagen.engine import Engine, Outcome, Settings
 from datagen.ledger import Ledger, decide_settlement
 from datagen.plan import plan_text, usd_per_m_out
-from eagle3.cli import EXIT_ERROR, EXIT_OK, EXIT_TEMPFAIL, run_cli
+from eagle3.cli import EXIT_ERROR, EXIT_OK, EXIT_TEMPFAIL, HelpFormatter, run_cli
 from eagle3.config import load_typed
 from eagle3.data.prompts import Prompt, dedupe, load_prompts
 from eagle3.data.records import ResultStore
@@ -156,6 +156,7 @@ def load_config(path: str | Path) -> GenConfig:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         prog="python -m datagen.openrouter",
         description="Generate target responses on OpenRouter within a hard budget (resumable).",
     )
@@ -181,7 +182,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=0,
         metavar="N",
-        help="audit providers against the local target every N prompts; 0 = off (default)",
+        help="audit providers against the local target every N prompts (0 = off)",
     )
     ap.add_argument(
         "--audit-target", default=None, help="target for the audit (default: config audit_target)"

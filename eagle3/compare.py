@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from eagle3.cli import HelpFormatter
 from eagle3.errors import Eagle3Error
 
 EVAL_FILE = "eagle3_eval.json"
@@ -173,7 +174,9 @@ def plot_acceptance(rows: list[dict[str, Any]], path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m eagle3.compare", description=__doc__.splitlines()[0]
+        formatter_class=HelpFormatter,
+        prog="python -m eagle3.compare",
+        description=__doc__.splitlines()[0],
     )
     p.add_argument("sources", nargs="+", metavar="RUN_OR_JSON")
     p.add_argument("--out", default=".", help="directory for tau.png and acceptance.png")

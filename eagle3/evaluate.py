@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle3.cli import HelpFormatter
 from eagle3.data.chat import next_turns, prompt_ids
 from eagle3.data.decontaminate import parse_benches
 from eagle3.data.prompts import load_prompts
@@ -415,7 +416,8 @@ def engine_rows(args, target, benches, names: dict[str, str], cfg: DecodeConfig)
 
     plain: dict[tuple[str, int], EngineRun] = {}
     with managed_engine(args, hf_dir, served_model_name=target.name) as server:
-        log.info("vLLM plain server up in %.0f s (log %s)", server.startup_seconds, server.log_path)
+        log.info("vLLM plain server up in %.0f s, %s (log %s)", server.startup_seconds,
+                 server.serving.describe(), server.log_path)  # fmt: skip
         turns = engine_plain_turns(server, target, benches, cfg, eos)
         warm(server, next(iter(turns.values()))[0])
         for bench, ids in turns.items():
@@ -426,8 +428,8 @@ def engine_rows(args, target, benches, names: dict[str, str], cfg: DecodeConfig)
         with managed_engine(
             args, hf_dir, served_model_name=target.name, drafter=spec, num_speculative_tokens=k
         ) as server:
-            log.info("vLLM server with %s up in %.0f s (log %s)", name, server.startup_seconds,
-                     server.log_path)  # fmt: skip
+            log.info("vLLM server with %s up in %.0f s, %s (log %s)", name,
+                     server.startup_seconds, server.serving.describe(), server.log_path)  # fmt: skip
             warm(server, next(iter(turns.values()))[0])
             for bench, ids in turns.items():
                 for n in (1, batch):
@@ -573,6 +575,7 @@ def decode_config(args: argparse.Namespace) -> DecodeConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         prog="python -m eagle3.evaluate",
         description="Acceptance length (tau) and speedup of drafters by real speculative decoding.",
     )

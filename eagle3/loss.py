@@ -7,6 +7,8 @@ Alignment (one convention for the whole project; see Eagle3Draft.ttt_forward):
   position counts when x_{t+k+2} is a generated token (loss_mask) and the target's own
   argmax at row t+k+1 lies in the draft vocab (otherwise the draft cannot match it).
 Loss = sum_k w^k * CE_k, each CE_k a mean over its valid positions.
+Packed rows (train/packing.py) pass `segment_ids` (B, T): then step k at position t also needs
+x_{t+k+2} in t's own record; a prediction across a record boundary never counts.
 """
 
 from __future__ import annotations
@@ -15,8 +17,23 @@ import torch
 import torch.nn.functional as F
 
 
+def step_targets(
+    loss_mask: torch.Tensor, k: int, segment_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """bool (B, n), n = T - k - 2: step k's prediction at position t is of a generated token
+    (loss_mask[t+k+2]) of t's own record (same segment, when packed)."""
+    n = max(loss_mask.shape[1] - k - 2, 0)
+    masked = loss_mask[:, k + 2 : k + 2 + n].bool()
+    if segment_ids is not None:
+        masked = masked & (segment_ids[:, k + 2 : k + 2 + n] == segment_ids[:, :n])
+    return masked
+
+
 def step_labels(
-    in_vocab: torch.Tensor, loss_mask: torch.Tensor, k: int
+    in_vocab: torch.Tensor,
+    loss_mask: torch.Tensor,
+    k: int,
+    segment_ids: torch.Tensor | None = None,
 ) -> tuple[slice, torch.Tensor]:
     """TTT step k's labels (the alignment in the module docstring) -> (rows, valid).
 
@@ -24,17 +41,21 @@ def step_labels(
     `rows` picks those n rows of `probs` / `in_vocab`; `valid` bool (B, n) marks the positions
     that count. n is 0 when the sequence is too short for step k.
     """
-    n = max(loss_mask.shape[1] - k - 2, 0)
-    rows = slice(k + 1, k + 1 + n)
-    valid = loss_mask[:, k + 2 : k + 2 + n].bool() & in_vocab[:, rows]
-    return rows, valid
+    masked = step_targets(loss_mask, k, segment_ids)
+    rows = slice(k + 1, k + 1 + masked.shape[1])
+    return rows, masked & in_vocab[:, rows]
 
 
-def valid_counts(in_vocab: torch.Tensor, loss_mask: torch.Tensor, ttt_steps: int) -> torch.Tensor:
+def valid_counts(
+    in_vocab: torch.Tensor,
+    loss_mask: torch.Tensor,
+    ttt_steps: int,
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Valid label positions of each TTT step, exactly as ttt_loss counts them -> int64 (K,)."""
     out = torch.zeros(ttt_steps, dtype=torch.long, device=loss_mask.device)
     for k in range(ttt_steps):
-        out[k] = step_labels(in_vocab, loss_mask, k)[1].sum()
+        out[k] = step_labels(in_vocab, loss_mask, k, segment_ids)[1].sum()
     return out
 
 
@@ -98,6 +119,7 @@ def ttt_loss(
     loss_mask: torch.Tensor,
     step_weight: float = 0.8,
     denominators: list[float] | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted sum of per-step soft cross-entropies -> (loss, metrics).
 
@@ -108,18 +130,19 @@ def ttt_loss(
     batches and ranks. `denominators`
     replaces the local valid-position counts (e.g. counts all-reduced over data-parallel
     ranks, divided by world size) so N ranks reproduce one rank with an N-times batch.
+    `segment_ids`: packed rows (step_targets).
     """
     total = probs.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
     for k, logits in enumerate(step_logits):
-        rows, valid = step_labels(in_vocab, loss_mask, k)
+        rows, valid = step_labels(in_vocab, loss_mask, k, segment_ids)
         n = valid.shape[1]
         if n == 0:
             metrics.update(
                 {f"{key}_{k}": 0 for key in ("loss", "acc", "count", "masked", "correct")}
             )
             continue
-        masked = int(loss_mask[:, k + 2 : k + 2 + n].sum())
+        masked = int(step_targets(loss_mask, k, segment_ids).sum())
         p = probs[:, rows]  # (B, n, Vd)
         B, _, Vd = p.shape
         ce = F.cross_entropy(  # soft-label CE in one fused op: -(p * log_softmax(logits)).sum(-1)

@@ -15,6 +15,8 @@ Two ways to run it:
   and the hidden state the draft itself produced at step k-1 (step 0: fc over the target's
   aux states). Its query attends to step-0 keys at positions <= t and to the keys of steps
   1..k at position t only, which is exactly what the draft sees at inference after k steps.
+  Its attention kernels (linear-memory "chunked" on CPU, "flex" on CUDA, and the dense
+  references) live in eagle3/ttt_attention.py.
 
 Parameter names match SGLang's `LlamaForCausalLMEagle3` so checkpoints load there unchanged.
 """
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3.errors import Eagle3Error
+from eagle3.ttt_attention import ttt_attention
 
 FEATURES = ("aux", "last")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # scalings the drafter's rotary implements
@@ -290,7 +293,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.ttt_impl = "auto"  # "auto" | "sdpa" | "split": see attend_ttt
+        self.ttt_impl = "auto"  # "auto" | "chunked" | "flex" | "sdpa" | "split": see attend_ttt
 
     def qkv(
         self, x: torch.Tensor, position_ids: torch.Tensor
@@ -306,34 +309,19 @@ class Attention(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def attend_ttt(
-        self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
+        self,
+        q: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """TTT step k = len(keys) - 1: q (B, nh, T, hd) over step-0 keys causally and the
-        keys of steps 1..k on the diagonal -> (B, T, H).
-
-        "sdpa" runs one masked SDPA over all (k+1)*T keys: fused kernels on GPU, but k*T*T
-        wasted scores. "split" scores the causal block and the k diagonal keys separately
-        (T*T + k*T) and softmaxes them jointly: exact, and much cheaper on CPU where SDPA has
-        no fused masked kernel anyway.
-        """
-        impl = self.ttt_impl
-        if impl == "auto":
-            impl = "sdpa" if q.is_cuda else "split"
-        if impl == "sdpa" or len(keys) == 1:
-            mask = ttt_mask(q.shape[2], len(keys) - 1, q.device)
-            return self.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
+        """TTT step k = len(keys) - 1: q (B, nh, T, hd) over step-0 keys causally (within a
+        segment) and the keys of steps 1..k on the diagonal -> (B, T, H). self.ttt_impl picks
+        the kernel (eagle3/ttt_attention.py says what each is for)."""
         B, nh, T, hd = q.shape
-        rep = self.n_heads // self.n_kv
-        k0 = keys[0].repeat_interleave(rep, dim=1)  # (B, nh, T, hd)
-        v0 = values[0].repeat_interleave(rep, dim=1)
-        scale = hd**-0.5
-        causal = (q @ k0.transpose(-1, -2)) * scale  # (B, nh, T, T)
-        causal = causal.masked_fill(~ttt_mask(T, 0, q.device)[:, None], float("-inf"))
-        kd = torch.stack(keys[1:], dim=-2).repeat_interleave(rep, dim=1)  # (B, nh, T, k, hd)
-        vd = torch.stack(values[1:], dim=-2).repeat_interleave(rep, dim=1)
-        diag = (q.unsqueeze(-2) * kd).sum(-1) * scale  # (B, nh, T, k)
-        probs = torch.cat([causal, diag], dim=-1).float().softmax(-1).to(q.dtype)
-        out = probs[..., :T] @ v0 + (probs[..., T:].unsqueeze(-1) * vd).sum(-2)  # (B, nh, T, hd)
+        out = ttt_attention(
+            q, keys, values, scale=hd**-0.5, impl=self.ttt_impl, segment_ids=segment_ids
+        )  # (B, nh, T, hd)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, nh * hd))
 
     def attend(
@@ -377,14 +365,6 @@ class DecoderLayer(nn.Module):
     def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         hidden = hidden + attn_out  # residual is the incoming hidden state, not the 2H input
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
-def ttt_mask(seq_len: int, step: int, device: torch.device) -> torch.Tensor:
-    """Bool (1, T, (step+1)*T): step-0 keys causally, keys of steps 1..step on the diagonal."""
-    idx = torch.arange(seq_len, device=device)
-    causal = idx[None, :] <= idx[:, None]  # (T, T)
-    diag = torch.eye(seq_len, dtype=torch.bool, device=device)
-    return torch.cat([causal] + [diag] * step, dim=1)[None]
 
 
 class Eagle3Draft(nn.Module):
@@ -471,17 +451,28 @@ class Eagle3Draft(nn.Module):
         return out, self.compute_logits(out), (k, v)
 
     def ttt_forward(
-        self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, ttt_steps: int
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        ttt_steps: int,
+        segment_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Training-time test unroll -> per-step draft logits, each (B, T, Vd).
 
         Step k at position t consumes token x_{t+k+1} (0 past the end; those positions carry
         no loss) and predicts x_{t+k+2}. Rotary position is t+k, as at inference.
+        Packed rows (train/packing.py): segment_ids (B, T) keeps attention inside each record
+        and position_ids (B, T) restarts positions per record (rotary position_ids + k); the
+        token shift does cross a record's end, whose predictions the loss drops
+        (eagle3.loss.step_targets).
         """
         B, T = input_ids.shape
         layer = self.midlayer
         hidden = self.project(aux_hidden)  # (B, T, H)
-        positions = torch.arange(T, device=input_ids.device)[None].expand(B, T)
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)
+        positions = position_ids
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         step_logits = []
@@ -491,7 +482,7 @@ class Eagle3Draft(nn.Module):
             q, key, value = layer.self_attn.qkv(x, positions + k)
             keys.append(key)
             values.append(value)
-            attn = layer.self_attn.attend_ttt(q, keys, values)
+            attn = layer.self_attn.attend_ttt(q, keys, values, segment_ids)
             hidden = layer.finish(hidden, attn)
             step_logits.append(self.compute_logits(hidden))
         return step_logits

@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3.cli import HelpFormatter
 from eagle3.config import merge, parse_overrides, read_yaml
 from eagle3.errors import Eagle3Error
 
@@ -137,6 +138,8 @@ def capture_command(
     name = "capture" if data == "responses" else f"capture-{data}"
     cmd = [sys.executable, "-m", "datagen.capture", "--target", args.target]
     cmd += ["--data", str(run / data), "--out", str(run / out), "--max-length", str(max_length)]
+    if data == "offpolicy":  # a budget choice: the first OFFPOLICY_MAX_LENGTH tokens, no windows
+        cmd += ["--long-records", "cut"]
     return name, cmd
 
 
@@ -324,6 +327,7 @@ def results_table(run: Path) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         prog="python -m eagle3.quickstart",
         description="Generate data, capture, train and measure a drafter for the embedded target.",
     )

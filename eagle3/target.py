@@ -295,6 +295,13 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def output_cache(out: Any):
+    """The KV cache a forward returned: `out.cache` in transformers 5 (whose deprecated
+    `out.past_key_values` logs a warning on every run), `out.past_key_values` in 4.x."""
+    fields = getattr(out, "__dataclass_fields__", {})
+    return out.cache if "cache" in fields else out.past_key_values
+
+
 def new_cache(model: torch.nn.Module):
     from transformers import DynamicCache
 

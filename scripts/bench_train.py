@@ -88,6 +88,22 @@ def shape_facts(spec: str) -> dict:
     }
 
 
+def recipe_draft_config(cfg, facts: dict, draft_vocab: int, aux_ids: list[int]) -> DraftConfig:
+    """The recipe's draft shape (model.draft; nulls derived from the target's config)."""
+    shape = cfg.model.draft
+    return DraftConfig.from_target_config(
+        facts["hf_config"],
+        draft_vocab,
+        aux_ids,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate_size,
+        rope_theta=shape.rope.theta,
+        rope_scaling=shape.rope.scaling,
+    )
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -122,18 +138,7 @@ def main() -> None:
     aux_ids = cfg.target.aux_layer_ids or facts["aux_layer_ids"] or [1, 2, 3]
     vocab_size = facts["vocab_size"]
     dv = min(cfg.model.draft_vocab_size, vocab_size)
-    shape = cfg.model.draft  # the recipe's draft shape; nulls derived from the target
-    draft_cfg = DraftConfig.from_target_config(
-        facts["hf_config"],
-        dv,
-        aux_ids,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim,
-        intermediate_size=shape.intermediate_size,
-        rope_theta=shape.rope.theta,
-        rope_scaling=shape.rope.scaling,
-    )
+    draft_cfg = recipe_draft_config(cfg, facts, dv, aux_ids)
     torch.manual_seed(0)
     draft = Eagle3Draft(draft_cfg)
     t2d = torch.zeros(vocab_size, dtype=torch.bool)

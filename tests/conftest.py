@@ -18,6 +18,27 @@ def seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def transformers_warnings():
+    """The messages transformers logs during the test. Its warning_once cache is cleared first,
+    so a warning an earlier test already triggered in this process is seen again."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler, logger = Keep(logging.WARNING), logging.getLogger("transformers")
+    hf_logging.warning_once.cache_clear()
+    logger.addHandler(handler)
+    yield seen
+    logger.removeHandler(handler)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from eagle3.config import load_typed
+from eagle3.data.windows import MODES as WINDOW_MODES
 from eagle3.errors import Eagle3Error
 from eagle3.model import FEATURES, rope_scaling_for_engines
 
@@ -59,8 +60,18 @@ class DataConfig:
     mode: str = "offline"  # offline: captured shards; online: the target runs in the loop
     shard_dirs: list[str] = field(default_factory=list)  # offline: datagen.capture output dirs
     records: list[str] = field(default_factory=list)  # online: JSONL files or datagen result dirs
-    max_length: int = 2048  # longer records are cut to their first max_length tokens
-    batch_size: int = 4  # sequences per micro-batch per process
+    max_length: int = 2048  # tokens per trained sequence
+    # A longer record: "window" trains it as windows of max_length that keep window_context
+    # tokens of preceding context (default max_length // 2; eagle3/data/windows.py), so every
+    # generated token is trained; "cut" keeps its first max_length tokens only
+    long_records: str = "window"
+    window_context: int | None = None
+    batch_size: int = 4  # sequences (packed: rows) per micro-batch per process
+    # Offline only: lay several records end to end in rows of at most pack_length tokens
+    # (default max_length; a longer record is a row alone), each attending to itself only
+    # (train/packing.py): almost no padding
+    packing: bool = False
+    pack_length: int | None = None
     group_by_length: bool = True  # length-grouped batches keep padding < 10% of tokens
     lm_head_chunk: int = (
         512  # rows per target lm_head chunk (soft labels); bounds full-vocab memory
@@ -180,6 +191,16 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
 
     d, m, o, t = cfg.data, cfg.model, cfg.optim, cfg.train
     need(d.mode in ("offline", "online"), f"data.mode must be offline or online, got {d.mode!r}")
+    need(
+        d.long_records in WINDOW_MODES,
+        f"data.long_records must be {' or '.join(WINDOW_MODES)}, got {d.long_records!r}",
+    )
+    need(
+        d.window_context is None or m.ttt_steps + 1 < d.window_context < d.max_length,
+        f"data.window_context must be in ({m.ttt_steps + 1}, data.max_length={d.max_length}) "
+        f"(more than the TTT depth + 1, so every prediction lands in a window) or null, "
+        f"got {d.window_context}",
+    )
     if d.mode == "offline":
         need(bool(d.shard_dirs), "data.shard_dirs is empty: list the datagen.capture output dirs")
         for path in d.shard_dirs if check_paths else []:
@@ -222,6 +243,15 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
     ]:
         need(value >= 1, f"{name} must be >= 1, got {value}")
     need(d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
+    need(
+        not d.packing or d.mode == "offline",
+        "data.packing packs captured shards (data.mode: offline); online the target's forward "
+        "is per record: set data.packing=false",
+    )
+    need(
+        d.pack_length is None or d.pack_length >= 1,
+        f"data.pack_length must be >= 1 or null, got {d.pack_length}",
+    )
     need(d.label_cache_gb >= 0, f"data.label_cache_gb must be >= 0, got {d.label_cache_gb}")
     need(
         t.max_steps is None or t.max_steps >= 1, f"train.max_steps must be >= 1, got {t.max_steps}"

@@ -8,8 +8,8 @@ G train on exactly the sequences one process sees with batch N*b*G, which is wha
 
 Padding is kept low by grouping similar lengths (shuffle, then sort inside mega-batches of
 `MEGA_BATCHES` step batches, then shuffle the batch order), the usual length-grouped sampler.
-Sequences are never packed together: the TTT attention has no document mask, so a packed row
-would let one conversation attend to another.
+With data.packing the "sequences" are packed rows of several records (train/packing.py), made
+once per run: everything here works on rows as it does on records.
 """
 
 from __future__ import annotations
@@ -20,13 +20,20 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
 from eagle3.data.chat import RenderError, render_record
 from eagle3.data.prompts import unit_hash
 from eagle3.data.records import read_records
 from eagle3.data.shards import ShardDataset
+from eagle3.data.windows import (
+    Window,
+    lengths_line,
+    record_of,
+    split_windows,
+    window_id,
+    window_mask,
+)
 from eagle3.errors import Eagle3Error
 from eagle3.vocab import token_frequencies
 
@@ -62,8 +69,8 @@ def split_validation(
     on one side, the side never depends on the other records, and the salt keeps this split
     independent of datagen's train/eval prompt split (which hashes the bare seed)."""
     train, val = [], []
-    for part in parts:
-        held = [unit_hash(f"val{seed}", rid) < fraction for rid in part.ids]
+    for part in parts:  # by conversation: every window of one record on the same side
+        held = [unit_hash(f"val{seed}", record_of(rid)) < fraction for rid in part.ids]
         train.append(part.subset([i for i, h in enumerate(held) if not h]))
         val.append(part.subset([i for i, h in enumerate(held) if h]))
     return [p for p in train if len(p)], [p for p in val if len(p)]
@@ -105,7 +112,7 @@ def take_sequences(parts: list[Dataset], n: int, seed: int) -> list[Dataset]:
     """At most `n` sequences over all parts, the n lowest unit_hash("take<seed>", id): a larger
     n keeps every sequence of a smaller one (nested learning-curve subsets)."""
     keys = [
-        (unit_hash(f"take{seed}", rid), j, i)
+        (unit_hash(f"take{seed}", record_of(rid)), j, i)
         for j, p in enumerate(parts)
         for i, rid in enumerate(p.ids)
     ]
@@ -119,7 +126,8 @@ def take_sequences(parts: list[Dataset], n: int, seed: int) -> list[Dataset]:
 
 # -- online: tokenized records ---------------------------------------------------------------
 class TokenRecords(Dataset):
-    """Records as {"input_ids", "loss_mask"} LongTensors, truncated to max_length.
+    """Records as {"input_ids", "loss_mask"} LongTensors, cut to max_length (None: whole;
+    Windows then splits the long ones).
 
     `paths` are JSONL files or datagen result directories (eagle3.data.records). A record holds
     either `input_ids` + `loss_mask` (already tokenized) or `messages` (a datagen
@@ -127,8 +135,7 @@ class TokenRecords(Dataset):
     renders it). Records that cannot be rendered or have no loss tokens are skipped (counted).
     """
 
-    def __init__(self, paths: list[str], max_length: int, tokenizer: Any = None):
-
+    def __init__(self, paths: list[str], max_length: int | None, tokenizer: Any = None):
         self.items: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.ids: list[str] = []  # each item's record id (the conversation: validation split)
         self.skipped = 0
@@ -159,6 +166,10 @@ class TokenRecords(Dataset):
             raise Eagle3Error(f"no trainable records in {', '.join(map(str, paths))}")
         self.lengths = [len(ids) for ids, _ in self.items]
 
+    def loss_tokens(self) -> list[int]:
+        """Loss-masked tokens per record (Windows' report)."""
+        return [int(mask.sum()) for _, mask in self.items]
+
     def __len__(self) -> int:
         return len(self.items)
 
@@ -172,6 +183,97 @@ class TokenRecords(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         ids, mask = self.items[i]
         return {"input_ids": ids, "loss_mask": mask}
+
+
+# -- long records: windows ------------------------------------------------------------------------
+class Windows(Dataset):
+    """Records longer than max_length as windows of it (mode "window", eagle3/data/windows.py)
+    or cut to their first max_length tokens ("cut"); the others as they are. Item j is window
+    w of record i: every per-token tensor sliced to the window, the loss mask zeroed where an
+    earlier window trained. Offline the slices keep the stored hidden states, computed over
+    the whole conversation; online the target runs on the window. Only long records are read
+    up front (for their loss masks)."""
+
+    PER_TOKEN = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        lengths: list[int],
+        max_length: int,
+        mode: str = "window",
+        context: int | None = None,
+    ):
+        self.dataset = dataset
+        self.windows: list[tuple[int, Window, int]] = []  # (record, window, window number)
+        self.dropped_if_cut: list[int] = []  # per record: loss tokens a cut drops
+        for i, n in enumerate(lengths):
+            if n <= max_length:
+                self.windows.append((i, Window(0, n, 0), 0))
+                self.dropped_if_cut.append(0)
+                continue
+            mask = dataset[i]["loss_mask"]
+            self.dropped_if_cut.append(int(mask[max_length:].sum()))
+            if mode == "cut":
+                if mask[:max_length].any():
+                    self.windows.append((i, Window(0, max_length, 0), 0))
+                continue
+            for w, window in enumerate(split_windows(mask, max_length, context)):
+                self.windows.append((i, window, w))
+        self.lengths = [w.end - w.start for _, w, _ in self.windows]
+        self.records = len(lengths)
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, j: int) -> dict[str, Any]:
+        i, w, n = self.windows[j]
+        item = self.dataset[i]
+        if w.covered == 0 and w.end == len(item["input_ids"]):
+            return item  # the whole record
+        out = {k: v[w.start : w.end] for k, v in item.items() if k in self.PER_TOKEN}
+        out["loss_mask"] = window_mask(item["loss_mask"], w)
+        if "id" in item:
+            out["id"] = window_id(str(item["id"]), n)
+        return out
+
+
+def loss_tokens(dataset: Dataset) -> list[int]:
+    """Loss-masked tokens per record of a (concatenated) dataset, from shard indexes or the
+    token records in memory: nothing is read from disk."""
+    parts = dataset.datasets if isinstance(dataset, ConcatDataset) else [dataset]
+    out: list[int] = []
+    for part in parts:
+        if isinstance(part, ShardDataset):
+            out += [int(e["num_loss_tokens"]) for e in part.index]
+        else:
+            out += part.loss_tokens()
+    return out
+
+
+def long_records_report(
+    lengths: list[int],
+    loss_tokens: list[int],
+    dropped_if_cut: list[int],
+    max_length: int,
+    mode: str,
+    sequences: int,
+) -> tuple[str, dict]:
+    """(one printed line, provenance/W&B fields): the records' lengths, and what max_length
+    does to them: the loss tokens a cut drops, or the windows added (none dropped)."""
+    line = lengths_line(lengths, list(zip(dropped_if_cut, loss_tokens)), max_length)
+    dropped = sum(dropped_if_cut) if mode == "cut" else 0
+    how = (f"cut: {dropped:,} loss tokens dropped" if mode == "cut"
+           else f"windows: {sequences - len(lengths):,} added, no loss token dropped")  # fmt: skip
+    return f"{line}; {how}", {
+        "mode": mode,
+        "max_length": max_length,
+        "records": len(lengths),
+        "sequences": sequences,
+        "longer_than_max_length": sum(n > max_length for n in lengths),
+        "loss_tokens": sum(loss_tokens),
+        "loss_tokens_dropped": dropped,
+    }
 
 
 # -- draft vocab counts, streamed --------------------------------------------------------------
@@ -197,7 +299,7 @@ def _shard_token_counts(ds: ShardDataset, vocab_size: int) -> torch.Tensor:
     for entry in ds.index:
         by_shard.setdefault(entry["shard"], []).append(entry)
     for name, entries in by_shard.items():
-        with safe_open(str(ds.dir / name), framework="pt") as f:
+        with ds.open_shard(name) as f:  # a header that does not parse: one line naming it
             ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
         keep = torch.zeros(ids.numel(), dtype=torch.bool)  # rows of indexed records only
         for e in entries:
@@ -257,14 +359,16 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """
     T = max(len(item["input_ids"]) for item in items)
     batch: dict[str, torch.Tensor] = {}
-    for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
+    for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden", "segment_ids",
+                "position_ids"):  # fmt: skip
         if key not in items[0]:
             continue
+        fill = -1 if key == "segment_ids" else 0  # packed rows: padding is no record's
         rows = []
         for item in items:
             x = item[key]
             pad = T - x.shape[0]
-            rows.append(torch.cat([x, x.new_zeros((pad, *x.shape[1:]))]) if pad else x)
+            rows.append(torch.cat([x, x.new_full((pad, *x.shape[1:]), fill)]) if pad else x)
         batch[key] = torch.stack(rows)
     lengths = torch.tensor([len(item["input_ids"]) for item in items])
     batch["attention_mask"] = (torch.arange(T)[None] < lengths[:, None]).long()

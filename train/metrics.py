@@ -102,6 +102,17 @@ class MetricsLog:
             + (" (best so far: saved to best/)" if improved else "")
         )
 
+    def log_data(self, step: int, metrics: dict[str, Any]) -> None:
+        """What this launch trains on: a metrics.jsonl line {"step", "split": "data",
+        "data/...": ...} (a resumed launch adds its own) and the same keys in W&B's summary."""
+        if not self.enabled:
+            return
+        row = {f"data/{key}": value for key, value in metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "split": "data", **row}) + "\n")
+        if self.run is not None:
+            self.run.summary.update(row)
+
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
             self.bar.update(n)

@@ -56,7 +56,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from eagle3.checkpoint import load_draft, save_draft
-from eagle3.cli import run_cli
+from eagle3.cli import HelpFormatter, run_cli
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.loss import label_rows, simulated_acceptance, target_probs, ttt_loss, valid_counts
 from eagle3.model import DraftConfig, Eagle3Draft
@@ -74,10 +74,13 @@ from eagle3.vocab import DraftVocab, build_draft_vocab, vocab_from_d2t
 from train.config import Config, load_config
 from train.data import (
     TokenRecords,
+    Windows,
     check_shard_meta,
     collate,
     concat,
     load_shards,
+    long_records_report,
+    loss_tokens,
     split_validation,
     step_batches,
     steps_per_epoch,
@@ -86,6 +89,7 @@ from train.data import (
 )
 from train.label_cache import LabelCache
 from train.metrics import MetricsLog
+from train.packing import PackedDataset
 
 VOCAB_FILE = "draft_vocab.safetensors"
 BEST = "best"  # the draft with the best validation simulated tau so far
@@ -99,8 +103,20 @@ class TTTModel(nn.Module):
         self.draft = draft
         self.ttt_steps = ttt_steps
 
-    def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor) -> list[torch.Tensor]:
-        return self.draft.ttt_forward(input_ids, aux_hidden, self.ttt_steps)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        segment_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        return self.draft.ttt_forward(
+            input_ids,
+            aux_hidden,
+            self.ttt_steps,
+            segment_ids=segment_ids,
+            position_ids=position_ids,
+        )
 
 
 # -- draft vocab: built once, then always reused ------------------------------------------------
@@ -302,8 +318,11 @@ class Run:
             if keys:
                 cache.put(keys, *labels, rows)
         probs, in_vocab = labels
+        packed = "segment_ids" in batch  # train/packing.py rows: records kept apart
         return {
             "input_ids": ids,
+            "segment_ids": batch["segment_ids"].to(device) if packed else None,
+            "position_ids": batch["position_ids"].to(device) if packed else None,
             "aux": aux if self.draft_cfg.feature == "aux" else last,
             "probs": probs,
             "in_vocab": in_vocab,
@@ -368,7 +387,6 @@ def start_served(cfg: Config, accelerator: Accelerator, served: ServedTarget) ->
     port = engine_port(cfg, accelerator)
     if accelerator.is_local_main_process:
         log_path = e.log or Path(cfg.train.out_dir) / f"engine-{socket.gethostname()}.log"
-        print(f"starting vLLM for {served.name} on port {port} (log {log_path})", flush=True)
         served.start(
             cfg.data.max_length,
             tensor_parallel_size=e.tensor_parallel_size,
@@ -377,6 +395,7 @@ def start_served(cfg: Config, accelerator: Accelerator, served: ServedTarget) ->
             port=port,
             startup_timeout=e.startup_timeout_s,
             dtype=None if cfg.target.dtype == "auto" else cfg.target.dtype,
+            say=lambda line: print(line, flush=True),
         )
         return
     client = EngineClient(f"http://127.0.0.1:{port}", served.name)
@@ -420,10 +439,9 @@ def load_data(
     records."""
     device = accelerator.device
     if cfg.data.mode == "offline":
-        parts, metas = load_shards(cfg.data.shard_dirs, hidden_dtype, cfg.data.max_length)
-        val_parts, val_metas = load_shards(
-            cfg.data.val_shard_dirs, hidden_dtype, cfg.data.max_length
-        )
+        # whole records: long ones become windows (or are cut) in fit_length, after the vocab
+        parts, metas = load_shards(cfg.data.shard_dirs, hidden_dtype)
+        val_parts, val_metas = load_shards(cfg.data.val_shard_dirs, hidden_dtype)
         aux_ids = cfg.target.aux_layer_ids or metas[0].get("aux_layer_ids")
         dirs = cfg.data.shard_dirs + cfg.data.val_shard_dirs
         problems = check_shard_meta(
@@ -457,18 +475,16 @@ def load_data(
                 aux_layer_ids=aux_ids,
             )
             lm_head, embed = target.lm_head_weight, target.embed_weight
-        parts = [TokenRecords(cfg.data.records, cfg.data.max_length, target.tokenizer)]
-        val_parts = [
-            TokenRecords([path], cfg.data.max_length, target.tokenizer)
-            for path in cfg.data.val_records
-        ]
+        # whole records: long ones become windows (or are cut) in fit_length, after the vocab
+        parts = [TokenRecords(cfg.data.records, None, target.tokenizer)]
+        val_parts = [TokenRecords([path], None, target.tokenizer) for path in cfg.data.val_records]
         provenance = {"records": cfg.data.records, "skipped_records": parts[0].skipped}
         if isinstance(target, ServedTarget):  # which forwards make the labels
             provenance["served_by"] = {
                 "engine": cfg.target.engine.kind,
                 "model": target.hf_dir,
                 "engine_layer_ids": target.engine_layer_ids(),
-            }
+            }  # the dtype and attention backend served are added once it is started
     if not val_parts and cfg.data.val_fraction > 0:  # no fixed validation set: split one off
         parts, val_parts = split_validation(parts, cfg.data.val_fraction, cfg.data.val_seed)
         if not parts:
@@ -542,6 +558,40 @@ def make_label_cache(
     return LabelCache(int(cfg.data.label_cache_gb * 2**30))
 
 
+def fit_length(cfg: Config, accelerator: Accelerator, data: TrainData) -> None:
+    """Records longer than data.max_length become windows of it (or are cut:
+    data.long_records), training and validation alike; one line says what that did, also kept
+    in provenance and W&B."""
+    d = cfg.data
+    lengths = data.lengths
+    windows = Windows(data.dataset, lengths, d.max_length, d.long_records, d.window_context)
+    line, report = long_records_report(
+        lengths, loss_tokens(data.dataset), windows.dropped_if_cut, d.max_length,
+        d.long_records, len(windows),
+    )  # fmt: skip
+    data.dataset, data.lengths = windows, windows.lengths
+    if data.val_dataset is not None:
+        val = Windows(data.val_dataset, data.val_lengths, d.max_length, d.long_records,
+                      d.window_context)  # fmt: skip
+        data.val_dataset, data.val_lengths = val, val.lengths
+    data.provenance["long_records"] = report
+    if accelerator.is_main_process:
+        print(f"training records: {line}", flush=True)
+
+
+def pack_rows(cfg: Config, accelerator: Accelerator, data: TrainData) -> None:
+    """Replace the training records by packed rows of data.pack_length tokens (validation
+    stays one record per row); every rank packs the same way (a pure function of lengths)."""
+    capacity = cfg.data.pack_length or cfg.data.max_length
+    packed = PackedDataset(data.dataset, data.lengths, capacity)
+    data.dataset, data.lengths = packed, packed.lengths
+    data.provenance.update(packed_rows=len(packed), pack_length=capacity)
+    if accelerator.is_main_process:
+        fill = sum(packed.lengths) / (len(packed) * capacity)
+        print(f"packing: {packed.records} records into {len(packed)} rows of <= {capacity} "
+              f"tokens, filled to {fill:.1%}", flush=True)  # fmt: skip
+
+
 def count_steps(cfg: Config, lengths: list[int], world: int) -> int:
     """Optimizer steps of the run: train.max_steps, else train.epochs over the data."""
     per_epoch = steps_per_epoch(lengths, cfg.data.batch_size, world, cfg.optim.grad_accum)
@@ -599,6 +649,9 @@ def setup(cfg: Config) -> Run:
     facts = target_facts(cfg.target.name)
     data = load_data(cfg, facts, accelerator, hidden_dtype)
     vocab = setup_vocab(cfg, accelerator, data.dataset, facts["vocab_size"], out_dir)
+    fit_length(cfg, accelerator, data)  # after the vocab: it counts each record's tokens once
+    if cfg.data.packing:
+        pack_rows(cfg, accelerator, data)
     draft = build_draft(cfg, facts, vocab, data)
     total_steps = count_steps(cfg, data.lengths, world)
     label_cache = make_label_cache(cfg, data.lengths, world, total_steps)
@@ -638,6 +691,8 @@ def setup(cfg: Config) -> Run:
         provenance=data.provenance,
         progress=cfg.train.progress,
     )
+    if "long_records" in data.provenance:  # the records' lengths and the tokens a cut dropped
+        logger.log_data(start_step, data.provenance["long_records"])
     stream = step_batches(
         data.dataset,
         data.lengths,
@@ -653,6 +708,9 @@ def setup(cfg: Config) -> Run:
     if isinstance(data.target, ServedTarget):  # last: everything else is checked by now
         start_served(cfg, accelerator, data.target)
         stream = captured_ahead(stream, data.target)
+        if accelerator.is_main_process and data.target.serving:  # what the engine computes in
+            data.provenance["served_by"]["serving"] = data.target.serving
+            (out_dir / "provenance.json").write_text(json.dumps(data.provenance, indent=1))
     export_extra = {
         "target": facts["name"],
         "target_architectures": list(getattr(facts["hf_config"], "architectures", None) or []),
@@ -685,7 +743,9 @@ def loss_denominators(run: Run, window: list[dict]) -> list[float]:
     """Per-TTT-step loss denominators of one optimizer step: the valid label positions of all
     its micro-batches on all ranks, so each micro-loss is a share of the whole step's mean."""
     K, G = run.cfg.model.ttt_steps, run.cfg.optim.grad_accum
-    counts = torch.stack([valid_counts(mb["in_vocab"], mb["loss_mask"], K) for mb in window])
+    counts = torch.stack(
+        [valid_counts(mb["in_vocab"], mb["loss_mask"], K, mb["segment_ids"]) for mb in window]
+    )
     counts = run.accelerator.reduce(counts.sum(0), reduction="sum")
     # accelerate divides each micro-loss by G and DDP averages ranks: undo both here
     return (counts.double() / (run.accelerator.num_processes * G)).tolist()
@@ -766,7 +826,7 @@ def validate(run: Run) -> dict[str, float]:
         batch["index"] = torch.tensor(indices)
         mb = run.labelled(batch, "val")
         step_logits = run.model(mb["input_ids"], mb["aux"])
-        _, m = ttt_loss(step_logits, mb["probs"], mb["in_vocab"], mb["loss_mask"], w)
+        _, m = ttt_loss(step_logits, mb["probs"], mb["in_vocab"], mb["loss_mask"], w)  # unpacked
         if counts:
             add_to_sums(sums, m, mb, K)
     run.model.train()
@@ -830,7 +890,9 @@ def train_loop(run: Run) -> None:
         denominators = loss_denominators(run, window)
         for mb in window:
             with accelerator.accumulate(model):
-                step_logits = model(mb["input_ids"], mb["aux"])
+                step_logits = model(
+                    mb["input_ids"], mb["aux"], mb["segment_ids"], mb["position_ids"]
+                )
                 loss, m = ttt_loss(
                     step_logits,
                     mb["probs"],
@@ -838,6 +900,7 @@ def train_loop(run: Run) -> None:
                     mb["loss_mask"],
                     cfg.model.step_weight,
                     denominators,
+                    mb["segment_ids"],
                 )
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
@@ -893,7 +956,9 @@ def train(cfg: Config) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The CLI: exit 0, or 2 with one `error:` line for a config or data mistake."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--config", help="YAML recipe (configs/train/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. optim.lr=5e-5")
     args = parser.parse_args(argv)

@@ -1,11 +1,15 @@
 """`python -m datagen.capture` on tiny random targets: shards equal the target's own capture,
-bad input is counted, resume, a killed run, two processes, --estimate."""
+bad input is counted, resume, a killed run, two processes, --estimate, a damaged shard found
+by --verify and recaptured by a resume."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
+import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +22,7 @@ import torch
 from datagen import capture
 from eagle3.data.chat import render_record
 from eagle3.data.shards import ShardDataset, read_index, read_meta
+from eagle3.errors import Eagle3Error
 from eagle3.target import load_target
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,7 +97,7 @@ def test_capture_equals_the_targets_own_forward(chat_llama, tmp_path, capsys):
     data = write_jsonl(tmp_path / "chat.jsonl", GOOD + BAD)
     out = tmp_path / "shards"
     assert run_cli("--target", chat_llama, "--data", data, "--out", out, "--max-length", MAX_LENGTH,
-                   "--shard-mb", 0, "--batch-tokens", 100) == 0  # fmt: skip
+                   "--long-records", "cut", "--shard-mb", 0, "--batch-tokens", 100) == 0  # fmt: skip
     ds = ShardDataset(out)
     assert sorted(e["id"] for e in ds.index) == ["g0", "g1", "g2", "g3", "g4"]
     meta = ds.meta
@@ -103,7 +108,7 @@ def test_capture_equals_the_targets_own_forward(chat_llama, tmp_path, capsys):
     assert meta["providers"] == {"local test": 5}
     assert meta["summary"] == {
         "kept": 5,
-        "kept: truncated to --max-length": 1,
+        "kept: longer than --max-length (cut)": 1,
         "kept: response cut at max tokens (no end-of-turn token)": 1,
         "kept: reasoning left out (the template has no place for it)": 1,
         "skipped: no user turn": 1,
@@ -127,10 +132,70 @@ def test_capture_equals_the_targets_own_forward(chat_llama, tmp_path, capsys):
     assert meta["num_tokens"] == sum(ds.lengths)
 
 
+def test_long_records_are_captured_as_windows_and_resumed_window_by_window(
+    chat_llama, tmp_path, caplog
+):
+    """--long-records window (the default): a record longer than --max-length becomes windows
+    <id>#wI, each the target's forward over the window alone, every response token in exactly
+    one window's loss mask; the length report names what a cut would have dropped. A window
+    lost with its shard is captured again alone (the record's other windows stay)."""
+    from eagle3.data.windows import split_windows, window_mask
+
+    long = [GOOD[2], BAD[2], GOOD[0]]  # g2: cut before; b2: its whole response past the cut
+    data = write_jsonl(tmp_path / "long.jsonl", long)
+    out = tmp_path / "shards"
+    args = ["--target", chat_llama, "--data", data, "--out", out, "--max-length", 24,
+            "--window-context", 8, "--shard-mb", 0]  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        assert run_cli(*args) == 0
+    report = [r.message for r in caplog.records if r.message.startswith("records to capture")]
+    target = load_target(chat_llama, device="cpu")
+    n_long = sum(len(render_record(target.tokenizer, r).input_ids) > 24 for r in long)
+    assert report and f"{n_long} longer than max_length 24, whose cut would drop" in report[0]
+    ds = ShardDataset(out)
+    got = {ds[i]["id"]: ds[i] for i in range(len(ds))}
+    for rec in long:
+        whole = render_record(target.tokenizer, rec)
+        mask = torch.tensor(whole.loss_mask)
+        windows = split_windows(mask, 24, 8)
+        ids = (
+            [f"{rec['id']}#w{i}" for i in range(len(windows))] if len(windows) > 1 else [rec["id"]]
+        )
+        trained = torch.zeros_like(mask)
+        for wid, w in zip(ids, windows):
+            row = got.pop(wid)
+            assert row["input_ids"].tolist() == whole.input_ids[w.start : w.end]
+            assert torch.equal(row["loss_mask"], window_mask(mask, w))
+            trained[w.start : w.end] += row["loss_mask"]
+            aux, last = target.capture(row["input_ids"][None])  # the window alone
+            torch.testing.assert_close(row["aux_hidden"], aux[0], rtol=2e-2, atol=2e-2)
+        assert torch.equal(trained, mask)  # every response token once
+    assert not got
+
+    lost = next(e for e in read_index(out) if e["id"] == "g2#w1")
+    (out / lost["shard"]).write_bytes(b"cut")  # that window's shard (one record a shard)
+    before = {e["id"]: e["shard"] for e in read_index(out)}
+    assert run_cli(*args) == 0
+    after = {e["id"]: e["shard"] for e in read_index(out)}
+    assert set(after) == set(before)
+    assert [i for i in after if after[i] != before[i]] == ["g2#w1"]  # recaptured alone
+
+
 def test_resume_skips_what_is_captured(chat_llama, tmp_path, capsys):
     first = write_jsonl(tmp_path / "a.jsonl", GOOD[:3])
     out = tmp_path / "shards"
-    args = ["--target", chat_llama, "--out", out, "--max-length", MAX_LENGTH, "--shard-mb", 0]
+    args = [
+        "--target",
+        chat_llama,
+        "--out",
+        out,
+        "--max-length",
+        MAX_LENGTH,
+        "--shard-mb",
+        0,
+        "--long-records",
+        "cut",
+    ]  # fmt: skip  (windows resume: the test above)
     assert run_cli(*args, "--data", first) == 0
     index = (out / "index.jsonl").read_text()
     assert run_cli(*args, "--data", first) == 0  # nothing new
@@ -317,3 +382,94 @@ def test_two_processes_capture_every_record_exactly_once(chat_llama, tmp_path):
         assert got["input_ids"].tolist() == want.input_ids
         _, last = target.capture(torch.tensor([want.input_ids]))
         torch.testing.assert_close(got["last_hidden"], last[0], rtol=2e-2, atol=2e-2)
+
+
+def damage(path: Path, how: str) -> None:
+    """What a full disk or a copy cut short leaves (truncated), or bit rot (same size)."""
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    else:  # flipped bytes in the tensor data, the header intact
+        i = len(data) * 2 // 3
+        path.write_bytes(data[:i] + bytes(b ^ 0xFF for b in data[i : i + 4]) + data[i + 4 :])
+
+
+def records_by_id(out: Path) -> dict[str, dict]:
+    ds = ShardDataset(out)
+    return {ds[i]["id"]: ds[i] for i in range(len(ds))}
+
+
+@pytest.mark.parametrize("how", ["truncated", "flipped"])
+def test_damaged_shard_is_found_named_and_recaptured_by_a_resume(chat_llama, tmp_path, capsys, how):
+    data = write_jsonl(tmp_path / "a.jsonl", many_records(8))
+    clean, out = tmp_path / "clean", tmp_path / "shards"
+    args = [
+        "--target",
+        chat_llama,
+        "--data",
+        data,
+        "--max-length",
+        MAX_LENGTH,
+        "--shard-mb",
+        0.03,
+        "--batch-tokens",
+        1,
+    ]  # fmt: skip (~2 records a shard, 1 a forward)
+    assert run_cli(*args, "--out", clean) == 0
+    shutil.copytree(clean, out)  # byte-identical, mtimes kept
+    names = sorted({e["shard"] for e in read_index(out)})
+    victim = out / names[1]
+    held = sum(e["shard"] == victim.name for e in read_index(out))
+    assert len(names) >= 3 and held >= 2
+    damage(victim, how)
+    others = {n: ((out / n).read_bytes(), (out / n).stat().st_mtime_ns) for n in names}
+    del others[victim.name]
+    assert run_cli("--verify", "--out", clean) == 0
+    capsys.readouterr()
+
+    # --verify: one line naming the shard, a summary with the command, exit 1
+    assert run_cli("--verify", "--out", out) == capture.EXIT_DAMAGED == 1
+    lines = capsys.readouterr().out.splitlines()
+    problem = "truncated (" if how == "truncated" else "damaged ("
+    assert len(lines) == 2 and lines[0] == f"{victim}: {lines[0].split(': ', 1)[1]}"
+    assert problem in lines[0] and lines[0].endswith(f", {held} record(s)")
+    assert lines[1].startswith(f"1 of {len(names)} shards damaged or missing, {held} of 8 records")
+
+    # training's reader: one line naming the shard, its records and the command that repairs
+    with pytest.raises(Eagle3Error) as err:
+        records_by_id(out)
+    message = str(err.value)
+    assert "\n" not in message and f"shard {victim} is {problem}" in message
+    assert f"it held {held} record(s)" in message
+    command = shlex.split(message.split("by resuming the capture: ")[1])
+    assert command[:3] == ["python", "-m", "datagen.capture"] and command[-2:] == [
+        "--out",
+        str(out),
+    ]
+    assert lines[1].endswith(shlex.join(command))  # --verify names the same command
+
+    # that command (a resume) recaptures exactly the damaged shard's records
+    assert run_cli(*command[3:]) == 0
+    assert read_meta(out)["summary"] == {
+        "dropped: damaged shards": 1,
+        "dropped: records": held,
+        "already captured": 8 - held,
+        "kept": held,
+    }
+    assert (
+        f"dropped 1 damaged or missing shard(s) holding {held} records" in capsys.readouterr().out
+    )
+    assert {n: ((out / n).read_bytes(), (out / n).stat().st_mtime_ns) for n in others} == others
+    assert run_cli("--verify", "--out", out) == 0
+    assert "are intact (8 records; size and xxh3)" in capsys.readouterr().out
+    want, got = records_by_id(clean), records_by_id(out)
+    assert got.keys() == want.keys()
+    for rid, record in want.items():
+        for key, value in record.items():
+            assert value == got[rid][key] if key == "id" else torch.equal(value, got[rid][key])
+
+
+def test_verify_of_what_is_not_a_capture_is_one_line(tmp_path, capsys):
+    assert run_cli("--verify", "--out", tmp_path) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "no meta.json" in err and err.count("\n") == 1

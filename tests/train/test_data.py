@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from train.data import (
@@ -91,27 +92,39 @@ def test_shard_token_counts_read_only_ids(shard_dir, records_file):
     assert token_counts(ShardDataset(shard_dir), 256).equal(expected)
 
 
-def test_offline_honours_max_length_like_online(shard_dir, records_file):
-    """Shard records longer than data.max_length are cut to their first max_length tokens,
-    exactly the tokens and loss mask TokenRecords keeps online; counts see the cut too."""
-    from train.data import TokenRecords, concat, load_shards
+@pytest.mark.parametrize("mode", ["window", "cut"])
+def test_long_records_offline_and_online_alike(shard_dir, records_file, mode):
+    """Records longer than data.max_length: windows (every loss token trained once, ids
+    <id>#w<i>) or a cut to the first max_length tokens; shard windows are slices of the stored
+    record (its hidden states over the whole conversation) with the tokens and loss masks
+    TokenRecords' windows have online."""
+    from train.data import TokenRecords, Windows, concat, load_shards, loss_tokens
 
     max_length = 30
     full, full_lengths = concat(load_shards([str(shard_dir)])[0])
-    cut, lengths = concat(load_shards([str(shard_dir)], max_length=max_length)[0])
-    online = TokenRecords([str(records_file)], max_length)
-    assert max(full_lengths) > max_length and lengths == [min(n, max_length) for n in full_lengths]
-    assert cut.datasets[0].truncated == sum(n > max_length for n in full_lengths)
-    by_id = {r["id"]: r for r in (cut[i] for i in range(len(cut)))}
-    assert sorted(len(r["input_ids"]) for r in by_id.values()) == sorted(online.lengths)
-    for i in range(len(full)):
-        whole, short = full[i], by_id[full[i]["id"]]
-        T = len(short["input_ids"])
-        assert T == min(len(whole["input_ids"]), max_length)
-        for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
-            assert torch.equal(short[key], whole[key][:T]), key
-    expected = token_counts(online, 256)
-    assert token_counts(cut, 256).equal(expected)
+    offline = Windows(full, full_lengths, max_length, mode, context=12)
+    records = TokenRecords([str(records_file)], None)
+    online = Windows(records, records.lengths, max_length, mode, context=12)
+    assert max(full_lengths) > max_length and max(offline.lengths) == max_length
+    by_id = {r["id"]: r for r in (offline[i] for i in range(len(offline)))}
+    assert len(by_id) == len(offline) == len(online)
+    whole = {full[i]["id"]: full[i] for i in range(len(full))}
+    trained = dict.fromkeys(whole, 0)
+    for j, (i, w, n) in enumerate(online.windows):
+        item, rid = online[j], records.ids[i]
+        got = by_id[rid if n == 0 else f"{rid}#w{n}"]
+        assert torch.equal(got["input_ids"], item["input_ids"])
+        assert torch.equal(got["loss_mask"], item["loss_mask"])
+        for key in ("aux_hidden", "last_hidden"):  # the stored states, sliced
+            assert torch.equal(got[key], whole[rid][key][w.start : w.end]), key
+        trained[rid] += int(got["loss_mask"].sum())
+    total = dict(zip(whole, loss_tokens(full)))
+    if mode == "window":
+        assert trained == total  # every loss token of every record, once
+        assert sum(online.dropped_if_cut) > 0 and len(online) > len(records)
+    else:
+        assert len(online) == len(records) and all(v <= total[k] for k, v in trained.items())
+        assert sum(total.values()) - sum(trained.values()) == sum(online.dropped_if_cut)
 
 
 def test_validation_split_by_conversation_is_stable_and_shared_across_dirs(shard_dir):

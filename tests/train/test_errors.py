@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import struct
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +58,52 @@ def test_existing_run_needs_resume(tmp_path, capsys, helpers, tiny_llama_dir, re
     )
     assert main(helpers.common_args(tiny_llama_dir, out, **helpers.online(records_file))) == 2
     assert "train.resume_from=latest" in one_error_line(capsys)
+
+
+def copy_shards(shard_dir: Path, out: Path) -> tuple[Path, list[dict]]:
+    shutil.copytree(shard_dir, out)
+    [shard] = out.glob("shard-*.safetensors")  # the fixture's 24 records are one shard
+    index = [json.loads(line) for line in (out / "index.jsonl").read_text().splitlines()]
+    return shard, index
+
+
+def test_truncated_shard_is_one_line_naming_it(
+    tmp_path, capsys, helpers, tiny_llama_dir, shard_dir
+):
+    shard, _ = copy_shards(shard_dir, tmp_path / "shards")
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)  # what a full disk or a copy cut short leaves
+    args = helpers.common_args(tiny_llama_dir, tmp_path / "run", **helpers.offline(shard.parent))
+    assert main(args) == 2
+    line = one_error_line(capsys)
+    assert f"shard {shard} is truncated ({size // 2:,} of {size:,} bytes)" in line
+    assert (
+        "it held 24 record(s)" in line
+        and "resuming the capture: python -m datagen.capture " in line
+    )
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # found before training
+
+
+def test_flipped_bytes_read_by_a_worker_are_one_line(
+    tmp_path, capsys, helpers, tiny_llama_dir, shard_dir
+):
+    shard, index = copy_shards(shard_dir, tmp_path / "shards")
+    data = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    start, stop = json.loads(data[8 : 8 + n])["last_hidden"]["data_offsets"]
+    row = (stop - start) // sum(e["length"] for e in index)
+    for e in index:  # one byte of every record: the first batch read finds it
+        data[8 + n + start + e["offset"] * row + 1] ^= 0x10
+    shard.write_bytes(bytes(data))
+    args = helpers.common_args(
+        tiny_llama_dir,
+        tmp_path / "run",
+        **helpers.offline(shard.parent),
+        **{"data.num_workers": 1, "train.max_steps": 1},
+    )
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"error: shard {shard} is damaged (record r") and "xxh3" in line
+    assert "it held 24 record(s)" in line and "python -m datagen.capture " in line

