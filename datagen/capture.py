@@ -77,14 +77,7 @@ from eagle3.data.shards import (
     verify_shards,
 )
 from eagle3.data.windows import MODES as WINDOW_MODES
-from eagle3.data.windows import (
-    Window,
-    cut_losses,
-    lengths_line,
-    record_of,
-    split_windows,
-    window_mask,
-)
+from eagle3.data.windows import cut_losses, lengths_line, record_of, record_windows, window_mask
 from eagle3.errors import Eagle3Error
 from eagle3.served_target import ServedTarget, describe_served_target
 from eagle3.serving import add_engine_args
@@ -154,10 +147,7 @@ def render_all(
         ids, mask = torch.tensor(r.input_ids), torch.tensor(r.loss_mask)
         if lengths is not None:
             lengths.append((len(ids), *cut_losses(mask, args.max_length)))
-        if args.long_records == "window":
-            windows = split_windows(mask, args.max_length, args.window_context)
-        else:
-            windows = [Window(0, min(len(ids), args.max_length), 0)]
+        windows = record_windows(mask, args.max_length, args.long_records, args.window_context)
         if not any(window_mask(mask, w).any() for w in windows):
             stats["skipped: too long (no response token within --max-length)"] += 1
             continue

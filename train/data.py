@@ -30,7 +30,7 @@ from eagle3.data.windows import (
     Window,
     lengths_line,
     record_of,
-    split_windows,
+    record_windows,
     window_id,
     window_mask,
 )
@@ -126,8 +126,8 @@ def take_sequences(parts: list[Dataset], n: int, seed: int) -> list[Dataset]:
 
 # -- online: tokenized records ---------------------------------------------------------------
 class TokenRecords(Dataset):
-    """Records as {"input_ids", "loss_mask"} LongTensors, cut to max_length (None: whole;
-    Windows then splits the long ones).
+    """Records as {"input_ids", "loss_mask"} LongTensors, whole (Windows fits long ones to
+    data.max_length).
 
     `paths` are JSONL files or datagen result directories (eagle3.data.records). A record holds
     either `input_ids` + `loss_mask` (already tokenized) or `messages` (a datagen
@@ -135,7 +135,7 @@ class TokenRecords(Dataset):
     renders it). Records that cannot be rendered or have no loss tokens are skipped (counted).
     """
 
-    def __init__(self, paths: list[str], max_length: int | None, tokenizer: Any = None):
+    def __init__(self, paths: list[str], tokenizer: Any = None):
         self.items: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.ids: list[str] = []  # each item's record id (the conversation: validation split)
         self.skipped = 0
@@ -147,12 +147,11 @@ class TokenRecords(Dataset):
                 if tokenizer is None:
                     raise Eagle3Error("records hold messages but the target has no tokenizer")
                 try:
-                    rendered = render_record(tokenizer, record, max_length=max_length)
+                    rendered = render_record(tokenizer, record)
                 except RenderError:
                     self.skipped += 1
                     continue
                 ids, mask = rendered.input_ids, rendered.loss_mask
-            ids, mask = ids[:max_length], mask[:max_length]
             if sum(mask) == 0:
                 self.skipped += 1
                 continue
@@ -214,12 +213,9 @@ class Windows(Dataset):
                 continue
             mask = dataset[i]["loss_mask"]
             self.dropped_if_cut.append(int(mask[max_length:].sum()))
-            if mode == "cut":
-                if mask[:max_length].any():
-                    self.windows.append((i, Window(0, max_length, 0), 0))
-                continue
-            for w, window in enumerate(split_windows(mask, max_length, context)):
-                self.windows.append((i, window, w))
+            for w, window in enumerate(record_windows(mask, max_length, mode, context)):
+                if mode == "window" or window_mask(mask, window).any():  # a cut left no loss
+                    self.windows.append((i, window, w))
         self.lengths = [w.end - w.start for _, w, _ in self.windows]
         self.records = len(lengths)
 

@@ -89,9 +89,7 @@ class MetricsLog:
         (training lines have no "split"), the same keys in W&B, and one printed line."""
         if not self.enabled:
             return
-        row = {f"val/{key}": value for key, value in metrics.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "split": "val", **row}) + "\n")
+        row = self._split_line(step, "val", metrics)
         if self.run is not None:
             self.run.log(row, step=step)
         accs = [value for key, value in metrics.items() if key.startswith("acc_")]  # in k order
@@ -107,11 +105,16 @@ class MetricsLog:
         "data/...": ...} (a resumed launch adds its own) and the same keys in W&B's summary."""
         if not self.enabled:
             return
-        row = {f"data/{key}": value for key, value in metrics.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "split": "data", **row}) + "\n")
+        row = self._split_line(step, "data", metrics)
         if self.run is not None:
             self.run.summary.update(row)
+
+    def _split_line(self, step: int, split: str, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Append {"step", "split", "<split>/<key>": ...} to metrics.jsonl -> the prefixed row."""
+        row = {f"{split}/{key}": value for key, value in metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "split": split, **row}) + "\n")
+        return row
 
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:

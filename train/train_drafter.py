@@ -476,8 +476,8 @@ def load_data(
             )
             lm_head, embed = target.lm_head_weight, target.embed_weight
         # whole records: long ones become windows (or are cut) in fit_length, after the vocab
-        parts = [TokenRecords(cfg.data.records, None, target.tokenizer)]
-        val_parts = [TokenRecords([path], None, target.tokenizer) for path in cfg.data.val_records]
+        parts = [TokenRecords(cfg.data.records, target.tokenizer)]
+        val_parts = [TokenRecords([path], target.tokenizer) for path in cfg.data.val_records]
         provenance = {"records": cfg.data.records, "skipped_records": parts[0].skipped}
         if isinstance(target, ServedTarget):  # which forwards make the labels
             provenance["served_by"] = {

@@ -59,6 +59,16 @@ def split_windows(
     return out
 
 
+def record_windows(
+    loss_mask: Sequence[int] | torch.Tensor, max_length: int, mode: str, context: int | None
+) -> list[Window]:
+    """A record's windows under a long-records mode: "window" -> split_windows, "cut" -> its
+    first max_length tokens alone (the caller drops a window with no loss token left)."""
+    if mode == "cut":
+        return [Window(0, min(len(loss_mask), max_length), 0)]
+    return split_windows(loss_mask, max_length, context)
+
+
 def window_mask(loss_mask: torch.Tensor, w: Window) -> torch.Tensor:
     """The window's loss mask: the record's, zeroed where earlier windows trained."""
     mask = loss_mask[w.start : w.end].clone()

@@ -103,7 +103,7 @@ def test_long_records_offline_and_online_alike(shard_dir, records_file, mode):
     max_length = 30
     full, full_lengths = concat(load_shards([str(shard_dir)])[0])
     offline = Windows(full, full_lengths, max_length, mode, context=12)
-    records = TokenRecords([str(records_file)], None)
+    records = TokenRecords([str(records_file)])
     online = Windows(records, records.lengths, max_length, mode, context=12)
     assert max(full_lengths) > max_length and max(offline.lengths) == max_length
     by_id = {r["id"]: r for r in (offline[i] for i in range(len(offline)))}
