@@ -1,7 +1,7 @@
 """``python -m datagen.capture``: run the target over finished conversations, store hidden states.
 
 Each record (``eagle3.data.records`` format, from ``datagen.openrouter`` or ``datagen.local``) is
-rendered with the target's chat template into token ids and a loss mask (:mod:`eagle3.data.chat`),
+rendered with the target's chat template into token ids and a loss mask (:mod:`datagen.render`),
 the target runs once over it (:meth:`eagle3.target.Target.capture`: the 3 aux layers and the
 final post-norm hidden state, no lm_head), and the result is written as shards
 (:mod:`eagle3.data.shards`, layout, dtypes and bytes per token there)::
@@ -17,12 +17,13 @@ final post-norm hidden state, no lm_head), and the result is written as shards
     python -m datagen.capture --verify --out out/shards    # every shard whole? (no model)
 
 ``--engine vllm`` takes the hidden states from a managed vLLM server instead of HF in-process
-(vLLM's ``extract_hidden_states`` method with the CPU-safe connector eagle3/vllm_capture.py):
+(vLLM's ``extract_hidden_states`` method with the CPU-safe connector in eagle3/engine/plugin/):
 each record's rendered token ids go to /v1/completions as a token-id prompt (max_tokens 1),
 the engine returns the aux layers (our ids + 1 in vLLM's convention) and the pre-norm state
 after the last layer, and the target's final norm (its weight read alone from the
 safetensors) is applied here. The returned token ids are checked against ours; the shards,
-meta.json and resume are the HF path's.
+meta.json and resume are the HF path's: both targets go through one loop (`capture_items`,
+the same batches in the same order), the served one with every batch's rows in flight at once.
 
 Scale-out: under ``accelerate launch`` (or ``torchrun``) every process captures its own slice
 of the records (one process per GPU, or one per node with ``--device-map auto`` for a target
@@ -32,6 +33,7 @@ first verifies every shard (size and xxh3, :mod:`eagle3.data.shards` Integrity) 
 damaged or missing ones, so it captures exactly their records again and leaves every other
 shard byte-identical. ``--verify`` only checks: one line per damaged or missing shard and a
 summary; exit 0 when all are intact, 1 when not (2, as always, for bad input).
+``--estimate`` prints what a capture would cost and loads no weights (:mod:`datagen.estimate`).
 
 Bad input never stops the run: records without a user turn, with an empty response or a
 template error are skipped; responses cut at max tokens are kept without an end-of-turn token;
@@ -50,7 +52,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 from collections import Counter
@@ -60,8 +61,10 @@ from typing import Any
 
 import torch
 
-from eagle3.cli import EXIT_ERROR, HelpFormatter, run_cli
-from eagle3.data.chat import RenderError, load_chat_template, render_record
+from datagen.estimate import free_bytes, human_bytes, parse_count, run_estimate
+from datagen.render import Item, Rendering, render_all
+from eagle3.cli import EXIT_ERROR, HelpFormatter, run_main
+from eagle3.data.chat import check_renderable, load_chat_template
 from eagle3.data.records import read_records
 from eagle3.data.shards import (
     DTYPES,
@@ -77,24 +80,17 @@ from eagle3.data.shards import (
     verify_shards,
 )
 from eagle3.data.windows import MODES as WINDOW_MODES
-from eagle3.data.windows import cut_losses, lengths_line, record_of, record_windows, window_mask
+from eagle3.data.windows import lengths_line, record_of
+from eagle3.engine.served_target import ServedTarget, describe_served_target
+from eagle3.engine.server import add_engine_args
 from eagle3.errors import Eagle3Error
-from eagle3.served_target import ServedTarget, describe_served_target
-from eagle3.serving import add_engine_args
-from eagle3.target import (
-    Target,
-    load_target,
-    resolve,
-    target_facts,
-)
+from eagle3.target import TargetModel, load_target
 
 log = logging.getLogger("datagen.capture")
 
 DEFAULT_MAX_LENGTH = 4096
 DEFAULT_BATCH_TOKENS = 16384  # padded tokens per forward; lower it if the target runs out of memory
-ESTIMATE_RATES = (1_000, 10_000, 50_000)  # tokens/s shown by --estimate when none is given
 LOG_EVERY_S = 30.0
-TB_WARN = 1e12  # bytes beyond which --estimate recommends online training
 EXIT_DAMAGED = EXIT_ERROR  # --verify found damage: 1, as `sha256sum -c` for a mismatch
 # flags that change neither which records are captured nor what is stored: not in meta's command
 NOT_IN_COMMAND = {
@@ -109,75 +105,46 @@ NOT_IN_COMMAND = {
 }
 
 
-@dataclass
-class Item:
-    id: str
-    dataset: str | None
-    input_ids: list[int]
-    loss_mask: list[int]
+@dataclass(frozen=True)
+class CaptureSettings:
+    """One run's flags, parsed and checked once (parse_args); the helpers below read these."""
+
+    target: str | None  # registry name, HF model directory or .gguf; None only with --verify
+    data: list[str]  # result files or directories (datagen output)
+    out: str | None  # the shard directory
+    dtype: str  # storage dtype (eagle3.data.shards.DTYPES)
+    rendering: Rendering  # --max-length, --long-records, --window-context, the chat template
+    batch_tokens: int  # padded tokens per forward
+    shard_mb: float
+    limit: int | None  # capture at most this many records
+    aux_layers: list[int] | None  # None: the target's
+    device: str | None
+    device_map: str | None
+    model_dtype: str | None
+    no_disk_check: bool
+    verify: bool  # only check the shards of --out
+    estimate: bool  # only print what the capture would cost (datagen.estimate)
+    tokens: int | None  # --estimate's token count
+    tokens_per_s: float | None  # --estimate's capture speed
+    engine: str | None  # "vllm": a managed server runs the forwards (eagle3.engine)
+    tensor_parallel_size: int | None
+    engine_args: list[str]  # --engine-arg: more vLLM server arguments, verbatim
+    engine_log: str | None
+    engine_concurrency: int  # engine requests in flight
+    flags: list[str]  # the flags that shape the data (meta.json's command: command_flags)
 
 
 # ----------------------------------------------------------------------------- records
 
 
-def render_all(
-    records: list[dict],
-    tokenizer: Any,
-    args,
-    stats: Counter,
-    lengths: list | None = None,
-    done: set[str] = frozenset(),
-) -> list[Item]:
-    """Rendered items, windows of a long record (--long-records window) or its cut; every
-    record that cannot be used is counted in ``stats`` instead, and windows in `done`
-    (captured by an earlier run) are left out. `lengths` collects each rendered record's
-    (tokens, loss tokens a cut would drop, loss tokens) for the report."""
-    items = []
-    for record in records:
-        try:
-            r = render_record(
-                tokenizer,
-                record,
-                chat_template=args.chat_template,
-                template_kwargs=args.template_kwargs,
-            )
-        except RenderError as err:
-            stats[f"skipped: {err.reason}"] += 1
-            continue
-        ids, mask = torch.tensor(r.input_ids), torch.tensor(r.loss_mask)
-        if lengths is not None:
-            lengths.append((len(ids), *cut_losses(mask, args.max_length)))
-        windows = record_windows(mask, args.max_length, args.long_records, args.window_context)
-        if not any(window_mask(mask, w).any() for w in windows):
-            stats["skipped: too long (no response token within --max-length)"] += 1
-            continue
-        rid, windowed = str(record["id"]), args.long_records == "window" and len(windows) > 1
-        # a long record's windows all carry #wI: the bare id is never "done" for select()
-        wids = [f"{rid}#w{i}" if windowed else rid for i in range(len(windows))]
-        new = [(wid, w) for wid, w in zip(wids, windows) if wid not in done]
-        if not new:
-            stats["already captured"] += 1
-            continue
-        if len(ids) > args.max_length:
-            stats[f"kept: longer than --max-length ({args.long_records})"] += 1
-        if record.get("finish_reason") == "length":
-            stats["kept: response cut at max tokens (no end-of-turn token)"] += 1
-        if r.reasoning_dropped:
-            stats["kept: reasoning left out (the template has no place for it)"] += 1
-        stats["kept"] += 1
-        for wid, w in new:
-            items.append(Item(wid, record.get("dataset"), ids[w.start : w.end].tolist(),
-                              window_mask(mask, w).tolist()))  # fmt: skip
-    return items
-
-
-def report_lengths(state, lengths: list[tuple[int, int, int]], args) -> None:
+def report_lengths(state, lengths: list[tuple[int, int, int]], rendering: Rendering) -> None:
     """Process 0 prints this run's records' length distribution and what a cut at
     --max-length would drop (every process's records)."""
     rows = [row for part in _gather(state, lengths) for row in part]
     if state.process_index == 0 and rows:
-        line = lengths_line([n for n, _, _ in rows], [(d, t) for _, d, t in rows], args.max_length)
-        how = "windows" if args.long_records == "window" else "cut"
+        cuts = [(d, t) for _, d, t in rows]
+        line = lengths_line([n for n, _, _ in rows], cuts, rendering.max_length)
+        how = "windows" if rendering.long_records == "window" else "cut"
         log.info("records to capture: %s (--long-records %s)", line, how)
 
 
@@ -235,186 +202,76 @@ def pad(batch: list[Item], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, attn
 
 
-def capture_items(target, items: list[Item], writer: ShardWriter, batch_tokens: int) -> int:
-    """Capture and write every item; returns the number of tokens captured."""
+def capture_items(
+    target: TargetModel, items: list[Item], writer: ShardWriter, batch_tokens: int
+) -> int:
+    """Capture and write every item, in `batches` (longest first) whatever the target: the
+    same records give the same shards and index, hence the same training batches. Returns the
+    number of tokens captured.
+
+    An in-process target runs one batch at a time. A served one is sent every batch at once
+    (one request per row, its `concurrency` in flight: the engine batches them, and a batch of
+    a few long rows does not leave the engine idle); each batch is written when its rows are
+    back, whatever order the engine finishes them in."""
     pad_id = getattr(target.tokenizer, "pad_token_id", None) or 0
+    todo = batches(items, batch_tokens)
+    ahead = [target.capture_async(*pad(b, pad_id)) for b in todo] if target.served else []
     total, t0, last_log = 0, time.monotonic(), time.monotonic()
-    for n, batch in enumerate(batches(items, batch_tokens), 1):
-        ids, attn = pad(batch, pad_id)
-        aux, last = target.capture(ids, attn)  # [B, T, 3H], [B, T, H]
-        writer.add_batch(
-            [it.id for it in batch],
-            [it.input_ids for it in batch],
-            [it.loss_mask for it in batch],
-            aux,
-            last,
-            datasets=[it.dataset for it in batch],
-        )
-        total += sum(len(it.input_ids) for it in batch)
-        now = time.monotonic()
-        if now - last_log >= LOG_EVERY_S:
-            last_log = now
-            log.info("batch %d: %d tokens, %.0f tok/s", n, total, total / (now - t0))
-    return total
-
-
-# ----------------------------------------------------------------------------- engine
-
-
-def load_engine_target(args) -> ServedTarget:
-    """The target as vLLM will serve it (eagle3.served_target), checked against the flags."""
-    target = describe_served_target(args.target, args.aux_layers, "--aux-layers")
-    target.check_length(args.max_length, "--max-length")
-    target.concurrency = args.engine_concurrency
-    if args.chat_template is None and not getattr(target.tokenizer, "chat_template", None):
-        raise Eagle3Error(
-            f"target {args.target}'s tokenizer has no chat template; pass --chat-template FILE"
-        )
-    return target
-
-
-def capture_items_engine(target: ServedTarget, items: list[Item], writer: ShardWriter) -> int:
-    """Capture every item through the started engine (target.concurrency requests in flight:
-    the engine batches them) and write it; returns the number of tokens captured."""
-    # written in the HF path's order (longest first), whatever order the engine finishes in:
-    # the same records give the same shards and index, hence the same training batches
-    order = sorted(items, key=lambda it: -len(it.input_ids))
-    total, t0, last_log = 0, time.monotonic(), time.monotonic()
-    pool = target.pool()
-    futures = [pool.submit(target.hidden_states, it.input_ids, f"record {it.id}") for it in order]
     try:
-        for item, future in zip(order, futures):
-            aux, last = target.features(future.result())
-            writer.add(item.id, item.input_ids, item.loss_mask, aux, last, dataset=item.dataset)
-            total += len(item.input_ids)
+        for n, batch in enumerate(todo, 1):
+            # [B, T, 3H], [B, T, H]
+            aux, last = ahead[n - 1].result() if ahead else target.capture(*pad(batch, pad_id))
+            writer.add_batch(
+                [it.id for it in batch],
+                [it.input_ids for it in batch],
+                [it.loss_mask for it in batch],
+                aux,
+                last,
+                datasets=[it.dataset for it in batch],
+            )
+            total += sum(len(it.input_ids) for it in batch)
             now = time.monotonic()
             if now - last_log >= LOG_EVERY_S:
                 last_log = now
-                log.info("%d tokens, %.0f tok/s", total, total / (now - t0))
-    except BaseException:
-        for f in futures:
-            f.cancel()
+                log.info("batch %d: %d tokens, %.0f tok/s", n, total, total / (now - t0))
+    except BaseException:  # an error or Ctrl-C: assemble no more (target.stop() drops requests)
+        for future in ahead:
+            future.cancel()
         raise
     return total
 
 
-def start_capture_engine(args, target: ServedTarget) -> ServedTarget:
+# ----------------------------------------------------------------------------- target
+
+
+def load_capture_target(s: CaptureSettings, state) -> TargetModel:
+    """The target with a tokenizer and a chat template to render with: in-process on this
+    process's device, or (--engine) as vLLM will serve it, not started yet."""
+    if s.engine:
+        target = describe_served_target(
+            s.target, s.aux_layers, "--aux-layers", concurrency=s.engine_concurrency
+        )
+        target.check_length(s.rendering.max_length, "--max-length")
+    else:
+        target = load_target(
+            s.target,
+            dtype=s.model_dtype,
+            device=s.device or (None if s.device_map else str(state.device)),
+            device_map=s.device_map,
+            aux_layer_ids=s.aux_layers,
+        )
+    check_renderable(target.tokenizer, s.rendering.chat_template, s.target)
+    return target
+
+
+def start_capture_engine(s: CaptureSettings, target: ServedTarget) -> ServedTarget:
     """Start the managed vLLM server the engine flags ask for, with the capture connector."""
     return target.start(
-        args.max_length,
-        tensor_parallel_size=args.tensor_parallel_size,
-        extra_args=args.engine_arg,
-        log_path=args.engine_log,
+        s.rendering.max_length,
+        tensor_parallel_size=s.tensor_parallel_size,
+        extra_args=s.engine_args,
+        log_path=s.engine_log,
     )
-
-
-# ----------------------------------------------------------------------------- estimate
-
-
-def parse_count(text: str) -> int:
-    """'40M' -> 40_000_000; also K, B and plain integers."""
-    text = str(text).strip().upper().replace("_", "").replace(",", "")
-    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9}.get(text[-1:], 1)
-    try:
-        return int(float(text[:-1] if scale != 1 else text) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 40M)") from None
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if n < 1000 or unit == "PB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} PB"
-
-
-def estimate_text(
-    name: str, hidden: int, tokens: int, dtype: str, rate: float | None, free: int | None
-) -> str:
-    """What --estimate prints: tokens, bytes per dtype, hours, and the online alternative."""
-    lines = [f"capture estimate for {name} (hidden size {hidden}): {tokens:,} tokens"]
-    for dt in DTYPES:
-        per = bytes_per_token(hidden, dt)
-        mark = "  <- --dtype" if dt == dtype else ""
-        lines.append(
-            f"  {dt:5s} {per:>7,} bytes/token  {human_bytes(per * tokens):>10} on disk{mark}"
-        )
-    rates = [rate] if rate else ESTIMATE_RATES
-    hours = ", ".join(f"{tokens / r / 3600:,.2f} h at {r:,.0f} tok/s" for r in rates)
-    lines.append(f"  time: {hours} (measure yours with scripts/bench_capture.py)")
-    size = bytes_per_token(hidden, dtype) * tokens
-    if free is not None:
-        lines.append(f"  free space at --out: {human_bytes(free)}")
-    if size >= TB_WARN or (free is not None and size > free):
-        lines.append(
-            f"  {human_bytes(size)} of hidden states is more than is sensible to store: train "
-            "online instead (the target runs inside the training loop and nothing is written; "
-            "data.mode=online with data.records=<these result files> in train/train_drafter.py)"
-        )
-    return "\n".join(lines)
-
-
-def target_dims(name: str) -> tuple[str, int]:
-    """(display name, hidden size) without loading weights. A registry entry's hidden_size
-    needs no config.json, so --estimate for a hub-only target (kimi-k2.5) downloads nothing."""
-    display, _, spec = resolve(name)
-    if spec and spec.get("hidden_size"):
-        return display, int(spec["hidden_size"])
-    facts = target_facts(name)
-    return facts["name"], int(facts["hidden_size"])
-
-
-def count_record_tokens(records: list[dict], name: str, args) -> tuple[int, str]:
-    """Total tokens of the records and how they were counted: rendered with the target's
-    tokenizer when it is at hand, else the records' usage counts (prompt + completion tokens
-    of the last turn)."""
-    try:
-        from transformers import AutoTokenizer
-
-        _, hf_dir, spec = resolve(name)
-        tokenizer = AutoTokenizer.from_pretrained(
-            hf_dir, trust_remote_code=bool(spec and spec.get("trust_remote_code"))
-        )
-        stats: Counter = Counter()
-        items = render_all(records, tokenizer, args, stats)
-        return sum(len(it.input_ids) for it in items), "rendered with the target's tokenizer"
-    except (OSError, ValueError, Eagle3Error):
-        usage = [r.get("usage") or {} for r in records if isinstance(r, dict)]
-        total = sum(
-            int(u.get("prompt_tokens") or 0) + int(u.get("completion_tokens") or 0) for u in usage
-        )
-        return total, "from the records' usage counts (no tokenizer at hand)"
-
-
-def free_bytes(path: Path) -> int | None:
-    """Free disk space where `path` is (or will be created); None if it cannot be read."""
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        return shutil.disk_usage(probe).free
-    except OSError:
-        return None
-
-
-def run_estimate(args) -> int:
-    """--estimate: print tokens, bytes and hours of a capture without loading the target."""
-    name, hidden = target_dims(args.target)
-    if args.tokens:
-        tokens, how = args.tokens, "given"
-    elif args.data:
-        records = read_records(args.data)
-        tokens, how = count_record_tokens(records, args.target, args)
-        if args.limit:
-            tokens = tokens * min(1.0, args.limit / max(len(records), 1))
-        tokens = int(tokens)
-    else:
-        raise Eagle3Error("--estimate needs --tokens N (e.g. 40M) or --data FILES to count")
-    free = free_bytes(Path(args.out)) if args.out else None
-    print(estimate_text(name, hidden, tokens, args.dtype, args.tokens_per_s, free))
-    print(f"  (tokens {how})")
-    return 0
 
 
 # ----------------------------------------------------------------------------- main
@@ -498,22 +355,51 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> CaptureSettings:
     p = build_parser()
     args = p.parse_args(argv)
     if args.verify:
         if not args.out:
             p.error("--verify needs --out DIR")
-        return args
-    if not args.target:
-        p.error("--target is required")
-    if not args.estimate and not (args.data and args.out):
-        p.error("--data and --out are required (or use --estimate)")
-    if args.window_context is not None and not 0 < args.window_context < args.max_length:
-        p.error(f"--window-context must be in (0, --max-length={args.max_length})")
-    args.flags = command_flags(p, args)  # before the template file is replaced by its text
-    args.chat_template = load_chat_template(args.chat_template)
-    return args
+    else:
+        if not args.target:
+            p.error("--target is required")
+        if not args.estimate and not (args.data and args.out):
+            p.error("--data and --out are required (or use --estimate)")
+        if args.window_context is not None and not 0 < args.window_context < args.max_length:
+            p.error(f"--window-context must be in (0, --max-length={args.max_length})")
+    rendering = Rendering(
+        max_length=args.max_length,
+        long_records=args.long_records,
+        window_context=args.window_context,
+        chat_template=load_chat_template(args.chat_template),
+        template_kwargs=args.template_kwargs,
+    )
+    return CaptureSettings(
+        target=args.target,
+        data=args.data,
+        out=args.out,
+        dtype=args.dtype,
+        rendering=rendering,
+        batch_tokens=args.batch_tokens,
+        shard_mb=args.shard_mb,
+        limit=args.limit,
+        aux_layers=args.aux_layers,
+        device=args.device,
+        device_map=args.device_map,
+        model_dtype=args.model_dtype,
+        no_disk_check=args.no_disk_check,
+        verify=args.verify,
+        estimate=args.estimate,
+        tokens=args.tokens,
+        tokens_per_s=args.tokens_per_s,
+        engine=args.engine,
+        tensor_parallel_size=args.tensor_parallel_size,
+        engine_args=args.engine_arg,
+        engine_log=args.engine_log,
+        engine_concurrency=args.engine_concurrency,
+        flags=command_flags(p, args),  # the template as given: its file's path, not its text
+    )
 
 
 def command_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
@@ -559,18 +445,17 @@ def _gather(state, obj: Any) -> list[Any]:
     return out
 
 
-def capture_command(args, data: list[str], old_sources: list[str]) -> list[str]:
+def capture_command(flags: list[str], data: list[str], old_sources: list[str]) -> list[str]:
     """meta.json's ``command``: this run's flags, with --data naming every source of the
     directory when earlier runs read others (so a resume finds all of its records)."""
     if not set(old_sources) <= set(data):
         data = sorted(set(old_sources) | set(data))
-    target, rest = args.flags[:2], args.flags[2:]  # command_flags lists --target first
+    target, rest = flags[:2], flags[2:]  # command_flags lists --target first
     return [*target, "--data", *data, *rest]
 
 
-def run_verify(args) -> int:
+def run_verify(out: Path) -> int:
     """--verify: one line per damaged or missing shard of --out, then a summary."""
-    out = Path(args.out)
     meta = read_meta(out)
     if meta is None:
         raise Eagle3Error(f"{out} is not a hidden-state capture (no meta.json); nothing to verify")
@@ -629,51 +514,32 @@ def check_resumable(out: Path, settings: dict) -> None:
         check_meta(old, settings, out)
 
 
-def load_capture_target(args, state) -> Target:
-    """The target on this process's device, with a tokenizer and a chat template to render with."""
-    device = args.device or (None if args.device_map else str(state.device))
-    target = load_target(
-        args.target,
-        dtype=args.model_dtype,
-        device=device,
-        device_map=args.device_map,
-        aux_layer_ids=args.aux_layers,
-    )
-    if target.tokenizer is None:
-        raise Eagle3Error(f"target {args.target} has no tokenizer; pass a model directory with one")
-    if args.chat_template is None and not getattr(target.tokenizer, "chat_template", None):
-        raise Eagle3Error(
-            f"target {args.target}'s tokenizer has no chat template; pass --chat-template FILE"
-        )
-    return target
-
-
-def capture_meta(target: Target, args) -> dict:
+def capture_meta(target: TargetModel, dtype: str, rendering: Rendering) -> dict:
     """meta.json of this capture: the target's identity plus how the records were rendered."""
     return {
         **target_meta(target),
-        "max_length": args.max_length,
-        "dtype": args.dtype,
-        "bytes_per_token": bytes_per_token(target.hidden_size, args.dtype),
-        "chat_template": "given" if args.chat_template else "tokenizer",
-        "template_kwargs": args.template_kwargs or {},
+        "max_length": rendering.max_length,
+        "dtype": dtype,
+        "bytes_per_token": bytes_per_token(target.hidden_size, dtype),
+        "chat_template": "given" if rendering.chat_template else "tokenizer",
+        "template_kwargs": rendering.template_kwargs or {},
     }
 
 
-def check_disk(state, items: list[Item], hidden_size: int, args, out: Path) -> None:
+def check_disk(state, items: list[Item], hidden_size: int, s: CaptureSettings, out: Path) -> None:
     """Refuse to start (on every process alike) when all processes' tokens will not fit."""
     tokens = sum(_gather(state, sum(len(it.input_ids) for it in items)))
-    size = tokens * bytes_per_token(hidden_size, args.dtype)
+    size = tokens * bytes_per_token(hidden_size, s.dtype)
     free = free_bytes(out)
     if state.process_index == 0:
         log.info(
             "capturing %s tokens (%s in %s) with %d process(es)",
             f"{tokens:,}",
             human_bytes(size),
-            args.dtype,
+            s.dtype,
             state.num_processes,
         )
-    if free is not None and size > free and not args.no_disk_check:
+    if free is not None and size > free and not s.no_disk_check:
         raise Eagle3Error(
             f"the capture needs about {human_bytes(size)} but {out} has {human_bytes(free)} "
             "free; free space, use --dtype fp8, or train online (see --estimate)"
@@ -724,27 +590,28 @@ def merge_provenance(
     return stats, final
 
 
-def run(args) -> int:
+def run(s: CaptureSettings) -> int:
     """Capture this process's share of the records; process 0 merges and prints the summary."""
-    if args.verify:
-        return run_verify(args)
-    if args.estimate:
-        return run_estimate(args)
+    if s.verify:
+        return run_verify(Path(s.out))
+    if s.estimate:
+        return run_estimate(s.target, s.rendering, s.dtype, data=s.data, limit=s.limit,
+                            out=s.out, tokens=s.tokens, tokens_per_s=s.tokens_per_s)  # fmt: skip
     state = _state()
     rank, world = state.process_index, state.num_processes
-    out = Path(args.out)
-    records = read_records(args.data)
-    if args.limit is not None:
-        records = records[: args.limit]
+    out = Path(s.out)
+    records = read_records(s.data)
+    if s.limit is not None:
+        records = records[: s.limit]
     # settings that need no model are checked before a large target loads
-    check_resumable(out, {"dtype": args.dtype, "max_length": args.max_length})
-    if args.engine and world > 1:
+    check_resumable(out, {"dtype": s.dtype, "max_length": s.rendering.max_length})
+    if s.engine and world > 1:
         raise Eagle3Error(
             "--engine runs as one process (the engine batches and spreads the model itself); "
             "drop accelerate launch and use --tensor-parallel-size"
         )
-    target = load_engine_target(args) if args.engine else load_capture_target(args, state)
-    meta = capture_meta(target, args)
+    target = load_capture_target(s, state)
+    meta = capture_meta(target, s.dtype, s.rendering)
     check_resumable(out, meta)
 
     stats: Counter = Counter()
@@ -757,8 +624,8 @@ def run(args) -> int:
         writer = ShardWriter(
             out,
             meta,
-            args.dtype,
-            int(args.shard_mb * 2**20),
+            s.dtype,
+            int(s.shard_mb * 2**20),
             part=f"{rank:03d}",
             finalize_on_close=False,
         )
@@ -767,25 +634,20 @@ def run(args) -> int:
     state.wait_for_everyone()  # all read what is done before anyone writes: the same split
     mine = my_slice(pending, rank, world)
     lengths: list[tuple[int, int, int]] = []
-    items = render_all(mine, target.tokenizer, args, stats, lengths, done)
-    report_lengths(state, lengths, args)
-    check_disk(state, items, target.hidden_size, args, out)
+    items = render_all(mine, target.tokenizer, s.rendering, stats, lengths, done)
+    report_lengths(state, lengths, s.rendering)
+    check_disk(state, items, target.hidden_size, s, out)
     models, providers = response_origins(mine, items)
 
-    if args.engine and items:
-        start_capture_engine(args, target)
-        t0 = time.monotonic()
-        try:
-            with writer:  # on an error or Ctrl-C, what was captured is written: re-run to resume
-                captured = capture_items_engine(target, items, writer)
-        finally:
-            target.stop()
-        seconds = time.monotonic() - t0
-    else:
-        t0 = time.monotonic()
+    if target.served and items:
+        start_capture_engine(s, target)
+    t0 = time.monotonic()
+    try:
         with writer:  # on an error or Ctrl-C, what was captured is written: re-run to resume
-            captured = capture_items(target, items, writer, args.batch_tokens)
-        seconds = time.monotonic() - t0
+            captured = capture_items(target, items, writer, s.batch_tokens)
+    finally:
+        target.stop()  # the engine, when one was started
+    seconds = time.monotonic() - t0
     log.info(
         "process %d: %d tokens in %.1f s (%.0f tok/s)",
         rank,
@@ -797,19 +659,18 @@ def run(args) -> int:
     gathered = _gather(state, (stats, models, providers))
     state.wait_for_everyone()
     if rank == 0:
-        sources = [str(Path(p).expanduser().resolve()) for p in args.data]
+        sources = [str(Path(p).expanduser().resolve()) for p in s.data]
         served_by = (
-            {"engine": args.engine, **target.serving} if args.engine and target.serving else None
+            {"engine": s.engine, **target.serving} if target.served and target.serving else None
         )
-        command = capture_command(args, sources, (read_meta(out) or {}).get("sources") or [])
+        command = capture_command(s.flags, sources, (read_meta(out) or {}).get("sources") or [])
         stats, final = merge_provenance(out, gathered, sources, world, served_by, command)
         print(summary_text(stats, final))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return run_cli(lambda: run(parse_args(argv)))
+    return run_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -42,20 +42,20 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from datagen import retry
-from datagen.engine import Reply, Transcript, parse_reply
 from datagen.generate import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
 )
-from eagle3.cli import HelpFormatter, run_cli
-from eagle3.data.chat import RenderError, load_chat_template
+from datagen.transcript import Reply, Transcript, parse_reply
+from eagle3.cli import HelpFormatter, run_main
+from eagle3.data.chat import RenderError, check_renderable, load_chat_template
 from eagle3.data.decontaminate import add_exclude_args, exclude_contaminated
 from eagle3.data.prompts import Prompt, dedupe, load_prompts, split_prompts
 from eagle3.data.records import ResultStore, make_failure
+from eagle3.engine.server import add_engine_args
 from eagle3.errors import Eagle3Error
-from eagle3.serving import add_engine_args
 
 log = logging.getLogger("datagen.local")
 
@@ -264,12 +264,7 @@ def run_inprocess(args, prompts: list[Prompt], store: ResultStore, stats: Stats)
     target = load_target(
         args.target, dtype=args.model_dtype, device=args.device, device_map=args.device_map
     )
-    if target.tokenizer is None:
-        raise Eagle3Error(f"target {args.target} has no tokenizer; pass a model directory with one")
-    if args.chat_template is None and not getattr(target.tokenizer, "chat_template", None):
-        raise Eagle3Error(
-            f"target {args.target}'s tokenizer has no chat template; pass --chat-template FILE"
-        )
+    check_renderable(target.tokenizer, args.chat_template, args.target)
     sampling = {"temperature": args.temperature, "top_p": args.top_p}  # as ServerPool.payload
     gen = Generator(
         target.model,
@@ -340,7 +335,7 @@ def run_inprocess(args, prompts: list[Prompt], store: ResultStore, stats: Stats)
 
 def run_engine(args, prompts: list[Prompt], store: ResultStore, stats: Stats) -> None:
     """--engine vllm: a managed server for --target, then the server path (ServerPool)."""
-    from eagle3.serving import managed_engine
+    from eagle3.engine.server import managed_engine
     from eagle3.target import resolve
 
     name, hf_dir, _ = resolve(args.target)
@@ -505,9 +500,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = parse_args(argv)
-    return run_cli(lambda: run(args))
+    return run_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

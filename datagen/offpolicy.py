@@ -24,7 +24,7 @@ import argparse
 import logging
 import sys
 
-from eagle3.cli import HelpFormatter, run_cli
+from eagle3.cli import HelpFormatter, run_main
 from eagle3.data.decontaminate import add_exclude_args, exclude_contaminated
 from eagle3.data.prompts import (
     Prompt,
@@ -137,9 +137,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = parse_args(argv)
-    return run_cli(lambda: run(args))
+    return run_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

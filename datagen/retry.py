@@ -16,8 +16,10 @@ milliseconds, ``error.availability.retry_after``), capped at ``MAX_HINT_S``, els
 exponential backoff; both with jitter so 2000 waiting requests do not return in lockstep.
 
 These are pure functions. :func:`send_with_retries` is the loop around them that
-``datagen.engine`` (OpenRouter) and ``datagen.local`` (own servers) share; sending, waiting and
-bookkeeping are the caller's callbacks, so each keeps its own throttle, ledger and stop rules.
+``datagen.openrouter.requester`` (OpenRouter) and ``datagen.local`` (own servers) share;
+sending, waiting and bookkeeping are the caller's callbacks, so each keeps its own throttle,
+ledger and stop rules. The retry defaults are the constants below, written once: the OpenRouter
+config's ``max_attempts``, ``retry_initial_s`` and ``retry_max_s`` default to them.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MAX_ATTEMPTS = 6  # tries per request in all
 INITIAL_DELAY_S = 0.5  # first backoff
 MAX_DELAY_S = 8.0  # exponential backoff cap
 MAX_HINT_S = 120.0  # longest server-requested wait we honour
@@ -186,7 +189,7 @@ def server_hint(
 class Policy:
     """How many attempts a request gets in all, and the backoff's first wait and cap."""
 
-    max_attempts: int = 6
+    max_attempts: int = MAX_ATTEMPTS
     initial: float = INITIAL_DELAY_S
     maximum: float = MAX_DELAY_S
 

@@ -1,26 +1,36 @@
-"""What every command-line entry point shares: a user mistake is one line and exit 2, and
-``--help`` shows each option's default (:class:`HelpFormatter`)."""
+"""What every command-line entry point shares: an Eagle3Error is one line and its exit code (bad
+input 2, a remote or engine failure 69: eagle3.errors), and ``--help`` shows each option's
+default (:class:`HelpFormatter`)."""
 
 from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import sys
 from collections.abc import Callable
 
-from eagle3.errors import Eagle3Error
+from eagle3.errors import (  # noqa: F401  (the exit codes are imported from here by the CLIs)
+    EXIT_BUG,
+    EXIT_OK,
+    EXIT_TEMPFAIL,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    Eagle3Error,
+)
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_TEMPFAIL = 0, 1, 2, 75
+EXIT_ERROR = EXIT_BUG  # 1: also a check that found damage (as `sha256sum -c`)
 
 
 def run_cli(run: Callable[[], int]) -> int:
-    """``run()``'s exit code; an Eagle3Error becomes ``error: <message>`` on stderr and exit 2
-    (bad input or configuration: fix it and run the same command again)."""
+    """``run()``'s exit code; an Eagle3Error becomes ``error: <message>`` on stderr and its
+    exit code: 2 for bad input or configuration (fix it, run the same command again), 69 for a
+    remote or engine failure (RemoteError: the work done is kept, resume once it is fixed)."""
     try:
         return run()
     except Eagle3Error as err:
         print(f"error: {one_line(str(err))}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        return err.exit_code
 
 
 def one_line(message: str) -> str:
@@ -57,3 +67,17 @@ def shows_default(action: argparse.Action) -> bool:
     if isinstance(default, str | list | tuple | dict) and not default:
         return False
     return bool(action.option_strings) or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)
+
+
+def run_main(
+    parse_args: Callable[[list[str] | None], object],
+    run: Callable[..., int],
+    argv: list[str] | None,
+    *,
+    level: int = logging.INFO,
+    fmt: str = "%(message)s",
+) -> int:
+    """A CLI's ``main(argv)``: log lines as they are (`fmt`, from `level` up), parse `argv`
+    and run what it gives under run_cli (an Eagle3Error, from parsing too, is one line)."""
+    logging.basicConfig(level=level, format=fmt)
+    return run_cli(lambda: run(parse_args(argv)))

@@ -18,8 +18,7 @@ from typing import Any
 
 from eagle3.cli import HelpFormatter
 from eagle3.errors import Eagle3Error
-
-EVAL_FILE = "eagle3_eval.json"
+from eagle3.report import EVAL_FILE
 
 
 def load_results(source: str) -> dict[str, Any]:

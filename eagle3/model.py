@@ -16,7 +16,8 @@ Two ways to run it:
   aux states). Its query attends to step-0 keys at positions <= t and to the keys of steps
   1..k at position t only, which is exactly what the draft sees at inference after k steps.
   Its attention kernels (linear-memory "chunked" on CPU, "flex" on CUDA, and the dense
-  references) live in eagle3/ttt_attention.py.
+  references) live in eagle3/ttt_attention.py. `TTTModel` is that unroll as `forward()`, the
+  module training wraps (DDP, DeepSpeed).
 
 Parameter names match SGLang's `LlamaForCausalLMEagle3` so checkpoints load there unchanged.
 """
@@ -486,3 +487,27 @@ class Eagle3Draft(nn.Module):
             hidden = layer.finish(hidden, attn)
             step_logits.append(self.compute_logits(hidden))
         return step_logits
+
+
+class TTTModel(nn.Module):
+    """Routes the TTT unroll through forward(): DDP and DeepSpeed only hook forward()."""
+
+    def __init__(self, draft: Eagle3Draft, ttt_steps: int):
+        super().__init__()
+        self.draft = draft
+        self.ttt_steps = ttt_steps
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        segment_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        return self.draft.ttt_forward(
+            input_ids,
+            aux_hidden,
+            self.ttt_steps,
+            segment_ids=segment_ids,
+            position_ids=position_ids,
+        )

@@ -1,5 +1,10 @@
 """The target model: loading (registry name, HF dir, GGUF) and aux hidden-state capture.
 
+The registry is eagle3/targets/<name>.yaml, shipped inside the package (an installed wheel
+resolves its targets by name too). `TargetModel` is what every user of a target relies on,
+whether its forwards run in this process (`Target`) or in a vLLM engine
+(eagle3.engine.served_target.ServedTarget): ask `target.served`, never the class.
+
 Aux convention (SGLang's): `aux_layer_ids` are 0-based decoder-layer indices whose OUTPUT is
 taken, i.e. HF `output_hidden_states[id + 1]`. `Target.capture` hooks exactly those layers and
 runs the base model (no lm_head, no list of all L hidden states), so memory stays at one
@@ -23,7 +28,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import yaml
@@ -33,18 +38,18 @@ from eagle3.errors import Eagle3Error
 
 log = logging.getLogger(__name__)
 
-CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs" / "targets"
+TARGETS_DIR = Path(__file__).resolve().parent / "targets"  # package data
 
 
 # -- registry -------------------------------------------------------------------------------
 def registry_names() -> list[str]:
-    """Short target names with a configs/targets/<name>.yaml."""
-    return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+    """Short target names with an eagle3/targets/<name>.yaml."""
+    return sorted(p.stem for p in TARGETS_DIR.glob("*.yaml"))
 
 
 def target_spec(name: str) -> dict[str, Any]:
-    """The registry entry for `name` (configs/targets/<name>.yaml) as a dict."""
-    path = CONFIGS_DIR / f"{name}.yaml"
+    """The registry entry for `name` (eagle3/targets/<name>.yaml) as a dict."""
+    path = TARGETS_DIR / f"{name}.yaml"
     if not path.is_file():
         raise Eagle3Error(
             f"unknown target {name!r}: no {path}; known targets: {', '.join(registry_names())} "
@@ -53,7 +58,7 @@ def target_spec(name: str) -> dict[str, Any]:
     spec = yaml.safe_load(path.read_text())
     if not isinstance(spec, dict) or "source" not in spec:
         raise Eagle3Error(
-            f"{path} has no 'source' section; see configs/targets/*.yaml for the format"
+            f"{path} has no 'source' section; see eagle3/targets/*.yaml for the format"
         )
     return spec
 
@@ -220,8 +225,48 @@ def capture_outputs(modules: dict[Any, torch.nn.Module]) -> Iterator[dict[Any, t
             handle.remove()
 
 
+class TargetModel(Protocol):
+    """What datagen and training use of a target, in-process (Target) or served by an engine
+    (ServedTarget): the same capture contract, the same length check, the same end."""
+
+    served: bool  # True: the forwards run in an engine's process, not this one
+    name: str
+    tokenizer: Any
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    aux_layer_ids: list[int]
+
+    def check_length(self, max_length: int, what: str) -> None:
+        """Eagle3Error (one line naming `what`) when max_length does not fit the context."""
+
+    def capture(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, attention_mask [B, T] -> (aux [B, T, 3H], last [B, T, H]): the outputs
+        of the aux layers in order, and the last hidden state after the final norm; padded
+        positions zero."""
+
+    def stop(self) -> None:
+        """Release what the target holds outside this process (a no-op for Target)."""
+
+
+def check_context(
+    name: str, context: int | None, max_length: int, what: str, spare: int = 0
+) -> None:
+    """One-line Eagle3Error when max_length (+ `spare` tokens the engine generates) exceeds
+    target `name`'s context (max_position_embeddings; None: unknown, nothing to check)."""
+    if context and max_length + spare > context:
+        raise Eagle3Error(
+            f"{what} {max_length} does not fit target {name}'s context of {context} tokens "
+            f"(max_position_embeddings): use {what} {context - spare} or less"
+        )
+
+
 class Target:
     """A HF causal LM plus what EAGLE-3 needs from it: aux capture and the lm_head/embeddings."""
+
+    served = False  # the forwards run here
 
     def __init__(
         self,
@@ -234,7 +279,7 @@ class Target:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
-        self.spec = spec  # registry entry (configs/targets/<name>.yaml) or None
+        self.spec = spec  # registry entry (eagle3/targets/<name>.yaml) or None
         self._decoder = decoder_of(model)
         text_config = getattr(model.config, "text_config", None) or model.config
         self.num_layers = int(
@@ -245,6 +290,15 @@ class Target:
         if aux_layer_ids is None:
             aux_layer_ids = default_aux_layers(self.num_layers)
         self.aux_layer_ids = _check_aux_ids(aux_layer_ids, self.num_layers)
+        context = getattr(text_config, "max_position_embeddings", None)
+        self.context = int(context) if context else None
+
+    def check_length(self, max_length: int, what: str) -> None:
+        """One line when max_length does not fit the model's context (max_position_embeddings)."""
+        check_context(self.name, self.context, max_length, what)
+
+    def stop(self) -> None:
+        """Nothing to release: the model lives in this process (the interface of ServedTarget)."""
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -365,7 +419,7 @@ def _load_model(name_or_path: str | os.PathLike, hf_dir: str, kwargs: dict[str, 
 
     upgrade = (
         f"transformers {transformers.__version__} does not know it: upgrade transformers "
-        "(Kimi-K2.5 needs >= 5.24) or set trust_remote_code: true in its configs/targets entry"
+        "(Kimi-K2.5 needs >= 5.24) or set trust_remote_code: true in its eagle3/targets entry"
     )
     if Path(hf_dir).is_dir() and not (Path(hf_dir) / "config.json").is_file():
         raise Eagle3Error(

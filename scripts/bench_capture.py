@@ -45,13 +45,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", help="cpu, cuda (default: cuda when there is one)")
     p.add_argument("--threads", type=int)
-    from eagle3.serving import add_engine_args
+    from eagle3.engine.server import add_engine_args
 
     add_engine_args(p)
     p.add_argument("--engine-concurrency", type=int, default=16)
     args = p.parse_args()
 
-    from datagen.capture import Item, batches, capture_items, pad
+    from datagen.capture import batches, capture_items, pad
+    from datagen.render import Item
     from eagle3.data.chat import render_conversation
     from eagle3.data.prompts import load_prompts
     from eagle3.data.shards import ShardWriter, bytes_per_token, target_meta
@@ -125,24 +126,23 @@ def main() -> None:
 
 def engine_capture(args, items, meta, tokens: int, hf_seconds: float) -> None:
     """The same items through a managed vLLM server, timed after one warm-up request."""
-    from datagen.capture import capture_items_engine, load_engine_target, start_capture_engine
+    from datagen.capture import capture_items
     from eagle3.data.shards import ShardWriter
+    from eagle3.engine.served_target import describe_served_target
 
-    args.aux_layers, args.chat_template = None, None
-    target = load_engine_target(args)
+    target = describe_served_target(args.target, concurrency=args.engine_concurrency)
+    target.check_length(args.max_length, "--max-length")
     with tempfile.TemporaryDirectory() as out:
-        start_capture_engine(args, target)
+        target.start(args.max_length, tensor_parallel_size=args.tensor_parallel_size,
+                     extra_args=args.engine_arg, log_path=args.engine_log)  # fmt: skip
         try:
-            target.concurrency = 1  # the warm-up: one request
-            with ShardWriter(Path(out) / "warm", meta, args.dtype) as writer:
-                capture_items_engine(target, items[:1], writer)
-            target.stop_requests()
-            target.concurrency = args.engine_concurrency
+            with ShardWriter(Path(out) / "warm", meta, args.dtype) as writer:  # one request
+                capture_items(target, items[:1], writer, args.batch_tokens)
             times = []
             for r in range(args.repeats):
                 t0 = time.perf_counter()
                 with ShardWriter(Path(out) / f"run{r}", meta, args.dtype) as writer:
-                    capture_items_engine(target, items, writer)
+                    capture_items(target, items, writer, args.batch_tokens)
                 times.append(time.perf_counter() - t0)
         finally:
             target.stop()

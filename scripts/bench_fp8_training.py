@@ -33,14 +33,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from datagen.capture import capture_items, capture_meta, render_all  # noqa: E402
+from datagen.capture import capture_items, capture_meta  # noqa: E402
+from datagen.render import Rendering, render_all  # noqa: E402
 from eagle3.checkpoint import load_draft  # noqa: E402
 from eagle3.data.chat import RenderError, render_record  # noqa: E402
 from eagle3.data.prompts import PromptError, open_source, source_conversation  # noqa: E402
@@ -119,13 +119,10 @@ def capture_dtypes(target, records: list[dict], dirs: dict[str, Path], max_lengt
     """Capture `records` once into one shard directory per dtype -> counts of render_all."""
     from collections import Counter
 
-    args = SimpleNamespace(max_length=max_length, chat_template=None, template_kwargs=None)
+    rendering = Rendering(max_length, "window")  # every record fits: one window each
     stats: Counter = Counter()
-    items = render_all(records, target.tokenizer, args, stats)
-    writers = [
-        ShardWriter(d, capture_meta(target, SimpleNamespace(**vars(args), dtype=dt)), dt)
-        for dt, d in dirs.items()
-    ]
+    items = render_all(records, target.tokenizer, rendering, stats)
+    writers = [ShardWriter(d, capture_meta(target, dt, rendering), dt) for dt, d in dirs.items()]
     with torch.inference_mode():
         capture_items(target, items, Tee(writers), batch_tokens=8192)
     for w in writers:

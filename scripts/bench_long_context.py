@@ -55,10 +55,9 @@ from bench_train import (  # noqa: E402
 )
 
 from eagle3.loss import ttt_loss  # noqa: E402
-from eagle3.model import DraftConfig, Eagle3Draft  # noqa: E402
+from eagle3.model import DraftConfig, Eagle3Draft, TTTModel  # noqa: E402
 from eagle3.ttt_attention import CHUNK_SIZE  # noqa: E402
 from train.config import load_config  # noqa: E402
-from train.train_drafter import TTTModel  # noqa: E402
 
 RECIPE = REPO / "configs/train/smollm2-q4-cpu.yaml"
 SMOLLM2_SHAPE = "hidden=576,vocab=49152,heads=9,kv_heads=3,head_dim=64,intermediate=1536"

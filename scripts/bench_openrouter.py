@@ -1,7 +1,7 @@
 """How close the OpenRouter client gets to the ideal rate, and what it costs in client CPU.
 
-Runs the real engine (datagen.engine, as ``python -m datagen.openrouter`` drives it: provider
-rule, ledger reservations, result store, retries) against the fake OpenRouter started as a
+Runs the real requester (datagen.openrouter.requester, as ``python -m datagen.openrouter``
+drives it: provider rule, ledger reservations, result store, retries) against the fake OpenRouter started as a
 separate process with a set latency, and prints one line:
 
     ratio = achieved requests/s / ideal (concurrency / latency); client CPU s per 1000 requests
@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# The request the bare client loops send (the engine builds its own).
+# The request the bare client loops send (the requester builds its own).
 BARE_BODY = json.dumps(
     {
         "model": "moonshotai/kimi-k2.5",
@@ -60,15 +60,16 @@ def start_server(latency: float) -> tuple[subprocess.Popen, str]:
     return proc, line.rsplit(" ", 1)[1].strip()
 
 
-async def run_engine(url: str, n: int, concurrency: int, out: Path) -> tuple[float, float, int]:
-    from datagen import providers
-    from datagen.engine import Engine, Settings
-    from datagen.ledger import Ledger
-    from datagen.openrouter import read_endpoints
+async def run_requester(url: str, n: int, concurrency: int, out: Path) -> tuple[float, float, int]:
+    from datagen.openrouter import providers
+    from datagen.openrouter.client import OpenRouter
+    from datagen.openrouter.ledger import Ledger
+    from datagen.openrouter.requester import Requester, Settings
     from eagle3.data.prompts import Prompt
     from eagle3.data.records import ResultStore
 
-    endpoints = await read_endpoints(url, "moonshotai/kimi-k2.5")
+    async with OpenRouter(url) as api:
+        endpoints = await api.endpoints("moonshotai/kimi-k2.5")
     allowed = providers.select(endpoints, "int4", ["fireworks", "baseten"], 256)
     prompts = [
         Prompt(f"b{i}", "bench", [{"role": "user", "content": f"Benchmark prompt {i}: explain."}])
@@ -91,9 +92,9 @@ async def run_engine(url: str, n: int, concurrency: int, out: Path) -> tuple[flo
     )
     store = ResultStore(out, fsync_interval=1.0)
     ledger = Ledger(out / "ledger.jsonl")
-    engine = Engine(settings, [prompts], store, ledger)
+    requester = Requester(settings, [prompts], store, ledger)
     cpu0, t0 = time.process_time(), time.perf_counter()
-    outcome = await engine.run()
+    outcome = await requester.run()
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     ledger.close()
     store.close()
@@ -165,9 +166,9 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             wall, cpu, sent = asyncio.run(
-                run_engine(url, args.requests, args.concurrency, Path(tmp))
+                run_requester(url, args.requests, args.concurrency, Path(tmp))
             )
-        print(report("datagen engine", sent, args.concurrency, args.latency, wall, cpu))
+        print(report("datagen requester", sent, args.concurrency, args.latency, wall, cpu))
         if args.compare_httpx:
             for name, fn in (("bare aiohttp", bare_aiohttp), ("bare httpx", bare_httpx)):
                 wall, cpu = asyncio.run(fn(url, args.requests, args.concurrency))

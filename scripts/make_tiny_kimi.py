@@ -26,7 +26,6 @@ Linears (what an engine without INT4 MoE kernels, e.g. vLLM on CPU, can serve).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import re
 import shutil
@@ -86,11 +85,9 @@ MEDIA_PROC_CFG = {  # Kimi-K2.5's preprocessor_config.json fields, at miniature 
 
 
 def kimi_template() -> str:
-    """The Kimi-K2.5-shaped chat template the chat/loss-mask tests use (tests/tiny_chat.py)."""
-    spec = importlib.util.spec_from_file_location("tiny_chat", REPO / "tests" / "tiny_chat.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.KIMI_TEMPLATE
+    """The Kimi-K2.5-shaped chat template (history turns get an empty <think></think>, the
+    generation prompt opens <think>), shared with the chat/loss-mask tests."""
+    return (Path(__file__).parent / "kimi_chat_template.jinja").read_text()
 
 
 def make_tokenizer():

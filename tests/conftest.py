@@ -149,7 +149,7 @@ def engine():
     engine they skip with that reason, except in CI (CI=true), where they fail: CI must run them."""
     import os
 
-    from eagle3.serving import engine_available, engine_python
+    from eagle3.engine.venv import engine_available, engine_python
 
     if engine_available():
         return engine_python()

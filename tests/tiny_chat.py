@@ -19,39 +19,11 @@ CHATML_TEMPLATE = (
     "{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-# Kimi-K2.5's structure: every assistant turn up to the last one is history and gets an empty
+# Kimi-K2.5's structure (scripts/kimi_chat_template.jinja, shared with make_tiny_kimi.py): every assistant turn up to the last one is history and gets an empty
 # `<think></think>` (its reasoning is dropped); turns after it keep `<think>reasoning</think>`;
 # the generation prompt opens `<think>` (thinking on by default). `preserve_thinking=True`
 # (Kimi-K2.6) keeps the reasoning of every turn.
-KIMI_TEMPLATE = """
-{%- macro header(role) -%}
-{%- if role == 'system' -%}<|im_system|>system<|im_middle|>
-{%- elif role == 'user' -%}<|im_user|>user<|im_middle|>
-{%- else -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}
-{%- endmacro -%}
-{%- set ns = namespace(last=-1) -%}
-{%- for idx in range(messages|length - 1, -1, -1) -%}
-{%- if ns.last == -1 and messages[idx]['role'] == 'assistant' -%}{%- set ns.last = idx -%}{%- endif -%}
-{%- endfor -%}
-{%- if preserve_thinking is defined and preserve_thinking -%}{%- set ns.last = -1 -%}{%- endif -%}
-{%- set hist_msgs = messages[:ns.last + 1] -%}
-{%- set suffix_msgs = messages[ns.last + 1:] -%}
-{%- if messages[0]['role'] != 'system' -%}
-<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>
-{%- endif -%}
-{%- for message in hist_msgs -%}
-{{ header(message['role']) }}{%- if message['role'] == 'assistant' -%}<think></think>{%- endif -%}
-{{ message['content'] }}<|im_end|>
-{%- endfor -%}
-{%- for message in suffix_msgs -%}
-{{ header(message['role']) }}{%- if message['role'] == 'assistant' -%}
-<think>{{ message.get('reasoning_content', '') }}</think>{%- endif -%}
-{{ message['content'] }}<|im_end|>
-{%- endfor -%}
-{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>
-{%- if thinking is defined and thinking is false -%}<think></think>{%- else -%}<think>{%- endif -%}
-{%- endif -%}
-"""
+KIMI_TEMPLATE = (Path(__file__).parents[1] / "scripts" / "kimi_chat_template.jinja").read_text()
 
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 KIMI_SPECIALS = [

@@ -19,13 +19,11 @@ import yaml
 
 from eagle3.config import load_typed
 from eagle3.data.windows import MODES as WINDOW_MODES
+from eagle3.engine.server import ENGINES
 from eagle3.errors import Eagle3Error
 from eagle3.model import FEATURES, rope_scaling_for_engines
 
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")  # names eagle3.checkpoint.save_draft(dtype=) takes
-
-
-ENGINES = ("vllm",)
 
 
 @dataclass
@@ -46,7 +44,7 @@ class EngineConfig:
 
 @dataclass
 class TargetConfig:
-    name: str = "smollm2-135m-q4"  # registry name (configs/targets/), HF dir/hub id, or .gguf
+    name: str = "smollm2-135m-q4"  # registry name (eagle3/targets/), HF dir/hub id, or .gguf
     aux_layer_ids: list[int] | None = (
         None  # None: the shards' meta (offline) or the target's default
     )

@@ -25,7 +25,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset
 from eagle3.data.chat import RenderError, render_record
 from eagle3.data.prompts import unit_hash
 from eagle3.data.records import read_records
-from eagle3.data.shards import ShardDataset
+from eagle3.data.shards import ShardDataset, identity_mismatches
 from eagle3.data.windows import (
     Window,
     lengths_line,
@@ -96,15 +96,11 @@ def check_shard_meta(
             if aux_layer_ids is not None
             else metas[0].get("aux_layer_ids"),
         }
-        for key, want in expect.items():
-            got = meta.get(key)
-            if key == "aux_layer_ids" and got is not None:
-                got = list(got)
-            if got != want:
-                problems.append(
-                    f"shards {path} were captured with {key}={got!r} but this run needs {want!r} "
-                    f"(target {target}); re-capture them or fix the config"
-                )
+        problems += [
+            f"shards {path} were captured with {key}={got!r} but this run needs {want!r} "
+            f"(target {target}); re-capture them or fix the config"
+            for key, got, want in identity_mismatches(meta, expect)
+        ]
     return problems
 
 

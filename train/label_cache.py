@@ -15,6 +15,9 @@ from collections.abc import Hashable
 
 import torch
 
+from train.config import Config
+from train.data import steps_per_epoch
+
 
 class LabelCache:
     def __init__(self, max_bytes: int):
@@ -53,3 +56,14 @@ class LabelCache:
                 continue
             self._rows[key] = (at, probs[b, at].clone(), in_vocab[b, at].clone())
             self.used += size
+
+
+def make_label_cache(
+    cfg: Config, lengths: list[int], world: int, total_steps: int
+) -> LabelCache | None:
+    """A label cache when the run reads stored records more than once (offline, past one
+    epoch) and data.label_cache_gb allows; online runs recompute the target anyway."""
+    per_epoch = steps_per_epoch(lengths, cfg.data.batch_size, world, cfg.optim.grad_accum)
+    if cfg.data.mode != "offline" or cfg.data.label_cache_gb <= 0 or total_steps <= per_epoch:
+        return None
+    return LabelCache(int(cfg.data.label_cache_gb * 2**30))

@@ -1,7 +1,8 @@
-"""Where training metrics go: metrics.jsonl (always), W&B (never a login prompt), a tqdm bar.
+"""Training metrics: what is summed (`MetricSums`) and where it goes (`MetricsLog`:
+metrics.jsonl always, W&B never with a login prompt, a tqdm bar).
 
-Only the main process builds a `MetricsLog`; the other ranks get a no-op one, so nothing is
-printed or written N times.
+Only the main process builds an enabled `MetricsLog`; the other ranks get a no-op one, so
+nothing is printed or written N times.
 """
 
 from __future__ import annotations
@@ -9,19 +10,79 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 from tqdm.auto import tqdm
 
+from eagle3.loss import simulated_acceptance
 from eagle3.tracking import wandb_mode
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 LINE_EVERY_S = 30.0  # plain progress lines when stderr is not a terminal
 
 log = logging.getLogger(__name__)
+
+
+class MetricSums:
+    """Running sums of micro-batches (the training steps since the last log line, or one
+    validation pass), per TTT step k: `ce` (ce_k x count_k), `correct`, `count` (valid
+    positions: the loss) and `masked` (every loss-masked position: the accuracy); then
+    `tokens` and `slots` (padding). One float64 tensor underneath, so one all-reduce sums them
+    over ranks; the fields are named views into it."""
+
+    def __init__(self, ttt_steps: int, device: torch.device, flat: torch.Tensor | None = None):
+        K = self.ttt_steps = ttt_steps
+        if flat is None:
+            flat = torch.zeros(4 * K + 2, dtype=torch.float64, device=device)
+        self.flat = flat
+        self.ce, self.correct, self.count, self.masked = flat[: 4 * K].view(4, K)
+        self.tokens, self.slots = flat[4 * K], flat[4 * K + 1]  # 0-d views: += writes into flat
+
+    def add(self, m: dict, mb: dict) -> None:
+        """One micro-batch: `m` from eagle3.loss.ttt_loss, `mb` the labelled micro-batch."""
+        for k in range(self.ttt_steps):
+            self.ce[k] += m[f"loss_{k}"] * m[f"count_{k}"]
+            self.correct[k] += m[f"correct_{k}"]
+            self.count[k] += m[f"count_{k}"]
+            self.masked[k] += m[f"masked_{k}"]
+        self.tokens += mb["tokens"]
+        self.slots += mb["slots"]
+
+    def zero_(self) -> None:
+        self.flat.zero_()
+
+    def reduced(self, accelerator: Accelerator) -> MetricSums:
+        """The sums over every rank (every rank must call it)."""
+        flat = accelerator.reduce(self.flat, reduction="sum")
+        return MetricSums(self.ttt_steps, flat.device, flat)
+
+    def summary(self, step_weight: float) -> dict[str, float]:
+        """loss (weighted over the steps), loss_k, acc_k and the simulated acceptance length."""
+        K, w = self.ttt_steps, step_weight
+        ce, correct, count, masked = self.flat[: 4 * K].view(4, K).tolist()  # one copy
+        losses = [ce[k] / max(count[k], 1) for k in range(K)]
+        accs = [correct[k] / max(masked[k], 1) for k in range(K)]
+        return {
+            "loss": sum(w**k * losses[k] for k in range(K)),
+            **{f"loss_{k}": losses[k] for k in range(K)},
+            **{f"acc_{k}": accs[k] for k in range(K)},
+            "sim_accept_len": simulated_acceptance(accs),
+        }
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak GPU memory allocated on `device`, or on the CPU the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
 
 
 class MetricsLog:

@@ -89,6 +89,17 @@ def load_chat_template(value: str | None) -> str | None:
     return value
 
 
+def check_renderable(tokenizer: Any, chat_template: str | None, target: str) -> None:
+    """One line when target `target` leaves nothing to render records with: no tokenizer, or
+    neither a --chat-template nor one of the tokenizer's own."""
+    if tokenizer is None:
+        raise Eagle3Error(f"target {target} has no tokenizer; pass a model directory with one")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise Eagle3Error(
+            f"target {target}'s tokenizer has no chat template; pass --chat-template FILE"
+        )
+
+
 def end_of_turn_ids(tokenizer: Any) -> set[int]:
     """Ids that close an assistant turn: the tokenizer's EOS plus known end-of-turn tokens."""
     ids = set()

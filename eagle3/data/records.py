@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FAILED = "failed"
-# Not datasets: DIR/ledger.jsonl belongs to datagen.ledger, DIR/audit.jsonl to the on-the-fly
+# Not datasets: DIR/ledger.jsonl belongs to datagen.openrouter.ledger, DIR/audit.jsonl to the on-the-fly
 # provider audit (datagen.openrouter --audit-every).
 RESERVED = frozenset({FAILED, "ledger", "audit"})
 LOCK_NAME = ".store.lock"
@@ -61,6 +61,19 @@ TAIL_BLOCK = 1 << 16  # bytes read at a time when searching backwards for the la
 
 class StoreError(Eagle3Error):
     """The output directory cannot be used as asked; one line for the user."""
+
+
+def try_lock(path: Path) -> int | None:
+    """Take `path`'s exclusive flock (the file created if missing) without waiting -> its open
+    descriptor, whose closing releases the lock; None when another process holds it. The one
+    lock of a writer's directory: ResultStore's and each ShardWriter part's."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _check_dataset(dataset: str) -> None:
@@ -151,15 +164,11 @@ class ResultStore:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise StoreError(f"cannot create output directory {self.dir}: {err.strerror}") from err
-        self._lock_fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as err:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self._lock_fd = try_lock(self.dir / LOCK_NAME)
+        if self._lock_fd is None:
             raise StoreError(
                 f"another process is writing to {self.dir}; wait for it to finish or use another --out"
-            ) from err
+            )
         for path in [*self._dataset_paths(), self._path(FAILED)]:
             repair_tail(path)
 
@@ -426,4 +435,5 @@ __all__ = [
     "read_records",
     "repair_tail",
     "sum_usage",
+    "try_lock",
 ]

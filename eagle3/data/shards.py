@@ -87,7 +87,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import fcntl
 import json
 import logging
 import os
@@ -106,7 +105,7 @@ import xxhash
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from eagle3.data.records import repair_tail
+from eagle3.data.records import repair_tail, try_lock
 from eagle3.errors import Eagle3Error
 
 if TYPE_CHECKING:
@@ -226,11 +225,26 @@ def target_meta(target: Target) -> dict:
     }
 
 
+def identity_mismatches(meta: dict, expect: dict) -> list[tuple[str, Any, Any]]:
+    """(key, meta's value, the expected one) for each key of `expect` on which a capture's
+    meta.json disagrees: the one identity check of a resumed capture (check_meta) and of the
+    shards training reads (train/data.py). A key meta lacks reads as None."""
+    out = []
+    for key, want in expect.items():
+        got = meta.get(key)
+        if key == "aux_layer_ids" and got is not None:
+            got = list(got)
+        if got != want:
+            out.append((key, got, want))
+    return out
+
+
 def check_meta(old: dict, new: dict, out_dir: Path) -> None:
     """Raise if `new` describes different data than the capture already in `out_dir`."""
-    diff = [k for k in IDENTITY_KEYS if k in old and k in new and old[k] != new[k]]
+    shared = {k: new[k] for k in IDENTITY_KEYS if k in old and k in new}
+    diff = identity_mismatches(old, shared)
     if diff:
-        what = ", ".join(f"{k}: {old[k]!r} there, {new[k]!r} now" for k in diff)
+        what = ", ".join(f"{k}: {got!r} there, {want!r} now" for k, got, want in diff)
         raise Eagle3Error(
             f"{out_dir} holds a different capture ({what}); use another --out or the same settings"
         )
@@ -285,15 +299,12 @@ class ShardWriter:
         self.part = part
         self.finalize_on_close = finalize_on_close
         self.meta = {**meta, "dtype": dtype, "format_version": FORMAT_VERSION}
-        self._lock_fd = os.open(self.dir / f".lock-{part}", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as err:
-            os.close(self._lock_fd)
+        self._lock_fd = try_lock(self.dir / f".lock-{part}")
+        if self._lock_fd is None:
             raise Eagle3Error(
                 f"another process is capturing into {self.dir} (part {part}); wait for it or "
                 "use another --out"
-            ) from err
+            )
         try:
             old = read_meta(self.dir)
             if old is None:
@@ -585,13 +596,12 @@ def _all_parts_locked(out_dir: Path) -> Iterator[None]:
     fds: list[int] = []
     try:
         for path in sorted(out_dir.glob(".lock-*")):
-            fds.append(os.open(path, os.O_RDWR))
-            try:
-                fcntl.flock(fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError as err:
+            fd = try_lock(path)
+            if fd is None:
                 raise Eagle3Error(
                     f"another process is capturing into {out_dir}; wait for it or use another --out"
-                ) from err
+                )
+            fds.append(fd)
         yield
     finally:
         for fd in fds:
@@ -807,6 +817,7 @@ __all__ = [
     "check_meta",
     "file_xxh3",
     "finalize",
+    "identity_mismatches",
     "read_index",
     "read_meta",
     "recapture_command",

@@ -1,6 +1,6 @@
 """`python -m datagen.capture` on tiny random targets: shards equal the target's own capture,
-bad input is counted, resume, a killed run, two processes, --estimate, a damaged shard found
-by --verify and recaptured by a resume."""
+bad input is counted, resume, a killed run, two processes, one loop for an in-process and a
+served target, a damaged shard found by --verify and recaptured by a resume."""
 
 from __future__ import annotations
 
@@ -8,20 +8,25 @@ import importlib.util
 import json
 import logging
 import os
+import random
 import shlex
 import shutil
 import socket
 import subprocess
 import sys
 import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from datagen import capture
+from datagen.render import Item
 from eagle3.data.chat import render_record
-from eagle3.data.shards import ShardDataset, read_index, read_meta
+from eagle3.data.shards import ShardDataset, ShardWriter, read_index, read_meta
 from eagle3.errors import Eagle3Error
 from eagle3.target import load_target
 
@@ -130,6 +135,75 @@ def test_capture_equals_the_targets_own_forward(chat_llama, tmp_path, capsys):
         torch.testing.assert_close(got["aux_hidden"], aux[0], rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(got["last_hidden"], last[0], rtol=2e-2, atol=2e-2)
     assert meta["num_tokens"] == sum(ds.lengths)
+
+
+def hidden(ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """aux [B, T, 3H], last [B, T, H] (H = 4) of the tokens alone; padded positions zero."""
+    x = (ids.float() * attn)[..., None] * torch.arange(1.0, 13.0) / 7
+    return x, x[..., :4] * 3
+
+
+class FakeTarget:
+    """Target.capture's contract, with hidden states that depend on the tokens alone."""
+
+    served = False
+    hidden_size = 4
+
+    def __init__(self, log: list[str]):
+        self.tokenizer, self.log = SimpleNamespace(pad_token_id=0), log
+
+    def capture(self, ids, attn):
+        self.log.append("forward")
+        return hidden(ids, attn)
+
+    def stop(self) -> None:
+        pass
+
+
+class FakeServed(FakeTarget):
+    """Served: capture_async's futures finish in a random order, as an engine's requests do."""
+
+    served = True
+
+    def __init__(self, log: list[str]):
+        super().__init__(log)
+        self.pool = ThreadPoolExecutor(4)
+
+    def capture_async(self, ids, attn):
+        self.log.append("request")
+
+        def forward():
+            time.sleep(random.random() * 0.01)
+            return hidden(ids, attn)
+
+        return self.pool.submit(forward)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_one_loop_writes_the_same_shards_for_an_in_process_and_a_served_target(tmp_path, dtype):
+    """capture_items: the same batches in the same order, hence byte-identical shards and
+    index; the served target gets every batch's requests before the first batch is written
+    (its requests stay in flight across batches), the in-process one forwards batch by batch."""
+    rng = random.Random(0)
+    items = [Item(f"r{i}", "chat", [rng.randrange(1, 256) for _ in range(n)], [1] * n)
+             for i, n in enumerate(rng.randrange(1, 40) for _ in range(30))]  # fmt: skip
+
+    def captured(target_class, out: Path) -> tuple[dict[str, bytes], list[str]]:
+        log: list[str] = []
+        with ShardWriter(out, {"target": "fake"}, dtype, 2000) as writer:
+            add_batch = writer.add_batch
+            writer.add_batch = lambda *a, **k: (log.append("write"), add_batch(*a, **k))
+            tokens = capture.capture_items(target_class(log), items, writer, batch_tokens=60)
+        assert tokens == sum(len(it.input_ids) for it in items)
+        files = [p for p in sorted(out.iterdir()) if p.suffix in (".safetensors", ".jsonl")]
+        return {p.name: p.read_bytes() for p in files}, log
+
+    here, here_log = captured(FakeTarget, tmp_path / "in-process")
+    served, served_log = captured(FakeServed, tmp_path / "served")
+    assert len(served) > 3 and served == here
+    n = len(capture.batches(items, 60))
+    assert served_log == ["request"] * n + ["write"] * n
+    assert here_log == ["forward", "write"] * n
 
 
 def test_long_records_are_captured_as_windows_and_resumed_window_by_window(
@@ -268,30 +342,6 @@ def test_kimi_style_target_with_reasoning(tiny_deepseek_dir, tmp_path):
         "<|im_end|>",
     ]
     assert got["k1"]["aux_hidden"].shape == (len(got["k1"]["input_ids"]), 3 * 64)
-
-
-def test_estimate_for_kimi_shows_terabytes_and_online_training(capsys):
-    assert (
-        run_cli("--target", "kimi-k2.5", "--estimate", "--tokens", "40M", "--tokens-per-s", "20000")
-        == 0
-    )
-    text = capsys.readouterr().out
-    assert "hidden size 7168" in text and "40,000,000 tokens" in text
-    assert "57,349 bytes/token" in text and "2.3 TB" in text  # bf16
-    assert "28,693 bytes/token" in text and "1.1 TB" in text  # fp8
-    assert "0.56 h at 20,000 tok/s" in text
-    assert "train online" in text and "data.mode=online" in text
-
-
-def test_estimate_counts_the_records(chat_llama, tmp_path, capsys):
-    data = write_jsonl(tmp_path / "a.jsonl", GOOD + BAD)
-    assert (
-        run_cli("--target", chat_llama, "--data", data, "--estimate", "--max-length", MAX_LENGTH)
-        == 0
-    )
-    text = capsys.readouterr().out
-    assert "hidden size 64" in text and "rendered with the target's tokenizer" in text
-    assert "train online" not in text
 
 
 KILLED = textwrap.dedent(

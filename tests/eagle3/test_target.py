@@ -137,6 +137,22 @@ def test_target_attributes(tiny_deepseek_target):
     assert t.model.dtype == torch.float32  # default on CPU
 
 
+def test_target_is_the_in_process_side_of_the_target_interface(tiny_llama_target):
+    """What datagen and training ask of any target (eagle3.target.TargetModel): not served,
+    the length checked against max_position_embeddings in one line, stop() a no-op."""
+    t = tiny_llama_target
+    assert t.served is False
+    context = t.model.config.max_position_embeddings
+    assert t.context == context
+    t.check_length(context, "--max-length")  # the whole context fits a forward
+    with pytest.raises(Eagle3Error, match=f"--max-length {context + 1} does not fit") as err:
+        t.check_length(context + 1, "--max-length")
+    assert f"use --max-length {context} or less" in str(err.value)
+    assert "\n" not in str(err.value)
+    t.stop()
+    assert t.capture(torch.tensor([[1, 2, 3]]))[0].shape == (1, 3, 3 * t.hidden_size)
+
+
 @pytest.mark.parametrize("fixture", TINY)
 def test_load_lm_head_and_embeddings_read_single_tensors(fixture, request):
     target: Target = request.getfixturevalue(fixture)

@@ -1,4 +1,5 @@
-"""Batching: deterministic, exact data-parallel split, low padding; streamed vocab counts."""
+"""Batching: deterministic, exact data-parallel split, low padding; streamed vocab counts; shards
+checked against the run's target."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from train.data import (
     batch_plan,
+    check_shard_meta,
     collate,
     padding_fraction,
     rank_micro_batches,
@@ -54,6 +56,20 @@ def test_length_grouping_keeps_padding_under_ten_percent():
         mb for b in batch_plan(lengths, 8, 0, 0, False) for mb in rank_micro_batches(b, 0, 1, 1)
     ]
     assert grouped < 0.10 < padding_fraction(lengths, micro)
+
+
+def test_shards_of_another_capture_are_one_problem_per_dir_and_key():
+    meta = {"target": "t", "vocab_size": 10, "target_hidden_size": 4, "aux_layer_ids": [1, 2, 3]}
+    other = {**meta, "vocab_size": 11, "aux_layer_ids": [0, 2, 3]}
+    run = {"target": "t", "vocab_size": 10, "hidden_size": 4, "aux_layer_ids": None}
+    assert check_shard_meta([meta, meta], ["a", "b"], **run) == []  # aux: the first dir's
+    assert check_shard_meta([meta, other], ["a", "b"], **run) == [
+        "shards b were captured with vocab_size=11 but this run needs 10 (target t); "
+        "re-capture them or fix the config",
+        "shards b were captured with aux_layer_ids=[0, 2, 3] but this run needs [1, 2, 3] "
+        "(target t); re-capture them or fix the config",
+    ]
+    assert len(check_shard_meta([meta], ["a"], **{**run, "aux_layer_ids": [0, 2, 3]})) == 1
 
 
 def test_collate_right_pads_with_an_attention_mask():

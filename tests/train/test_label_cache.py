@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.label_cache import LabelCache
+from train.config import load_config
+from train.label_cache import LabelCache, make_label_cache
 
 
 def batch(seed: int, B: int = 2, T: int = 6, Vd: int = 5):
@@ -34,6 +35,20 @@ def test_the_budget_is_never_exceeded():
     cache = LabelCache(max_bytes=one)
     cache.put(["a", "b"], probs, in_vocab, rows)
     assert len(cache) == 1 and cache.full and cache.used <= one
+
+
+def test_only_offline_runs_past_one_epoch_keep_labels():
+    def cfg(*overrides):
+        base = ["data.shard_dirs=[shards]", "data.batch_size=4"]
+        return load_config(None, [*base, *overrides], check_paths=False)
+
+    lengths = [10] * 16  # 4 steps per epoch on one process, 2 on two
+    assert make_label_cache(cfg(), lengths, 1, 4) is None  # one epoch: every record read once
+    assert make_label_cache(cfg(), lengths, 1, 5).max_bytes == 2**30  # data.label_cache_gb 1
+    assert make_label_cache(cfg(), lengths, 2, 3) is not None
+    assert make_label_cache(cfg("data.label_cache_gb=0"), lengths, 1, 8) is None
+    online = cfg("data.mode=online", "data.records=[r.jsonl]", "data.shard_dirs=[]")
+    assert make_label_cache(online, lengths, 1, 8) is None  # the target runs anyway
 
 
 def test_a_run_with_cached_labels_equals_one_without(tiny_llama_dir, shard_dir, tmp_path, helpers):

@@ -1,11 +1,58 @@
-"""metrics.jsonl handling and the W&B mode choice (no key -> offline, never a login prompt)."""
+"""Metric sums with named fields, metrics.jsonl handling and the W&B mode choice (no key ->
+offline, never a login prompt)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
+from eagle3.loss import simulated_acceptance
 from eagle3.tracking import wandb_mode
-from train.metrics import MetricsLog
+from train.metrics import MetricsLog, MetricSums, peak_memory_gb
+
+
+class TwoRanks:
+    """An accelerator whose other rank summed exactly what this one did."""
+
+    def reduce(self, tensor: torch.Tensor, reduction: str) -> torch.Tensor:
+        assert reduction == "sum"
+        return tensor * 2
+
+
+def test_metric_sums_are_named_views_of_one_tensor_reduced_at_once():
+    K = 3
+    sums = MetricSums(K, torch.device("cpu"))
+    m = {}
+    for k in range(K):
+        m.update({f"loss_{k}": 0.5 + k, f"count_{k}": 10 - k, f"correct_{k}": 4 - k})
+        m[f"masked_{k}"] = 12 - k
+    for _ in range(2):  # two micro-batches
+        sums.add(m, {"tokens": 30, "slots": 40})
+    assert sums.flat.shape == (4 * K + 2,)  # one all-reduce for everything
+    assert sums.ce.tolist() == pytest.approx([10.0, 27.0, 40.0])  # ce_k x count_k
+    assert sums.count.tolist() == [20, 18, 16] and sums.masked.tolist() == [24, 22, 20]
+    assert sums.correct.tolist() == [8, 6, 4]
+    assert (sums.tokens.item(), sums.slots.item()) == (60, 80)
+
+    total = sums.reduced(TwoRanks())
+    assert total.tokens.item() == 120 and sums.tokens.item() == 60
+    accs = [8 / 24, 6 / 22, 4 / 20]  # over every masked position, not the valid ones
+    assert total.summary(0.8) == pytest.approx(
+        {
+            "loss": 0.5 + 0.8 * 1.5 + 0.64 * 2.5,
+            **{f"loss_{k}": 0.5 + k for k in range(K)},
+            **{f"acc_{k}": accs[k] for k in range(K)},
+            "sim_accept_len": simulated_acceptance(accs),
+        }
+    )
+    sums.zero_()
+    assert not sums.flat.any() and sums.tokens.item() == 0  # the views follow the tensor
+
+
+def test_peak_memory_on_the_cpu_is_the_process_rss():
+    assert 0 < peak_memory_gb(torch.device("cpu")) < 1024
 
 
 def test_wandb_mode_without_a_key_is_offline(monkeypatch):

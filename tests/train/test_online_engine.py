@@ -25,12 +25,13 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.served_target import hidden_dir_prefix
-from eagle3.serving import EngineClient, free_port
+from eagle3.engine.capture import hidden_dir_prefix
+from eagle3.engine.client import EngineClient
+from eagle3.engine.server import free_port
 
 TARGET = "smollm2-135m-q4"  # what the engine serves: the embedded target's HF dir
 # served vs in-process training losses, by the dtype the engine served (provenance.json): the
-# CPU engine serves float32 on every CPU (eagle3.serving.choose_serving); measured 5e-7.
+# CPU engine serves float32 on every CPU (eagle3.engine.choice.choose_serving); measured 5e-7.
 LOSS_RTOL = {"float32": 1e-3}
 
 

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -49,53 +46,6 @@ def test_offline_and_online_reach_the_same_loss_trajectory(
     assert (off / "config.yaml").is_file()
 
 
-def test_resume_after_sigkill_matches_an_uninterrupted_run(
-    tmp_path, helpers, tiny_llama_dir, shard_dir
-):
-    steps = {"train.max_steps": 30, "train.save_every": 3, **helpers.offline(shard_dir)}
-    steps.update({"data.val_fraction": 0.3, "train.eval_every": 3})  # validation resumes too
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    helpers.run_cli(helpers.common_args(tiny_llama_dir, whole, **steps))
-
-    cmd = [
-        sys.executable,
-        str(helpers.SCRIPT),
-        *helpers.common_args(tiny_llama_dir, killed, **steps),
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=helpers.REPO,
-        env=helpers.env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    marker = killed / "checkpoints" / "step-0000006" / "trainer_state.json"
-    deadline = time.time() + 120
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    assert not (killed / "final").exists()
-
-    out = helpers.run_cli(
-        helpers.common_args(tiny_llama_dir, killed, **steps, **{"train.resume_from": "latest"})
-    )
-    assert "resuming from" in out.stdout
-    assert [r["step"] for r in helpers.metric_lines(killed)] == list(range(1, 31))
-    assert helpers.losses(killed) == pytest.approx(helpers.losses(whole), rel=1e-6)
-    val, val_whole = helpers.metric_lines(killed, "val"), helpers.metric_lines(whole, "val")
-    assert [r["step"] for r in val] == list(range(3, 31, 3))  # none twice, none lost
-    assert [r["val/loss"] for r in val] == pytest.approx(
-        [r["val/loss"] for r in val_whole], rel=1e-6
-    )
-    assert helpers.losses(killed, "lr") == pytest.approx(helpers.losses(whole, "lr"), rel=1e-9)
-    # old optimizer states are pruned, every SGLang export is kept
-    ckpts = sorted((killed / "checkpoints").iterdir())
-    assert len(ckpts) == 10 and sum((c / "state").exists() for c in ckpts) == 3
-    assert all((c / "draft" / "model.safetensors").exists() for c in ckpts)
-
-
 def test_two_processes_and_accumulation_equal_one_big_batch(
     tmp_path, helpers, tiny_llama_dir, shard_dir
 ):
@@ -128,23 +78,6 @@ def test_two_processes_and_accumulation_equal_one_big_batch(
     final = [load_file(str(d / "final" / "model.safetensors")) for d in (one, two)]
     for name, tensor in final[0].items():
         assert tensor.float().allclose(final[1][name].float(), atol=1e-5), name
-
-
-def test_fine_tune_reuses_the_saved_vocab(tmp_path, helpers, tiny_llama_dir, records_file):
-    base, tuned = tmp_path / "base", tmp_path / "tuned"
-    helpers.run_cli(helpers.common_args(tiny_llama_dir, base, **helpers.online(records_file)))
-    helpers.run_cli(
-        helpers.common_args(
-            tiny_llama_dir,
-            tuned,
-            **helpers.online(records_file),
-            **{"model.init_from": base / "final", "model.draft_vocab_size": 50},
-        )
-    )
-    d2t = load_file(str(base / "draft_vocab.safetensors"))["d2t"]
-    assert d2t.numel() == 200  # model.draft_vocab_size=50 did not trigger a rebuild
-    assert d2t.equal(load_file(str(tuned / "draft_vocab.safetensors"))["d2t"])
-    assert helpers.losses(tuned)[0] < helpers.losses(base)[0]  # started from the trained weights
 
 
 def test_eagle2_style_ablation_trains_on_the_last_hidden_state(

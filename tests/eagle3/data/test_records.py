@@ -16,6 +16,7 @@ from eagle3.data.records import (
     make_record,
     normalize_usage,
     repair_tail,
+    try_lock,
 )
 
 REPO = Path(__file__).resolve().parents[3]
@@ -154,6 +155,15 @@ def test_single_writer_lock(tmp_path):
         ResultStore(tmp_path)
     store.close()
     ResultStore(tmp_path).close()  # released on close
+
+
+def test_try_lock_is_exclusive_until_its_descriptor_closes(tmp_path):
+    path = tmp_path / ".lock"
+    fd = try_lock(path)  # created
+    assert fd is not None and path.is_file()
+    assert try_lock(path) is None  # held: refused at once, not waited for
+    os.close(fd)
+    os.close(try_lock(path))  # released by the close
 
 
 def test_bad_dataset_names(tmp_path):

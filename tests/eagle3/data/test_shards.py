@@ -22,6 +22,7 @@ from eagle3.data.shards import (
     bytes_per_token,
     file_xxh3,
     finalize,
+    identity_mismatches,
     read_index,
     read_meta,
     record_xxh3,
@@ -130,6 +131,15 @@ def test_a_different_capture_in_the_same_directory_is_refused(tmp_path):
         ShardWriter(tmp_path, {**META, "target_hidden_size": 32})
     with pytest.raises(Eagle3Error, match="different capture"):
         ShardWriter(tmp_path, META, dtype="fp8")
+
+
+def test_identity_mismatches_name_each_differing_key_once():
+    """The check a resumed capture and training both make: a missing key reads as None, the
+    aux layers compare as a list (a tuple in the meta is the same capture)."""
+    meta = {**META, "aux_layer_ids": (1, 3, 4)}
+    assert identity_mismatches(meta, {"target": "tiny", "aux_layer_ids": [1, 3, 4]}) == []
+    expect = {"vocab_size": 7, "dtype": "bf16", "num_layers": 8}
+    assert identity_mismatches(meta, expect) == [("vocab_size", 100, 7), ("dtype", None, "bf16")]
 
 
 def test_second_writer_of_the_same_part_is_refused(tmp_path):

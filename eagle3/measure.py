@@ -1,0 +1,344 @@
+"""Measuring drafters against the target by real speculative decoding: what `eagle3.evaluate`
+counts (the rows and their statistics are `eagle3.report` and `eagle3.statistics`).
+
+For every prompt (every user turn of it: MT-bench's second turn is conditioned on the
+target's own first answer, from plain decoding) the target first decodes alone (plain tok/s),
+then once per drafter speculatively (spec tok/s, tau, alpha_i), in the same process, so the
+speedup is a ratio measured in one run (:func:`run_benchmark` into a :class:`Tally` per
+decoder, each prompt's counts kept apart for the intervals). A drafter spec is a checkpoint
+directory (checked against the target first), `prompt-lookup` (n-gram lookup, no model) or
+`none` (the speculative loop with no drafts: tau = 1, shows the loop's own overhead).
+
+The serving engine (:func:`engine_runs`): a managed vLLM server without a drafter answers every
+turn (plain tok/s; its answers condition later turns), then one with each checkpoint drafter
+(method eagle3, num_speculative_tokens = the chain steps) decodes the same token-id prompts at
+the same temperature; tau and alpha_i come from vLLM's spec-decode counters over that window
+(one window over all requests: no per-prompt counts). Each pass runs one request at a time and
+`--engine-batch` N at a time, against plain vLLM run the same way. Engine flags:
+eagle3.engine.server.add_engine_args.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.data.chat import next_turns, prompt_ids
+from eagle3.engine.metrics import SpecDecodeMetrics
+from eagle3.errors import Eagle3Error
+from eagle3.prompt_lookup import PromptLookupDrafter
+from eagle3.speculative import (
+    AcceptanceStats,
+    DecodeConfig,
+    EagleDrafter,
+    Generation,
+    SpeculativeDecoder,
+    plain_generate,
+)
+from eagle3.target import eos_token_ids
+
+log = logging.getLogger(__name__)
+
+WARMUP_TOKENS = 8
+
+
+# -- decoding flags -------------------------------------------------------------------------------
+def add_decode_args(
+    p: argparse.ArgumentParser, steps: int = 7, max_new_tokens: int = 256
+) -> argparse.ArgumentParser:
+    """The decoding flags (chain/tree shape, temperature, length); `decode_config` reads them."""
+    p.add_argument("--mode", choices=("chain", "tree"), default="chain")
+    p.add_argument("--steps", type=int, default=steps, help="chain: draft tokens per step")
+    p.add_argument("--topk", type=int, default=10, help="tree: branching")
+    p.add_argument(
+        "--total-tokens", type=int, default=60, help="tree: tokens verified per step, root included"
+    )
+    p.add_argument("--depth", type=int, default=8, help="tree: max draft depth")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    return p
+
+
+def decode_config(args: argparse.Namespace) -> DecodeConfig:
+    return DecodeConfig(
+        mode=args.mode,
+        steps=args.steps,
+        topk=args.topk,
+        total_tokens=args.total_tokens,
+        depth=args.depth,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+    )
+
+
+# -- drafters -----------------------------------------------------------------------------------
+def drafter_name(spec: str) -> str:
+    if spec in ("none", "prompt-lookup"):
+        return spec
+    path = Path(spec).resolve()
+    if path.name in ("final", "draft") or path.name.startswith("step-"):
+        return f"{path.parent.name}/{path.name}"  # runs/x/final -> x/final
+    return path.name
+
+
+def check_compatible(cfg, raw: dict[str, Any], target, ckpt: str) -> None:
+    """Refuse a drafter trained for another target, in one line naming every mismatch."""
+    problems = []
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab {cfg.vocab_size} vs the target's {target.vocab_size}")
+    if cfg.target_hidden_size != target.hidden_size:
+        problems.append(f"target hidden size {cfg.target_hidden_size} vs {target.hidden_size}")
+    embed = tuple(target.embed_weight.shape)
+    if (cfg.vocab_size, cfg.hidden_size) != embed:
+        problems.append(f"embedding shape {(cfg.vocab_size, cfg.hidden_size)} vs {embed}")
+    # other aux ids than the target's default are fine (the decoder captures the drafter's
+    # own layers); ids past the target's last layer are not
+    bad = [i for i in cfg.aux_layer_ids if not 0 <= int(i) < target.num_layers]
+    if bad:
+        problems.append(
+            f"aux layers {list(cfg.aux_layer_ids)} outside the target's {target.num_layers} layers"
+        )
+    if problems:
+        trained_for = (raw.get("extra_config") or {}).get("target")
+        hint = f" (it was trained for {trained_for})" if trained_for else ""
+        raise Eagle3Error(
+            f"drafter {ckpt} does not fit target {target.name}{hint}: {'; '.join(problems)}; "
+            "evaluate it with the target it was trained for"
+        )
+
+
+def load_drafter(spec: str, target, cfg: DecodeConfig):
+    """-> a Drafter (None for 'none')."""
+    if spec == "none":
+        return None
+    if spec == "prompt-lookup":
+        return PromptLookupDrafter(num_tokens=cfg.max_depth)
+    from eagle3.checkpoint import load_config, load_draft
+
+    if not Path(spec).is_dir():
+        raise Eagle3Error(
+            f"--draft {spec}: no such checkpoint directory (or use prompt-lookup / none)"
+        )
+    draft_cfg, raw = load_config(spec)
+    check_compatible(draft_cfg, raw, target, spec)
+    draft = load_draft(spec)
+    draft.set_embeddings(target.embed_weight.detach().cpu())
+    dtype = target.model.dtype if target.device.type == "cuda" else torch.float32
+    draft = draft.to(device=target.device, dtype=dtype)
+    return EagleDrafter(draft, cfg, name=drafter_name(spec))
+
+
+# -- the in-house measurement ---------------------------------------------------------------------
+@dataclass
+class PromptCount:
+    """One prompt's totals over all its turns."""
+
+    id: str
+    accepted: int = 0  # accepted draft tokens
+    steps: int = 0  # verification steps (plain decoding: one per token)
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Tally:
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    tokens: int = 0
+    seconds: float = 0.0
+    turns: int = 0
+    per_prompt: list[PromptCount] = field(default_factory=list)  # in prompt order
+
+    @property
+    def prompts(self) -> int:
+        return len(self.per_prompt)
+
+    def start(self, prompt_id: str) -> None:
+        """The turns added from now on are this prompt's."""
+        self.per_prompt.append(PromptCount(prompt_id))
+
+    def add(self, gen: Generation) -> None:
+        self.stats.merge(gen.stats)
+        self.tokens += len(gen.tokens)
+        self.seconds += gen.seconds
+        self.turns += 1
+        mine = self.per_prompt[-1]
+        mine.accepted += gen.stats.accepted_total
+        mine.steps += gen.stats.steps
+        mine.tokens += len(gen.tokens)
+        mine.seconds += gen.seconds
+
+
+def run_benchmark(
+    target,
+    drafters: dict[str, Any],
+    prompts: list,
+    cfg: DecodeConfig,
+    seed: int,
+) -> tuple[Tally, dict[str, Tally]]:
+    """-> (plain tally, drafter name -> speculative tally) over every turn of every prompt."""
+    eos = eos_token_ids(target)
+    decoders = {n: SpeculativeDecoder(target, d, cfg, eos_ids=eos) for n, d in drafters.items()}
+    plain = Tally()
+    spec = {n: Tally() for n in drafters}
+    for i, prompt in enumerate(prompts):
+        for tally in (plain, *spec.values()):
+            tally.start(prompt.id)
+        conversation: list[dict] = []
+        t = 0
+        while (asked := next_turns(prompt, conversation)) is not None:
+            conversation.extend(asked)
+            ids = prompt_ids(target.tokenizer, conversation)
+            gen = torch.Generator().manual_seed(seed + 1000 * i + t)
+            out = plain_generate(
+                target, ids, cfg.max_new_tokens, cfg.temperature, eos_ids=eos, generator=gen
+            )
+            plain.add(out)
+            line = [f"{prompt.dataset}/{prompt.id} turn {t + 1}: plain {_rate(out)}"]
+            for name, dec in decoders.items():
+                gen = torch.Generator().manual_seed(seed + 1000 * i + t)
+                res = dec.generate(ids, gen)
+                spec[name].add(res)
+                line.append(f"{name} tau {res.stats.tau:.2f} {_rate(res)}")
+            log.info("; ".join(line))
+            answer = target.tokenizer.decode(out.tokens, skip_special_tokens=True)
+            conversation.append({"role": "assistant", "content": answer})
+            t += 1
+    return plain, spec
+
+
+def _rate(gen: Generation) -> str:
+    return f"{len(gen.tokens) / gen.seconds:.1f} tok/s" if gen.seconds > 0 else "- tok/s"
+
+
+def warm_up(target, drafters: dict[str, Any], prompts: list, cfg: DecodeConfig) -> None:
+    """One short untimed run of each decoder, so no timing pays for first-call setup."""
+    ids = prompt_ids(target.tokenizer, next_turns(prompts[0], []))
+    short = DecodeConfig(**{**asdict(cfg), "max_new_tokens": WARMUP_TOKENS})
+    plain_generate(target, ids, WARMUP_TOKENS, eos_ids=set())
+    for drafter in drafters.values():  # drafters read only the tree shape from their config
+        SpeculativeDecoder(target, drafter, short, eos_ids=set()).generate(ids)
+
+
+# -- the serving engine ----------------------------------------------------------------------------
+@dataclass
+class EngineRun:
+    """One pass of a server over turns: tokens, seconds and the spec-decode window."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    window: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class EngineResult:
+    """One drafter's pass over one benchmark's turns, `concurrency` in flight, beside plain
+    vLLM's pass over the same turns run the same way."""
+
+    drafter: str
+    bench: str
+    concurrency: int
+    spec: EngineRun
+    plain: EngineRun
+    prompts: int
+    turns: int
+
+
+def engine_generate(server, ids: list[int], cfg: DecodeConfig, eos: list[int]) -> tuple[int, str]:
+    """One completion from token ids -> (new tokens, text)."""
+    reply = server.complete(
+        ids, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, stop_token_ids=eos
+    )
+    choice = reply["choices"][0]
+    return int(reply["usage"]["completion_tokens"]), choice.get("text") or ""
+
+
+def engine_pass(server, turns: list[list[int]], cfg, eos, concurrency: int) -> EngineRun:
+    """Every turn through `server`, `concurrency` in flight -> tokens, wall seconds, window."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = server.spec_decode_metrics()
+    t0 = time.perf_counter()
+    if concurrency <= 1:
+        tokens = sum(engine_generate(server, ids, cfg, eos)[0] for ids in turns)
+    else:
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            tokens = sum(
+                n for n, _ in pool.map(lambda i: engine_generate(server, i, cfg, eos), turns)
+            )
+    seconds = time.perf_counter() - t0
+    return EngineRun(tokens, seconds, server.spec_decode_metrics() - before)
+
+
+def engine_plain_turns(server, target, benches, cfg, eos) -> dict[str, list[list[int]]]:
+    """Each benchmark's turns as token ids, later turns conditioned on the server's answers."""
+    turns: dict[str, list[list[int]]] = {}
+    for bench, prompts in benches:
+        out = turns.setdefault(bench, [])
+        for prompt in prompts:
+            conversation: list[dict] = []
+            while (asked := next_turns(prompt, conversation)) is not None:
+                conversation.extend(asked)
+                ids = prompt_ids(target.tokenizer, conversation)
+                out.append(ids)
+                _, answer = engine_generate(server, ids, cfg, eos)
+                conversation.append({"role": "assistant", "content": answer})
+    return turns
+
+
+def engine_runs(
+    args, target, benches, names: dict[str, str], cfg: DecodeConfig
+) -> list[EngineResult]:
+    """Every checkpoint drafter on every benchmark, one request at a time and
+    `args.engine_batch` at a time, next to plain vLLM run the same way; at most one server runs
+    at a time."""
+    from eagle3.engine.server import managed_engine
+    from eagle3.target import resolve
+
+    hf_dir = resolve(args.target)[1]
+    eos = sorted(eos_token_ids(target))
+    k, batch = cfg.max_depth, args.engine_batch
+    drafters = {n: s for n, s in names.items() if s not in ("none", "prompt-lookup")}
+    if not drafters:
+        log.warning(
+            "--engine: no checkpoint drafter to serve (prompt-lookup/none are in-house only)"
+        )
+        return []
+
+    def warm(server, ids):  # first requests pay for graph capture / compilation
+        server.complete(ids, max_tokens=WARMUP_TOKENS, stop_token_ids=eos)
+
+    plain: dict[tuple[str, int], EngineRun] = {}
+    with managed_engine(args, hf_dir, served_model_name=target.name) as server:
+        log.info("vLLM plain server up in %.0f s, %s (log %s)", server.startup_seconds,
+                 server.serving.describe(), server.log_path)  # fmt: skip
+        turns = engine_plain_turns(server, target, benches, cfg, eos)
+        warm(server, next(iter(turns.values()))[0])
+        for bench, ids in turns.items():
+            for n in (1, batch):
+                plain[bench, n] = engine_pass(server, ids, cfg, eos, n)
+    results = []
+    for name, spec in drafters.items():
+        with managed_engine(
+            args, hf_dir, served_model_name=target.name, drafter=spec, num_speculative_tokens=k
+        ) as server:
+            log.info("vLLM server with %s up in %.0f s, %s (log %s)", name,
+                     server.startup_seconds, server.serving.describe(), server.log_path)  # fmt: skip
+            warm(server, next(iter(turns.values()))[0])
+            for bench, ids in turns.items():
+                for n in (1, batch):
+                    run_ = engine_pass(server, ids, cfg, eos, n)
+                    prompts = len(dict(benches)[bench])
+                    results.append(
+                        EngineResult(name, bench, n, run_, plain[bench, n], prompts, len(ids))
+                    )
+    return results

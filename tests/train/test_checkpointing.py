@@ -1,0 +1,103 @@
+"""train/checkpointing.py: resume discovery, the best score read once, and a killed run that
+resumes exactly where an uninterrupted one goes (checkpoint rotation kept every export)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from eagle3.errors import ConfigError
+from train.checkpointing import Checkpoints, find_resume, read_best
+from train.config import load_config
+
+
+def config(tmp_path, resume_from: str | None = None):
+    overrides = [f"train.out_dir={tmp_path}", "data.shard_dirs=[shards]"]
+    if resume_from is not None:
+        overrides.append(f"train.resume_from={resume_from}")
+    return load_config(None, overrides, check_paths=False)
+
+
+def checkpoint(out_dir, step: int, complete: bool = True):
+    path = out_dir / "checkpoints" / f"step-{step:07d}"
+    (path / "state").mkdir(parents=True)
+    if complete:
+        (path / "trainer_state.json").write_text(json.dumps({"step": step}))
+    return path
+
+
+def test_a_fresh_run_refuses_checkpoints_and_latest_takes_the_newest_complete(tmp_path):
+    assert find_resume(config(tmp_path), tmp_path) is None  # empty: a fresh run
+    assert find_resume(config(tmp_path, "latest"), tmp_path) is None  # nothing to resume yet
+    checkpoint(tmp_path, 3)
+    newest = checkpoint(tmp_path, 6)
+    checkpoint(tmp_path, 9, complete=False)  # killed while saving: not a checkpoint
+    with pytest.raises(ConfigError, match="train.resume_from=latest"):
+        find_resume(config(tmp_path), tmp_path)
+    assert find_resume(config(tmp_path, "latest"), tmp_path) == newest
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):
+        find_resume(config(tmp_path, str(tmp_path / "checkpoints" / "step-0000009")), tmp_path)
+
+
+def test_the_best_score_is_read_once_and_then_kept_in_memory(tmp_path):
+    assert read_best(tmp_path) is None
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / "best.json").write_text(json.dumps({"step": 4, "val_sim_accept_len": 1.5}))
+    best = read_best(tmp_path)
+    assert best == 1.5
+    ckpts = Checkpoints(None, None, None, tmp_path, {}, "bf16", keep_last=1, best=best)
+    assert ckpts.improves(1.6) and not ckpts.improves(1.5)  # strictly better only
+    assert Checkpoints(None, None, None, tmp_path, {}, "bf16", 1, best=None).improves(0.0)
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_matches_an_uninterrupted_run(
+    tmp_path, helpers, tiny_llama_dir, shard_dir
+):
+    steps = {"train.max_steps": 30, "train.save_every": 3, **helpers.offline(shard_dir)}
+    steps.update({"data.val_fraction": 0.3, "train.eval_every": 3})  # validation resumes too
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    helpers.run_cli(helpers.common_args(tiny_llama_dir, whole, **steps))
+
+    cmd = [
+        sys.executable,
+        str(helpers.SCRIPT),
+        *helpers.common_args(tiny_llama_dir, killed, **steps),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=helpers.REPO,
+        env=helpers.env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    marker = killed / "checkpoints" / "step-0000006" / "trainer_state.json"
+    deadline = time.time() + 120
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (killed / "final").exists()
+
+    out = helpers.run_cli(
+        helpers.common_args(tiny_llama_dir, killed, **steps, **{"train.resume_from": "latest"})
+    )
+    assert "resuming from" in out.stdout
+    assert [r["step"] for r in helpers.metric_lines(killed)] == list(range(1, 31))
+    assert helpers.losses(killed) == pytest.approx(helpers.losses(whole), rel=1e-6)
+    val, val_whole = helpers.metric_lines(killed, "val"), helpers.metric_lines(whole, "val")
+    assert [r["step"] for r in val] == list(range(3, 31, 3))  # none twice, none lost
+    assert [r["val/loss"] for r in val] == pytest.approx(
+        [r["val/loss"] for r in val_whole], rel=1e-6
+    )
+    assert helpers.losses(killed, "lr") == pytest.approx(helpers.losses(whole, "lr"), rel=1e-9)
+    # old optimizer states are pruned, every SGLang export is kept
+    ckpts = sorted((killed / "checkpoints").iterdir())
+    assert len(ckpts) == 10 and sum((c / "state").exists() for c in ckpts) == 3
+    assert all((c / "draft" / "model.safetensors").exists() for c in ckpts)

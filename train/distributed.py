@@ -1,0 +1,50 @@
+"""The Accelerator of a launch: one CPU process, torchrun / accelerate launch processes (gloo on
+CPUs, NCCL on GPUs), DeepSpeed ZeRO when the launch asks for it, and mixed precision.
+
+Gradient accumulation is accelerate's, synced on the last micro-batch of each optimizer step;
+the scheduler is stepped once per optimizer step whatever the number of processes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
+
+from train.config import Config
+
+
+def make_accelerator(cfg: Config) -> tuple[Accelerator, torch.dtype]:
+    """The Accelerator of this launch and the dtype hidden states are fed in."""
+    on_gpu = torch.cuda.is_available()
+    mixed = cfg.train.mixed_precision
+    if mixed == "auto":
+        mixed = "bf16" if on_gpu else "no"
+    # accelerate launch with a DeepSpeed config (or ACCELERATE_USE_DEEPSPEED=true) asks for it;
+    # on a CPU that needs cpu=False too (DeepSpeed's CPU accelerator, DS_ACCELERATOR=cpu, gloo)
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    # without a named backend accelerate takes a GPU-less DeepSpeed launch for one process
+    cpu_backend = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and not on_gpu else []
+    accelerator = Accelerator(
+        cpu=not on_gpu and not deepspeed,  # torchrun / accelerate launch: CPU processes (gloo)
+        kwargs_handlers=cpu_backend,
+        mixed_precision=mixed,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=cfg.optim.grad_accum, sync_with_dataloader=False
+        ),
+        step_scheduler_with_optimizer=False,  # we step it once per optimizer step, whatever N is
+    )
+    return accelerator, torch.bfloat16 if mixed == "bf16" else torch.float32
+
+
+def configure_deepspeed(cfg: Config, accelerator: Accelerator) -> None:
+    """Batch sizes and clipping for DeepSpeed: there is no prepared dataloader to infer them."""
+    if accelerator.state.deepspeed_plugin is None:
+        return
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    ds["train_micro_batch_size_per_gpu"] = cfg.data.batch_size
+    ds["gradient_accumulation_steps"] = cfg.optim.grad_accum
+    ds["train_batch_size"] = cfg.data.batch_size * cfg.optim.grad_accum * accelerator.num_processes
+    ds["gradient_clipping"] = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 0.0

@@ -1,0 +1,45 @@
+"""The drafter a run trains: a fresh one over the target's frozen embeddings and the run's draft
+vocab, shaped by model.draft (nulls derived from the target), or model.init_from's export."""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3.checkpoint import load_draft
+from eagle3.errors import Eagle3Error
+from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.vocab import DraftVocab
+from train.config import Config
+from train.loading import TrainData
+
+
+def build_draft(cfg: Config, facts: dict, vocab: DraftVocab, data: TrainData) -> Eagle3Draft:
+    """A fresh drafter on the target's frozen embeddings, or the one of model.init_from."""
+    shape = cfg.model.draft  # nulls are derived from the target
+    overrides = {
+        "feature": cfg.model.feature,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "head_dim": shape.head_dim,
+        "intermediate_size": shape.intermediate_size,
+        "rope_theta": shape.rope.theta,
+        "rope_scaling": shape.rope.scaling,  # {rope_type: default} turns the target's off
+    }
+    draft_cfg = DraftConfig.from_target_config(
+        facts["hf_config"], vocab.size, data.aux_layer_ids, **overrides
+    )
+    if cfg.model.init_from is None:
+        draft = Eagle3Draft(draft_cfg)
+        draft.set_embeddings(data.embed.float().cpu())  # the target's, frozen
+        draft.set_vocab(vocab.d2t, vocab.t2d)
+        return draft
+    # exports are bf16 by default: train on fp32 master weights (mixed precision casts later)
+    draft = load_draft(
+        cfg.model.init_from, embed_weight=data.embed.float().cpu(), dtype=torch.float32
+    )
+    if draft.config.feature != cfg.model.feature:
+        raise Eagle3Error(
+            f"model.init_from {cfg.model.init_from} takes feature {draft.config.feature!r} but "
+            f"model.feature is {cfg.model.feature!r}; set model.feature={draft.config.feature}"
+        )
+    return draft

@@ -1,0 +1,216 @@
+"""What a run trains on, from one of three sources (data.mode, target.engine.kind):
+
+- offline: captured shards (eagle3.data.shards), checked against the target; the target's
+  lm_head and embeddings are read alone, the target never runs;
+- online, in-process: the target loaded here (target.device_map spreads a big one over the
+  GPUs) runs on the tokenized records in the loop;
+- online, served: the target's files only describe it here; a vLLM server (train/online_target.py,
+  started by setup once every cheap check passed) computes the hidden states.
+
+Then the same steps for all three: validation held out (data.val_fraction) or read
+(data.val_shard_dirs / data.val_records), data.max_sequences taken, long records fit to
+data.max_length (`fit_length`) and, with data.packing, packed into rows (`pack_rows`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import Dataset
+
+from eagle3.errors import ConfigError, Eagle3Error
+from eagle3.target import (
+    TargetModel,
+    default_aux_layers,
+    load_embeddings,
+    load_lm_head,
+    load_target,
+)
+from train.config import Config
+from train.data import (
+    TokenRecords,
+    Windows,
+    check_shard_meta,
+    concat,
+    load_shards,
+    long_records_report,
+    loss_tokens,
+    split_validation,
+    steps_per_epoch,
+    take_sequences,
+)
+from train.online_target import describe_target
+from train.packing import PackedDataset
+
+
+@dataclass
+class TrainData:
+    """The training sequences and the target matrices the loop needs, offline or online."""
+
+    dataset: Dataset
+    lengths: list[int]
+    aux_layer_ids: list[int]
+    lm_head: torch.Tensor  # (V, H) on the device: soft labels, chunked, never full-vocab x T
+    embed: torch.Tensor  # (V, H): the drafter's frozen embeddings
+    target: TargetModel | None  # online only: in-process or served by an engine
+    provenance: dict
+    val_dataset: Dataset | None = None  # held-out conversations (None: no validation)
+    val_lengths: list[int] | None = None
+
+
+def load_data(
+    cfg: Config,
+    facts: dict,
+    accelerator: Accelerator,
+    hidden_dtype: torch.dtype,
+) -> TrainData:
+    """Offline: the shards, checked against the target, and the target's lm_head and
+    embeddings read alone. Online: the target itself (in-process or served) and the tokenized
+    records."""
+    device = accelerator.device
+    if cfg.data.mode == "offline":
+        parts, val_parts, aux_ids, provenance = read_shards(cfg, facts, hidden_dtype)
+        target = None
+        lm_head, embed = load_lm_head(cfg.target.name), load_embeddings(cfg.target.name)
+    else:
+        aux_ids = (
+            cfg.target.aux_layer_ids
+            or facts["aux_layer_ids"]
+            or default_aux_layers(facts["num_layers"])
+        )
+        if cfg.target.engine.kind:  # served (started by setup): lm_head, embeddings read here
+            target = describe_target(cfg, aux_ids)
+            lm_head, embed = load_lm_head(cfg.target.name), load_embeddings(cfg.target.name)
+        else:
+            target = load_target(
+                cfg.target.name,
+                dtype=None if cfg.target.dtype == "auto" else cfg.target.dtype,
+                device=None if cfg.target.device_map else device,
+                device_map=cfg.target.device_map,
+                aux_layer_ids=aux_ids,
+            )
+            lm_head, embed = target.lm_head_weight, target.embed_weight
+        parts, val_parts, provenance = tokenized_records(cfg, target)
+    if not val_parts and cfg.data.val_fraction > 0:  # no fixed validation set: split one off
+        parts, val_parts = split_validation(parts, cfg.data.val_fraction, cfg.data.val_seed)
+        if not parts:
+            raise Eagle3Error(
+                f"data.val_fraction={cfg.data.val_fraction} held out every record; lower it"
+            )
+    if cfg.data.max_sequences is not None:
+        parts = take_sequences(parts, cfg.data.max_sequences, cfg.data.val_seed)
+    dataset, lengths = concat(parts)
+    val_dataset, val_lengths = concat(val_parts) if val_parts else (None, None)
+    provenance.update(
+        target=facts["name"],
+        sequences=len(lengths),
+        tokens=sum(lengths),
+        val_sequences=len(val_lengths or []),
+        val_tokens=sum(val_lengths or []),
+    )
+    return TrainData(
+        dataset=dataset,
+        lengths=lengths,
+        aux_layer_ids=aux_ids,
+        lm_head=lm_head.to(device, hidden_dtype),
+        embed=embed,
+        target=target,
+        provenance=provenance,
+        val_dataset=val_dataset,
+        val_lengths=val_lengths,
+    )
+
+
+def read_shards(
+    cfg: Config, facts: dict, hidden_dtype: torch.dtype
+) -> tuple[list[Dataset], list[Dataset], list[int], dict]:
+    """The shard dirs (training, validation), each checked against the target -> (parts,
+    validation parts, aux layer ids, provenance)."""
+    # whole records: long ones become windows (or are cut) in fit_length, after the vocab
+    parts, metas = load_shards(cfg.data.shard_dirs, hidden_dtype)
+    val_parts, val_metas = load_shards(cfg.data.val_shard_dirs, hidden_dtype)
+    aux_ids = cfg.target.aux_layer_ids or metas[0].get("aux_layer_ids")
+    dirs = cfg.data.shard_dirs + cfg.data.val_shard_dirs
+    problems = check_shard_meta(
+        metas + val_metas,
+        dirs,
+        target=facts["name"],
+        vocab_size=facts["vocab_size"],
+        hidden_size=facts["hidden_size"],
+        aux_layer_ids=aux_ids,
+    )
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return parts, val_parts, aux_ids, {"shards": dict(zip(dirs, metas + val_metas))}
+
+
+def tokenized_records(
+    cfg: Config, target: TargetModel
+) -> tuple[list[Dataset], list[Dataset], dict]:
+    """data.records and data.val_records, tokenized with the target's chat template ->
+    (parts, validation parts, provenance)."""
+    # whole records: long ones become windows (or are cut) in fit_length, after the vocab
+    parts = [TokenRecords(cfg.data.records, target.tokenizer)]
+    val_parts = [TokenRecords([path], target.tokenizer) for path in cfg.data.val_records]
+    provenance = {"records": cfg.data.records, "skipped_records": parts[0].skipped}
+    if target.served:  # which forwards make the labels
+        provenance["served_by"] = {
+            "engine": cfg.target.engine.kind,
+            "model": target.hf_dir,
+            "engine_layer_ids": target.engine_layer_ids(),
+        }  # the dtype and attention backend served are added once it is started
+    return parts, val_parts, provenance
+
+
+def fit_length(cfg: Config, accelerator: Accelerator, data: TrainData) -> None:
+    """Records longer than data.max_length become windows of it (or are cut:
+    data.long_records), training and validation alike; one line says what that did, also kept
+    in provenance and W&B."""
+    d = cfg.data
+    lengths = data.lengths
+    windows = Windows(data.dataset, lengths, d.max_length, d.long_records, d.window_context)
+    line, report = long_records_report(
+        lengths, loss_tokens(data.dataset), windows.dropped_if_cut, d.max_length,
+        d.long_records, len(windows),
+    )  # fmt: skip
+    data.dataset, data.lengths = windows, windows.lengths
+    if data.val_dataset is not None:
+        val = Windows(data.val_dataset, data.val_lengths, d.max_length, d.long_records,
+                      d.window_context)  # fmt: skip
+        data.val_dataset, data.val_lengths = val, val.lengths
+    data.provenance["long_records"] = report
+    if accelerator.is_main_process:
+        print(f"training records: {line}", flush=True)
+
+
+def pack_rows(cfg: Config, accelerator: Accelerator, data: TrainData) -> None:
+    """Replace the training records by packed rows of data.pack_length tokens (validation
+    stays one record per row); every rank packs the same way (a pure function of lengths)."""
+    capacity = cfg.data.pack_length or cfg.data.max_length
+    packed = PackedDataset(data.dataset, data.lengths, capacity)
+    data.dataset, data.lengths = packed, packed.lengths
+    data.provenance.update(packed_rows=len(packed), pack_length=capacity)
+    if accelerator.is_main_process:
+        fill = sum(packed.lengths) / (len(packed) * capacity)
+        print(f"packing: {packed.records} records into {len(packed)} rows of <= {capacity} "
+              f"tokens, filled to {fill:.1%}", flush=True)  # fmt: skip
+
+
+def count_steps(cfg: Config, lengths: list[int], world: int) -> int:
+    """Optimizer steps of the run: train.max_steps, else train.epochs over the data."""
+    per_epoch = steps_per_epoch(lengths, cfg.data.batch_size, world, cfg.optim.grad_accum)
+    if per_epoch == 0:
+        raise Eagle3Error(
+            f"{len(lengths)} sequences are fewer than one optimizer step needs (data.batch_size "
+            f"{cfg.data.batch_size} x {world} processes x optim.grad_accum {cfg.optim.grad_accum})"
+            + (
+                f", after holding out data.val_fraction={cfg.data.val_fraction} for validation "
+                "(lower it, or set data.val_shard_dirs)"
+                if cfg.data.val_fraction > 0
+                and not (cfg.data.val_shard_dirs or cfg.data.val_records)
+                else ""
+            )
+        )
+    return cfg.train.max_steps or cfg.train.epochs * per_epoch

@@ -1,0 +1,97 @@
+"""Online training's served target: the first rank of each node starts the node's vLLM server,
+every rank of the node sends its sequences to it, and the next step is captured while the ranks
+train on this one (target.engine.kind: vllm)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+from accelerate import Accelerator
+
+from eagle3.engine.client import EngineClient
+from eagle3.engine.served_target import ServedTarget, describe_served_target
+from eagle3.engine.server import free_port
+from eagle3.engine.venv import INSTALL_HINT, engine_available
+from eagle3.errors import ConfigError, Eagle3Error, RemoteError
+from train.config import Config
+
+
+def engine_port(cfg: Config, accelerator: Accelerator) -> int:
+    """The port of this node's engine: configured, MASTER_PORT + 1 when several processes
+    (every rank of a node derives the same one without talking), else any free port."""
+    if cfg.target.engine.port:
+        return cfg.target.engine.port
+    if accelerator.num_processes == 1:
+        return free_port()
+    if "MASTER_PORT" not in os.environ:
+        raise ConfigError("several processes without MASTER_PORT: set target.engine.port")
+    return int(os.environ["MASTER_PORT"]) + 1
+
+
+def describe_target(cfg: Config, aux_ids: list[int]) -> ServedTarget:
+    """The served target as its files describe it (tokenizer, shapes, final norm), not started:
+    every cheap check of the run happens before an engine spends minutes loading it."""
+    if not engine_available():
+        raise Eagle3Error(f"target.engine.kind=vllm needs the vLLM engine venv: {INSTALL_HINT}")
+    served = describe_served_target(
+        cfg.target.name,
+        aux_ids,
+        "target.aux_layer_ids",
+        concurrency=cfg.target.engine.concurrency,
+    )
+    served.check_length(cfg.data.max_length, "data.max_length")
+    return served
+
+
+def start_served(cfg: Config, accelerator: Accelerator, served: ServedTarget) -> None:
+    """The first rank of each node starts the node's vLLM server; the node's other ranks wait
+    until it answers and then send it their sequences too."""
+    e = cfg.target.engine
+    port = engine_port(cfg, accelerator)
+    if accelerator.is_local_main_process:
+        log_path = e.log or Path(cfg.train.out_dir) / f"engine-{socket.gethostname()}.log"
+        served.start(
+            cfg.data.max_length,
+            tensor_parallel_size=e.tensor_parallel_size,
+            extra_args=e.args,
+            log_path=log_path,
+            port=port,
+            startup_timeout=e.startup_timeout_s,
+            dtype=None if cfg.target.dtype == "auto" else cfg.target.dtype,
+            say=lambda line: print(line, flush=True),
+        )
+        return
+    client = EngineClient(f"http://127.0.0.1:{port}", served.name)
+    # the local main process is starting it (and raises, ending the run, if it fails)
+    if not client.wait_healthy(time.monotonic() + e.startup_timeout_s + 60):
+        raise RemoteError(
+            f"no engine answered on port {port} within the startup timeout: see the local main "
+            "process's error and the engine's log"
+        )
+    served.attach(client.base_url)
+
+
+def captured_ahead(
+    stream: Iterator[tuple[int, list[dict]]], target: ServedTarget
+) -> Iterator[tuple[int, list[dict]]]:
+    """The step stream with each micro-batch's hidden states attached, the next step's already
+    requested: the engine forwards step n+1 while the ranks train on step n."""
+    pending: deque = deque()
+
+    def request() -> None:
+        epoch, micro = next(stream)  # endless
+        futures = [target.capture_async(b["input_ids"], b["attention_mask"]) for b in micro]
+        pending.append((epoch, micro, futures))
+
+    request()
+    while True:
+        request()
+        epoch, micro, futures = pending.popleft()
+        for batch, future in zip(micro, futures):
+            batch["aux_hidden"], batch["last_hidden"] = future.result()
+        yield epoch, micro

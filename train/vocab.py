@@ -1,0 +1,75 @@
+"""The run's draft vocab (d2t / t2d): built once from the training data, then always reused.
+
+It is saved as `draft_vocab.safetensors` in train.out_dir before any training step, so a
+resumed run, a restarted one and a fine-tuning run on model.init_from train over the same
+draft tokens; `read_vocab` also takes it out of an exported SGLang draft.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from safetensors.torch import load_file, save_file
+from torch.utils.data import Dataset
+
+from eagle3.errors import Eagle3Error
+from eagle3.vocab import DraftVocab, build_draft_vocab, vocab_from_d2t
+from train.config import Config
+from train.data import token_counts
+
+VOCAB_FILE = "draft_vocab.safetensors"
+
+
+def read_vocab(path: Path, vocab_size: int) -> DraftVocab:
+    """A vocab from a run dir, a draft_vocab.safetensors file, or an SGLang checkpoint dir."""
+    if path.is_dir() and (path / VOCAB_FILE).is_file():
+        path = path / VOCAB_FILE
+    elif path.is_dir():
+        path = path / "model.safetensors"
+    if not path.is_file():
+        raise Eagle3Error(
+            f"no draft vocab at {path}: pass a run dir, {VOCAB_FILE} or a draft checkpoint"
+        )
+    d2t = load_file(str(path))["d2t"]
+    top = int((d2t.long() + torch.arange(d2t.numel())).max())  # the largest target id it maps
+    if top >= vocab_size:  # checked before vocab_from_d2t, which would index past the end
+        raise Eagle3Error(
+            f"the draft vocab in {path} is for a larger target vocab than {vocab_size} "
+            f"(it maps target id {top}): use a vocab built for this target"
+        )
+    return vocab_from_d2t(d2t, vocab_size)
+
+
+def setup_vocab(
+    cfg: Config, accelerator: Accelerator, dataset: Dataset, vocab_size: int, out_dir: Path
+) -> DraftVocab:
+    """The run's draft vocab: its saved one (resume), else model.draft_vocab / model.init_from's,
+    else built from the training data on the main process; saved once, read by every rank."""
+    saved = out_dir / VOCAB_FILE
+    source = cfg.model.draft_vocab or cfg.model.init_from
+    exists = saved.is_file()
+    accelerator.wait_for_everyone()  # every rank looked before the main process writes it
+    if exists:  # resume (or a restarted run): the run's own vocab wins
+        vocab = read_vocab(saved, vocab_size)
+        if source is not None and not torch.equal(
+            read_vocab(Path(source), vocab_size).d2t, vocab.d2t
+        ):
+            raise Eagle3Error(
+                f"{saved} differs from the vocab of {source}; use a fresh train.out_dir to change vocab"
+            )
+        return vocab
+    if source is not None:
+        vocab = read_vocab(Path(source), vocab_size)
+        how = f"copied from {source}"
+    else:
+        if accelerator.is_main_process:
+            vocab = build_draft_vocab(token_counts(dataset, vocab_size), cfg.model.draft_vocab_size)
+        how = "built from the training data's loss-masked tokens"
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file({"d2t": vocab.d2t, "t2d": vocab.t2d}, str(saved), metadata={"source": how})
+        print(f"draft vocab: {vocab.size} tokens, {how} -> {saved}", flush=True)
+    accelerator.wait_for_everyone()  # other ranks read the main process's vocab
+    return read_vocab(saved, vocab_size)
