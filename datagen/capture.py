@@ -34,6 +34,9 @@ damaged or missing ones, so it captures exactly their records again and leaves e
 shard byte-identical. ``--verify`` only checks: one line per damaged or missing shard and a
 summary; exit 0 when all are intact, 1 when not (2, as always, for bad input).
 ``--estimate`` prints what a capture would cost and loads no weights (:mod:`datagen.estimate`).
+Progress (:mod:`eagle3.progress`) is counted in tokens, which the time goes with (batches run
+longest first): the selected records' tokens in complete shards count as already done; the
+last line says what the directory holds and where.
 
 Bad input never stops the run: records without a user turn, with an empty response or a
 template error are skipped; responses cut at max tokens are kept without an end-of-turn token;
@@ -55,6 +58,7 @@ import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,13 +88,13 @@ from eagle3.data.windows import lengths_line, record_of
 from eagle3.engine.served_target import ServedTarget, describe_served_target
 from eagle3.engine.server import add_engine_args
 from eagle3.errors import Eagle3Error
+from eagle3.progress import Progress, count
 from eagle3.target import TargetModel, load_target
 
 log = logging.getLogger("datagen.capture")
 
 DEFAULT_MAX_LENGTH = 4096
 DEFAULT_BATCH_TOKENS = 16384  # padded tokens per forward; lower it if the target runs out of memory
-LOG_EVERY_S = 30.0
 EXIT_DAMAGED = EXIT_ERROR  # --verify found damage: 1, as `sha256sum -c` for a mismatch
 # flags that change neither which records are captured nor what is stored: not in meta's command
 NOT_IN_COMMAND = {
@@ -203,11 +207,15 @@ def pad(batch: list[Item], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def capture_items(
-    target: TargetModel, items: list[Item], writer: ShardWriter, batch_tokens: int
+    target: TargetModel,
+    items: list[Item],
+    writer: ShardWriter,
+    batch_tokens: int,
+    on_batch: Callable[[int, int], None] | None = None,
 ) -> int:
     """Capture and write every item, in `batches` (longest first) whatever the target: the
     same records give the same shards and index, hence the same training batches. Returns the
-    number of tokens captured.
+    number of tokens captured; `on_batch(sequences, tokens)` hears of each written batch.
 
     An in-process target runs one batch at a time. A served one is sent every batch at once
     (one request per row, its `concurrency` in flight: the engine batches them, and a batch of
@@ -216,7 +224,7 @@ def capture_items(
     pad_id = getattr(target.tokenizer, "pad_token_id", None) or 0
     todo = batches(items, batch_tokens)
     ahead = [target.capture_async(*pad(b, pad_id)) for b in todo] if target.served else []
-    total, t0, last_log = 0, time.monotonic(), time.monotonic()
+    total = 0
     try:
         for n, batch in enumerate(todo, 1):
             # [B, T, 3H], [B, T, H]
@@ -229,11 +237,10 @@ def capture_items(
                 last,
                 datasets=[it.dataset for it in batch],
             )
-            total += sum(len(it.input_ids) for it in batch)
-            now = time.monotonic()
-            if now - last_log >= LOG_EVERY_S:
-                last_log = now
-                log.info("batch %d: %d tokens, %.0f tok/s", n, total, total / (now - t0))
+            tokens = sum(len(it.input_ids) for it in batch)
+            total += tokens
+            if on_batch is not None:
+                on_batch(len(batch), tokens)
     except BaseException:  # an error or Ctrl-C: assemble no more (target.stop() drops requests)
         for future in ahead:
             future.cancel()
@@ -507,6 +514,53 @@ def summary_text(stats: Counter, meta: dict) -> str:
     return "; ".join(parts)
 
 
+def produced_line(out: Path, meta: dict) -> str:
+    """The closing line: what the directory holds, where."""
+    sequences = meta.get("num_records", 0)
+    records = len({record_of(e["id"]) for e in read_index(out)})
+    held = f"{count(records)} records" + (
+        f" as {count(sequences)} sequences (long ones as windows)" if sequences != records else ""
+    )
+    return (
+        f"capture: {held}, {count(meta.get('num_tokens', 0))} tokens in "
+        f"{meta.get('num_shards', 0)} shards -> {out} (meta.json, index.jsonl)"
+    )
+
+
+def already_tokens(index: list[dict], records: list[dict], world: int) -> int:
+    """Tokens of this run's records that earlier runs captured (their whole records or some
+    windows): the "already done" of the progress count. 0 with several processes, where
+    process 0 counts its own share only."""
+    if world > 1:
+        return 0
+    wanted = {str(r.get("id")) for r in records if isinstance(r, dict)}
+    return sum(e["length"] for e in index if record_of(e["id"]) in wanted)
+
+
+def capture_progress(
+    state, items: list[Item], already: int
+) -> tuple[Progress, Callable[[int, int], None]]:
+    """Process 0's count of tokens (the unit the time goes with: batches run longest first)
+    and sequences; the others' is silent."""
+    world = state.num_processes
+    stage = "capture" if world == 1 else f"capture (process 0 of {world}, its share)"
+    sequences = {"done": 0}
+    progress = Progress(
+        stage,
+        already + sum(len(it.input_ids) for it in items),
+        "tokens",
+        already=already,
+        status=lambda: f"{sequences['done']:,}/{len(items):,} sequences in this run",
+        mode=None if state.process_index == 0 else "off",
+    )
+
+    def on_batch(n: int, tokens: int) -> None:
+        sequences["done"] += n
+        progress.update(tokens)
+
+    return progress, on_batch
+
+
 def check_resumable(out: Path, settings: dict) -> None:
     """Refuse to add to a capture in `out` made with other settings (dtype, target, ...)."""
     old = read_meta(out)
@@ -629,7 +683,8 @@ def run(s: CaptureSettings) -> int:
             part=f"{rank:03d}",
             finalize_on_close=False,
         )
-    done = {e["id"] for e in read_index(out)}
+    index = read_index(out)
+    done = {e["id"] for e in index}
     pending = select(records, done, stats)
     state.wait_for_everyone()  # all read what is done before anyone writes: the same split
     mine = my_slice(pending, rank, world)
@@ -642,19 +697,16 @@ def run(s: CaptureSettings) -> int:
     if target.served and items:
         start_capture_engine(s, target)
     t0 = time.monotonic()
+    progress, on_batch = capture_progress(state, items, already_tokens(index, records, world))
     try:
         with writer:  # on an error or Ctrl-C, what was captured is written: re-run to resume
-            captured = capture_items(target, items, writer, s.batch_tokens)
+            captured = capture_items(target, items, writer, s.batch_tokens, on_batch)
     finally:
         target.stop()  # the engine, when one was started
-    seconds = time.monotonic() - t0
-    log.info(
-        "process %d: %d tokens in %.1f s (%.0f tok/s)",
-        rank,
-        captured,
-        seconds,
-        captured / max(seconds, 1e-9),
-    )
+        progress.close()  # how far it got, also when interrupted
+    seconds = time.monotonic() - t0  # every process's own (process 0's is in its progress too)
+    log.info("process %d: %d tokens in %.1f s (%.0f tok/s)",
+             rank, captured, seconds, captured / max(seconds, 1e-9))  # fmt: skip
 
     gathered = _gather(state, (stats, models, providers))
     state.wait_for_everyone()
@@ -666,6 +718,7 @@ def run(s: CaptureSettings) -> int:
         command = capture_command(s.flags, sources, (read_meta(out) or {}).get("sources") or [])
         stats, final = merge_provenance(out, gathered, sources, world, served_by, command)
         print(summary_text(stats, final))
+        print(produced_line(out, final), flush=True)
     return 0
 
 

@@ -24,6 +24,7 @@ and is in line with what peer frameworks regenerate at. Pass ``--temperature 0``
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,8 +130,11 @@ class Generator:
         """The next assistant turn of each conversation (each ends with a user turn)."""
         return self.generate_ids([self.prompt(c) for c in conversations])
 
-    def generate_ids(self, prompts: list[list[int]]) -> list[Turn]:
-        """The same for rendered prompts, results in input order.
+    def generate_ids(
+        self, prompts: list[list[int]], on_done: Callable[[int, Turn], None] | None = None
+    ) -> list[Turn]:
+        """The same for rendered prompts, results in input order; `on_done(i, turn)` hears of
+        each prompt's turn as soon as it is decoded (progress while a long call runs).
 
         Continuous batching (:meth:`_continuous`) when the model's KV cache is the plain
         per-layer kind; otherwise (sliding-window, hybrid or custom caches) length-sorted
@@ -139,13 +143,15 @@ class Generator:
         if self._plain_cache is None:
             self._plain_cache = self._probe_cache()
         if self._plain_cache:
-            return self._continuous(prompts)
+            return self._continuous(prompts, on_done)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         results: list[Turn | None] = [None] * len(prompts)
         for start in range(0, len(order), self.batch_size):
             chunk = order[start : start + self.batch_size]
             for i, turn in zip(chunk, self._batch([prompts[i] for i in chunk])):
                 results[i] = turn
+                if on_done is not None:
+                    on_done(i, turn)
         return results  # type: ignore[return-value]
 
     # -- continuous batching ---------------------------------------------------------------
@@ -202,7 +208,9 @@ class Generator:
         return idx.gather(-1, _sample(vals)[:, None])[:, 0]
 
     @torch.inference_mode()
-    def _continuous(self, prompts: list[list[int]]) -> list[Turn]:
+    def _continuous(
+        self, prompts: list[list[int]], on_done: Callable[[int, Turn], None] | None = None
+    ) -> list[Turn]:
         """Decode with up to batch_size rows in flight; a row that finishes frees its slot and
         waiting prompts (longest first, prefilled together) join the running batch. Keys are
         cached after RoPE, so rows of different lengths share one left-padded cache: each row
@@ -251,6 +259,8 @@ class Generator:
                     reasoning, content = split_reasoning(self.tokenizer, body)
                     finish = "stop" if done[b] else "length"
                     results[i] = Turn(content, reasoning, finish, len(prompts[i]), len(gen))
+                    if on_done is not None:
+                        on_done(i, results[i])
                 else:
                     keep.append(b)
             if len(keep) < len(rows):

@@ -23,7 +23,9 @@ answers. Reasoning is kept apart from the answer: servers return it in ``reasoni
 think-closing tag. Server responses are sorted by :func:`datagen.retry.check` (retry on 429,
 5xx, connection errors, empty bodies; fail on other 4xx) with capped backoff; a retry goes to
 the next server, so one server down slows the run instead of failing its share of prompts.
-Default temperature and its reasons: :mod:`datagen.generate`.
+Default temperature and its reasons: :mod:`datagen.generate`. Progress (:mod:`eagle3.progress`)
+counts answered turns (each as it finishes, in-process too), the prompts of earlier runs as
+already done; the last line says how many prompts are records and in which files.
 """
 
 from __future__ import annotations
@@ -56,13 +58,14 @@ from eagle3.data.prompts import Prompt, dedupe, load_prompts, split_prompts
 from eagle3.data.records import ResultStore, make_failure
 from eagle3.engine.server import add_engine_args
 from eagle3.errors import Eagle3Error
+from eagle3.progress import Progress, count
 
 log = logging.getLogger("datagen.local")
 
 DEFAULT_CONCURRENCY = 32  # requests in flight per server
 DEFAULT_MAX_ATTEMPTS = 6
 DEFAULT_TIMEOUT_S = 1800.0  # per request: long reasoning answers take minutes on a busy server
-LOG_EVERY_S = 30.0
+TICK_S = 1.0  # servers: how often the progress line is looked at while requests run
 CHUNK_BATCHES = 4  # in-process: prompts taken at a time = batch size x this (sorted together);
 # small, because records are written when their chunk is done: a kill loses at most one chunk
 
@@ -77,21 +80,62 @@ class Stats:
     completion_tokens: int = 0  # over all turns
     length: int = 0  # turns cut at max tokens (kept, flagged in the record)
     started: float = field(default_factory=time.monotonic)
+    earlier: list[Prompt] = field(default_factory=list)  # done by earlier runs
+    progress: Progress | None = None  # counts answered turns, from start()
+
+    def start(self, todo: list[Prompt]) -> None:
+        """Generation begins (the model is loaded, the servers answer): the clocks start."""
+        self.started = time.monotonic()
+        self.progress = generation_progress("local", self.earlier, todo, self)
 
     def count(self, reply: Reply) -> None:
         """Count one answered turn."""
         self.completion_tokens += int(reply.usage.get("completion_tokens") or 0)
         if reply.finish_reason == "length":
             self.length += 1
+        if self.progress is not None:
+            self.progress.update(1)
+
+    def give_up(self, prompt: Prompt, answered: int) -> None:
+        """A prompt failed after `answered` turns: its other turns leave the total."""
+        if self.progress is not None:
+            self.progress.drop(user_turns(prompt) - answered)
 
     def line(self) -> str:
         rate = self.completion_tokens / max(time.monotonic() - self.started, 1e-9)
         retries = sum(self.retries.values())
         return (
-            f"{self.done} done, {self.failed} failed, {self.completion_tokens:,} tokens "
+            f"{self.done} prompts done, {self.failed} failed, {self.completion_tokens:,} tokens "
             f"({rate:,.0f} tok/s), {self.length} cut at max tokens, {retries} retries"
             + (f", {self.too_long} prompts too long (skipped)" if self.too_long else "")
         )
+
+
+def user_turns(prompt: Prompt) -> int:
+    """Requests a prompt takes: one per user turn (each answered with the ones before)."""
+    return sum(m["role"] == "user" for m in prompt.messages)
+
+
+def generation_progress(stage: str, done: list[Prompt], todo: list[Prompt], stats: Stats):
+    """Progress in answered turns (prompts, when every prompt is one turn): the prompts done
+    by earlier runs count as already done, a prompt that fails leaves the total."""
+    already = sum(map(user_turns, done))
+    total = already + sum(map(user_turns, todo))
+    unit = "prompts" if total == len(done) + len(todo) else "turns"
+    return Progress(stage, total, unit, already=already, status=stats.line)
+
+
+def produced_line(stage: str, out: str, prompts: list[Prompt], store: ResultStore, stats) -> str:
+    """The closing line: how many of the prompts are records now, and in which files."""
+    ids = {p.id for p in prompts}
+    records = len(store.done_ids() & ids)
+    files = sorted({f"{p.dataset}.jsonl" for p in prompts})
+    failed = len((store.failed_ids() & ids) - store.done_ids())
+    return (
+        f"{stage}: {count(records)} of {count(len(ids))} prompts are records "
+        f"({stats.done:,} written in this run, {count(stats.completion_tokens)} tokens) -> {out} "
+        f"({', '.join(files)}" + (f"; {failed:,} failed: failed.jsonl)" if failed else ")")
+    )
 
 
 # ----------------------------------------------------------------------------- servers
@@ -211,6 +255,7 @@ class ServerPool:
         while transcript.advance():
             reply = await self.request(session, prompt, transcript.messages, home)
             if reply is None:
+                self.stats.give_up(prompt, len(transcript.replies))
                 return
             transcript.add(reply)
             self.stats.count(reply)
@@ -230,15 +275,16 @@ class ServerPool:
             log.info(
                 "%d prompts to %d server(s), model %s", len(prompts), len(self.urls), self.model
             )
+            self.stats.start(prompts)
 
             async def worker(home: int) -> None:
                 while not queue.empty():
                     await self.conversation(session, queue.get_nowait(), home)
 
-            async def progress() -> None:
-                while True:
-                    await asyncio.sleep(LOG_EVERY_S)
-                    log.info("%s", self.stats.line())
+            async def progress() -> None:  # a line also while no request finishes
+                while self.stats.progress is not None:
+                    await asyncio.sleep(TICK_S)
+                    self.stats.progress.tick()
 
             n = len(self.urls) * self.args.concurrency
             ticker = asyncio.create_task(progress())
@@ -279,8 +325,8 @@ def run_inprocess(args, prompts: list[Prompt], store: ResultStore, stats: Stats)
         torch.manual_seed(args.seed)
     model_name = args.model or target.name
     chunk = args.batch_size * CHUNK_BATCHES
-    last_log = time.monotonic()
     log.info("%d prompts, in-process on %s, batch %d", len(prompts), target.name, args.batch_size)
+    stats.start(prompts)
     for start in range(0, len(prompts), chunk):
         group = [Transcript(p) for p in prompts[start : start + chunk]]
         alive = group
@@ -294,6 +340,7 @@ def run_inprocess(args, prompts: list[Prompt], store: ResultStore, stats: Stats)
                 except RenderError as err:  # one bad prompt: fail it, keep the rest
                     store.append_failed(make_failure(t.prompt, err.reason, detail=str(err)))
                     stats.failed += 1
+                    stats.give_up(t.prompt, len(t.replies))
                     continue
                 if args.max_prompt_tokens and len(ids) > args.max_prompt_tokens:
                     # One 6k-token ShareGPT prompt makes its whole batch crawl on a CPU.
@@ -302,11 +349,12 @@ def run_inprocess(args, prompts: list[Prompt], store: ResultStore, stats: Stats)
                                      max_prompt_tokens=args.max_prompt_tokens)
                     )  # fmt: skip
                     stats.too_long += 1
+                    stats.give_up(t.prompt, len(t.replies))
                     continue
                 ready.append(t)
                 prompt_ids.append(ids)
-            answers = gen.generate_ids(prompt_ids) if prompt_ids else []
-            for t, turn in zip(ready, answers):
+
+            def answered(i: int, turn, ready=ready) -> None:  # as each row finishes: progress
                 message = {
                     "role": "assistant",
                     "content": turn.content,
@@ -317,12 +365,12 @@ def run_inprocess(args, prompts: list[Prompt], store: ResultStore, stats: Stats)
                     "completion_tokens": turn.completion_tokens,
                 }
                 reply = Reply(message, usage, turn.finish_reason, "transformers")
-                t.add(reply)
+                ready[i].add(reply)
                 stats.count(reply)
+
+            if prompt_ids:
+                gen.generate_ids(prompt_ids, on_done=answered)
             alive = ready
-            if time.monotonic() - last_log >= LOG_EVERY_S:
-                last_log = time.monotonic()
-                log.info("%s", stats.line())
         for t in group:  # in prompt order; failed ones are in failed.jsonl
             if t.complete() and store.append(
                 t.prompt.dataset, t.record(model_name, "transformers")
@@ -474,12 +522,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run(args) -> int:
     prompts = select_prompts(args)
-    stats = Stats()
     with ResultStore(args.out) as store:
         ids = {p.id for p in prompts}
         done = store.done_ids() & ids
         failed = set() if args.retry_failed else (store.failed_ids() & ids) - done
         todo = [p for p in prompts if p.id not in done and p.id not in failed]
+        stats = Stats(earlier=[p for p in prompts if p.id in done])
         log.info(
             "%d prompts, %d already done, %d failed before (skipped; --retry-failed to retry), "
             "%d to generate",
@@ -488,14 +536,18 @@ def run(args) -> int:
             len(failed),
             len(todo),
         )
-        if todo:
-            if args.engine:
-                run_engine(args, todo, store, stats)
-            elif args.base_url:
-                asyncio.run(ServerPool(args, store, stats).run(todo))
-            else:
-                run_inprocess(args, todo, store, stats)
-    print(stats.line())
+        try:
+            if todo:
+                if args.engine:
+                    run_engine(args, todo, store, stats)
+                elif args.base_url:
+                    asyncio.run(ServerPool(args, store, stats).run(todo))
+                else:
+                    run_inprocess(args, todo, store, stats)
+        finally:
+            if stats.progress is not None:
+                stats.progress.close()  # how far it got, also when interrupted
+        print(produced_line("local", args.out, prompts, store, stats), flush=True)
     return 0
 
 

@@ -36,6 +36,7 @@ from eagle3.data.prompts import (
     split_prompts,
 )
 from eagle3.data.records import ResultStore, make_record
+from eagle3.progress import Progress
 
 log = logging.getLogger("datagen.offpolicy")
 
@@ -88,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
     written = turns = 0
     with ResultStore(args.out) as store:
         done = store.done_ids()
+        already = sum(prompt.id in done for prompt, _ in pairs)
+        progress = Progress("offpolicy", len(pairs), "conversations", already=already,
+                            status=lambda: f"{turns:,} assistant turns written")  # fmt: skip
         for prompt, conversation in pairs:
             if prompt.id in done:
                 continue
@@ -102,10 +106,12 @@ def run(args: argparse.Namespace) -> int:
             if store.append(prompt.dataset, record):
                 written += 1
                 turns += sum(m["role"] == "assistant" for m in conversation)
-    print(
+            progress.update(1)
+    files = ", ".join(sorted({f"{prompt.dataset}.jsonl" for prompt, _ in pairs}))
+    progress.close(
         f"offpolicy: {len(pairs)} conversations selected, {written} written "
-        f"({turns} assistant turns), {len(pairs) - written} already there -> {args.out}",
-        flush=True,
+        f"({turns} assistant turns), {len(pairs) - written} already there -> {args.out}"
+        + (f" ({files})" if files else "")
     )
     return 0
 

@@ -10,10 +10,12 @@ target's own first answer, from plain decoding) the target first decodes alone (
 then once per drafter speculatively (spec tok/s, tau, alpha_i), in the same process, so the
 speedup is a ratio measured in one run (eagle3.measure). Each row's tau and speedup come with a
 95% interval bootstrapped over prompts (eagle3.statistics; all turns of a prompt move
-together), and `per_prompt` in the JSON holds every prompt's counts (eagle3.report). `--draft`
-takes a checkpoint directory (checked against the target first), `prompt-lookup` (n-gram
-lookup, no model) or `none` (the speculative loop with no drafts: tau = 1, shows the loop's own
-overhead).
+together), and `per_prompt` in the JSON holds every prompt's counts (eagle3.report); a
+benchmark with several turns also gets rows per turn (`per_turn`). `--draft` takes a checkpoint
+directory (checked against the target first), `tree:DIR` (that checkpoint drafting an EAGLE-2
+dynamic tree of the --topk/--depth/--total-tokens shape, row "x/final [tree]", beside chains of
+--steps), `prompt-lookup` (n-gram lookup, no model) or `none` (the speculative loop with no
+drafts: tau = 1, shows the loop's own overhead).
 
 `--engine vllm` adds the serving engine's rows (drafter "x/final [vllm]"): a managed vLLM
 server without a drafter answers every turn (plain tok/s; its answers condition later
@@ -46,12 +48,15 @@ from eagle3.errors import Eagle3Error
 from eagle3.measure import (
     add_decode_args,
     decode_config,
+    decodes,
     drafter_name,
     engine_runs,
     load_drafter,
+    own_config,
     run_benchmark,
     warm_up,
 )
+from eagle3.progress import Progress, count
 from eagle3.report import engine_row, format_table, log_wandb, result_row
 from eagle3.target import load_target
 
@@ -69,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft",
         action="append",
         required=True,
-        help="checkpoint dir | prompt-lookup | none (repeatable)",
+        help="checkpoint dir | tree:DIR (a tree of --topk/--depth/--total-tokens) | "
+        "prompt-lookup | none (repeatable)",
     )
     p.add_argument(
         "--bench",
@@ -134,13 +140,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not prompts:
             raise Eagle3Error(f"benchmark {bench} ({source}) has no prompts")
         loaded.append((bench, prompts))
-    for bench, prompts in [] if args.engine_only else loaded:
+    inhouse = [] if args.engine_only else loaded
+    # every turn of every prompt, plainly and by each drafter: what the time goes with
+    where = {"bench": f"plain + {len(drafters)} drafters on {len(inhouse)} benchmarks"}
+    progress = Progress("evaluate", decodes(inhouse, len(drafters)), "decodes",
+                        status=lambda: where["bench"], mode=None if inhouse else "off")  # fmt: skip
+    for i, (bench, prompts) in enumerate(inhouse, 1):
         if not warmed:
             warm_up(target, drafters, prompts, cfg)
             warmed = True
-        plain, spec = run_benchmark(target, drafters, prompts, cfg, args.seed)
+        where["bench"] = f"{bench} ({i}/{len(inhouse)} benchmarks, {len(prompts)} prompts)"
+        plain, spec = run_benchmark(target, drafters, prompts, cfg, args.seed, progress)
         for name, tally in spec.items():
-            report["results"].append(result_row(name, bench, plain, tally, cfg.max_depth))
+            k = own_config(drafters[name], cfg).max_depth  # a tree: row's alpha_i to its depth
+            report["results"].append(result_row(name, bench, plain, tally, k))
+    progress.close()
     if args.engine:
         measured = engine_runs(args, target, loaded, names, cfg)
         report["results"] += [engine_row(m, cfg.max_depth) for m in measured]
@@ -179,7 +193,20 @@ def evaluate(args: argparse.Namespace) -> int:
                 where,
             )
     print(format_table(report["results"]))
+    print(produced_line(report, args.json), flush=True)
     return EXIT_OK
+
+
+def produced_line(report: dict[str, Any], json_path: str | None) -> str:
+    """The closing line: what was measured, and where the results are."""
+    rows = report["results"]
+    benches = sorted({r["bench"] for r in rows})
+    prompts = {r["bench"]: r["prompts"] for r in rows}
+    where = f"-> {json_path}" if json_path else "(no --json: the table above only)"
+    return (
+        f"evaluate: {len(rows)} rows, {len(report['drafters'])} drafters x {len(benches)} "
+        f"benchmarks ({', '.join(f'{b} {count(prompts[b])} prompts' for b in benches)}) {where}"
+    )
 
 
 if __name__ == "__main__":

@@ -6,8 +6,12 @@ target's own first answer, from plain decoding) the target first decodes alone (
 then once per drafter speculatively (spec tok/s, tau, alpha_i), in the same process, so the
 speedup is a ratio measured in one run (:func:`run_benchmark` into a :class:`Tally` per
 decoder, each prompt's counts kept apart for the intervals). A drafter spec is a checkpoint
-directory (checked against the target first), `prompt-lookup` (n-gram lookup, no model) or
-`none` (the speculative loop with no drafts: tau = 1, shows the loop's own overhead).
+directory (checked against the target first), `tree:DIR` (that checkpoint drafting an EAGLE-2
+dynamic tree of the --topk/--depth/--total-tokens shape, whatever --mode says: its row is
+"x/final [tree]", so one run measures a drafter's chain and tree against the same plain
+decoding), `prompt-lookup` (n-gram lookup, no model) or `none` (the speculative loop with no
+drafts: tau = 1, shows the loop's own overhead). Every turn's counts are kept apart too, for
+rows per turn (MT-bench's second turn follows the target's own first answer).
 
 The serving engine (:func:`engine_runs`): a managed vLLM server without a drafter answers every
 turn (plain tok/s; its answers condition later turns), then one with each checkpoint drafter
@@ -23,7 +27,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,7 @@ import torch
 from eagle3.data.chat import next_turns, prompt_ids
 from eagle3.engine.metrics import SpecDecodeMetrics
 from eagle3.errors import Eagle3Error
+from eagle3.progress import Progress
 from eagle3.prompt_lookup import PromptLookupDrafter
 from eagle3.speculative import (
     AcceptanceStats,
@@ -46,6 +51,7 @@ from eagle3.target import eos_token_ids
 log = logging.getLogger(__name__)
 
 WARMUP_TOKENS = 8
+TREE = "tree:"  # drafter spec prefix: the checkpoint after it drafts a dynamic tree
 
 
 # -- decoding flags -------------------------------------------------------------------------------
@@ -79,6 +85,8 @@ def decode_config(args: argparse.Namespace) -> DecodeConfig:
 
 # -- drafters -----------------------------------------------------------------------------------
 def drafter_name(spec: str) -> str:
+    if spec.startswith(TREE):
+        return f"{drafter_name(spec[len(TREE) :])} [tree]"
     if spec in ("none", "prompt-lookup"):
         return spec
     path = Path(spec).resolve()
@@ -114,7 +122,11 @@ def check_compatible(cfg, raw: dict[str, Any], target, ckpt: str) -> None:
 
 
 def load_drafter(spec: str, target, cfg: DecodeConfig):
-    """-> a Drafter (None for 'none')."""
+    """-> a Drafter (None for 'none'); `tree:DIR` drafts a tree of `cfg`'s tree shape."""
+    if spec.startswith(TREE):
+        if spec[len(TREE) :] in ("none", "prompt-lookup"):
+            raise Eagle3Error(f"--draft {spec}: tree: takes a checkpoint directory")
+        return load_drafter(spec[len(TREE) :], target, replace(cfg, mode="tree"))
     if spec == "none":
         return None
     if spec == "prompt-lookup":
@@ -136,14 +148,25 @@ def load_drafter(spec: str, target, cfg: DecodeConfig):
 
 # -- the in-house measurement ---------------------------------------------------------------------
 @dataclass
+class TurnCount:
+    """One turn's counts."""
+
+    accepted: int  # accepted draft tokens
+    steps: int  # verification steps (plain decoding: one per token)
+    tokens: int
+    seconds: float
+
+
+@dataclass
 class PromptCount:
-    """One prompt's totals over all its turns."""
+    """One prompt's totals over all its turns, and each turn's own."""
 
     id: str
     accepted: int = 0  # accepted draft tokens
     steps: int = 0  # verification steps (plain decoding: one per token)
     tokens: int = 0
     seconds: float = 0.0
+    turns: list[TurnCount] = field(default_factory=list)
 
 
 @dataclass
@@ -153,6 +176,7 @@ class Tally:
     seconds: float = 0.0
     turns: int = 0
     per_prompt: list[PromptCount] = field(default_factory=list)  # in prompt order
+    turn_stats: list[AcceptanceStats] = field(default_factory=list)  # [t]: every prompt's turn t
 
     @property
     def prompts(self) -> int:
@@ -172,6 +196,12 @@ class Tally:
         mine.steps += gen.stats.steps
         mine.tokens += len(gen.tokens)
         mine.seconds += gen.seconds
+        t = len(mine.turns)
+        turn = TurnCount(gen.stats.accepted_total, gen.stats.steps, len(gen.tokens), gen.seconds)
+        mine.turns.append(turn)
+        if t == len(self.turn_stats):
+            self.turn_stats.append(AcceptanceStats())
+        self.turn_stats[t].merge(gen.stats)
 
 
 def run_benchmark(
@@ -180,10 +210,15 @@ def run_benchmark(
     prompts: list,
     cfg: DecodeConfig,
     seed: int,
+    progress: Progress | None = None,
 ) -> tuple[Tally, dict[str, Tally]]:
-    """-> (plain tally, drafter name -> speculative tally) over every turn of every prompt."""
+    """-> (plain tally, drafter name -> speculative tally) over every turn of every prompt;
+    `progress` counts each decode (a turn, plain or by one drafter: see `decodes`)."""
     eos = eos_token_ids(target)
-    decoders = {n: SpeculativeDecoder(target, d, cfg, eos_ids=eos) for n, d in drafters.items()}
+    decoders = {
+        n: SpeculativeDecoder(target, d, own_config(d, cfg), eos_ids=eos)
+        for n, d in drafters.items()
+    }
     plain = Tally()
     spec = {n: Tally() for n in drafters}
     for i, prompt in enumerate(prompts):
@@ -199,17 +234,37 @@ def run_benchmark(
                 target, ids, cfg.max_new_tokens, cfg.temperature, eos_ids=eos, generator=gen
             )
             plain.add(out)
+            if progress is not None:
+                progress.update(1)
             line = [f"{prompt.dataset}/{prompt.id} turn {t + 1}: plain {_rate(out)}"]
             for name, dec in decoders.items():
                 gen = torch.Generator().manual_seed(seed + 1000 * i + t)
                 res = dec.generate(ids, gen)
                 spec[name].add(res)
                 line.append(f"{name} tau {res.stats.tau:.2f} {_rate(res)}")
+                if progress is not None:
+                    progress.update(1)
             log.info("; ".join(line))
             answer = target.tokenizer.decode(out.tokens, skip_special_tokens=True)
             conversation.append({"role": "assistant", "content": answer})
             t += 1
     return plain, spec
+
+
+def user_turns(prompt) -> int:
+    """Turns a prompt is answered in: one per user turn (MT-bench: 2)."""
+    return sum(m["role"] == "user" for m in prompt.messages)
+
+
+def decodes(benches: list[tuple[str, list]], drafters: int) -> int:
+    """What `run_benchmark` decodes over every benchmark: each turn of each prompt plainly
+    and once per drafter. The evaluation's progress total."""
+    return sum(user_turns(p) for _, prompts in benches for p in prompts) * (1 + drafters)
+
+
+def own_config(drafter, cfg: DecodeConfig) -> DecodeConfig:
+    """A checkpoint drafter decodes in its own mode (`tree:DIR` next to chains)."""
+    return drafter.cfg if isinstance(drafter, EagleDrafter) else cfg
 
 
 def _rate(gen: Generation) -> str:
@@ -262,24 +317,32 @@ def engine_generate(server, ids: list[int], cfg: DecodeConfig, eos: list[int]) -
     return int(reply["usage"]["completion_tokens"]), choice.get("text") or ""
 
 
-def engine_pass(server, turns: list[list[int]], cfg, eos, concurrency: int) -> EngineRun:
+def engine_pass(
+    server, turns: list[list[int]], cfg, eos, concurrency: int, progress: Progress | None = None
+) -> EngineRun:
     """Every turn through `server`, `concurrency` in flight -> tokens, wall seconds, window."""
     from concurrent.futures import ThreadPoolExecutor
+
+    def counted(replies):  # each request's new tokens, counted as it comes back (in order)
+        for n, _ in replies:
+            if progress is not None:
+                progress.update(1)
+            yield n
 
     before = server.spec_decode_metrics()
     t0 = time.perf_counter()
     if concurrency <= 1:
-        tokens = sum(engine_generate(server, ids, cfg, eos)[0] for ids in turns)
+        tokens = sum(counted(engine_generate(server, ids, cfg, eos) for ids in turns))
     else:
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            tokens = sum(
-                n for n, _ in pool.map(lambda i: engine_generate(server, i, cfg, eos), turns)
-            )
+            tokens = sum(counted(pool.map(lambda i: engine_generate(server, i, cfg, eos), turns)))
     seconds = time.perf_counter() - t0
     return EngineRun(tokens, seconds, server.spec_decode_metrics() - before)
 
 
-def engine_plain_turns(server, target, benches, cfg, eos) -> dict[str, list[list[int]]]:
+def engine_plain_turns(
+    server, target, benches, cfg, eos, progress: Progress | None = None
+) -> dict[str, list[list[int]]]:
     """Each benchmark's turns as token ids, later turns conditioned on the server's answers."""
     turns: dict[str, list[list[int]]] = {}
     for bench, prompts in benches:
@@ -292,6 +355,8 @@ def engine_plain_turns(server, target, benches, cfg, eos) -> dict[str, list[list
                 out.append(ids)
                 _, answer = engine_generate(server, ids, cfg, eos)
                 conversation.append({"role": "assistant", "content": answer})
+                if progress is not None:
+                    progress.update(1)
     return turns
 
 
@@ -307,25 +372,33 @@ def engine_runs(
     hf_dir = resolve(args.target)[1]
     eos = sorted(eos_token_ids(target))
     k, batch = cfg.max_depth, args.engine_batch
-    drafters = {n: s for n, s in names.items() if s not in ("none", "prompt-lookup")}
+    drafters = {  # vLLM has no token trees: tree:DIR rows are in-house only
+        n: s
+        for n, s in names.items()
+        if s not in ("none", "prompt-lookup") and not s.startswith(TREE)
+    }
     if not drafters:
         log.warning(
-            "--engine: no checkpoint drafter to serve (prompt-lookup/none are in-house only)"
+            "--engine: no chain drafter to serve (prompt-lookup, none, tree:DIR are in-house only)"
         )
         return []
 
     def warm(server, ids):  # first requests pay for graph capture / compilation
         server.complete(ids, max_tokens=WARMUP_TOKENS, stop_token_ids=eos)
 
+    # requests: the plain answers, then every turn twice (1 and `batch` in flight) by plain
+    # vLLM and by each drafter; the servers' start-ups are in the time, as they are in the ETA
+    turns_all = decodes(benches, 0)
+    progress = Progress("evaluate [vllm]", turns_all * (3 + 2 * len(drafters)), "requests")
     plain: dict[tuple[str, int], EngineRun] = {}
     with managed_engine(args, hf_dir, served_model_name=target.name) as server:
         log.info("vLLM plain server up in %.0f s, %s (log %s)", server.startup_seconds,
                  server.serving.describe(), server.log_path)  # fmt: skip
-        turns = engine_plain_turns(server, target, benches, cfg, eos)
+        turns = engine_plain_turns(server, target, benches, cfg, eos, progress)
         warm(server, next(iter(turns.values()))[0])
         for bench, ids in turns.items():
             for n in (1, batch):
-                plain[bench, n] = engine_pass(server, ids, cfg, eos, n)
+                plain[bench, n] = engine_pass(server, ids, cfg, eos, n, progress)
     results = []
     for name, spec in drafters.items():
         with managed_engine(
@@ -336,9 +409,10 @@ def engine_runs(
             warm(server, next(iter(turns.values()))[0])
             for bench, ids in turns.items():
                 for n in (1, batch):
-                    run_ = engine_pass(server, ids, cfg, eos, n)
+                    run_ = engine_pass(server, ids, cfg, eos, n, progress)
                     prompts = len(dict(benches)[bench])
                     results.append(
                         EngineResult(name, bench, n, run_, plain[bench, n], prompts, len(ids))
                     )
+    progress.close()
     return results

@@ -2,15 +2,20 @@
 writes, `eagle3.compare` reads), the markdown table, and the copy logged to W&B.
 
 A row holds tau with its 95% interval, alpha_i, spec and plain tok/s, the speedup with its
-interval, and `per_prompt` (every prompt's counts). Rows "[vllm]" / "[vllm xN]" are the serving
-engine's: one window of vLLM's counters over all requests, so no per-prompt counts and no
-interval (`ci_note` says so), and an `engine` block with the raw counters.
+interval, and `per_prompt` (every prompt's counts, and each of its turns' in `per_turn`); a
+benchmark with several turns adds `per_turn`, the same measures over each turn alone (`turn`
+1, 2, ...). Rows "x/final [tree]" are a checkpoint drafting a dynamic tree (the report's
+`config` holds its shape) beside its chain row "x/final". Rows "[vllm]" / "[vllm xN]" are the
+serving engine's: one window of vLLM's counters over all requests, so no per-prompt counts and
+no interval (`ci_note` says so), and an `engine` block with the raw counters. The table adds a
+"plain" row per benchmark (the target alone, the in-house speedups' denominator).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +24,7 @@ from eagle3.tracking import wandb_mode
 
 if TYPE_CHECKING:
     from eagle3.measure import EngineResult, Tally
+    from eagle3.speculative import AcceptanceStats
 
 log = logging.getLogger(__name__)
 
@@ -30,43 +36,71 @@ NO_ENGINE_CI = "n/a (one vLLM window)"
 
 # -- rows -----------------------------------------------------------------------------------------
 def result_row(drafter: str, bench: str, plain: Tally, spec: Tally, k: int) -> dict[str, Any]:
-    plain_tps = plain.tokens / plain.seconds if plain.seconds else 0.0
-    spec_tps = spec.tokens / spec.seconds if spec.seconds else 0.0
+    """One drafter on one benchmark, every turn of every prompt; a benchmark with several turns
+    (MT-bench) also gets `per_turn`: the same measures over each turn alone (turn 2 follows the
+    target's own first answer, which prompt lookup can copy)."""
+    drafts = drafter != "none"
     pairs = list(zip(spec.per_prompt, plain.per_prompt))
-    return {
+    row = {
         "drafter": drafter,
         "bench": bench,
-        "tau": spec.stats.tau,
+        **_measures(spec.stats, pairs, k, drafts),
+        "prompts": spec.prompts,
+        "turns": spec.turns,
+    }
+    row["per_prompt"] = [
+        {
+            "id": s.id,
+            "tau": (s.accepted + s.steps) / s.steps if s.steps else 0.0,
+            "accepted": s.accepted,
+            "steps": s.steps,
+            "tokens": s.tokens,
+            "seconds": s.seconds,
+            "plain_tokens": p.tokens,
+            "plain_seconds": p.seconds,
+            "per_turn": [  # the same counts, turn by turn
+                {**asdict(st), "plain_tokens": pt.tokens, "plain_seconds": pt.seconds}
+                for st, pt in zip(s.turns, p.turns)
+            ],
+        }
+        for s, p in pairs
+    ]
+    if len(spec.turn_stats) > 1:
+        row["per_turn"] = []
+        for t, stats in enumerate(spec.turn_stats):
+            turn = [(s.turns[t], p.turns[t]) for s, p in pairs if len(s.turns) > t]
+            row["per_turn"].append(
+                {"turn": t + 1, **_measures(stats, turn, k, drafts), "prompts": len(turn)}
+            )
+    return row
+
+
+def _measures(
+    stats: AcceptanceStats, pairs: list[tuple[Any, Any]], k: int, drafts: bool
+) -> dict[str, Any]:
+    """tau, alpha_i, tok/s and speedup of (speculative, plain) counts, one pair a prompt (its
+    turns summed, or one turn), with 95% intervals bootstrapped over the prompts."""
+    spec_tokens, spec_seconds = sum(s.tokens for s, _ in pairs), sum(s.seconds for s, _ in pairs)
+    plain_tokens, plain_seconds = sum(p.tokens for _, p in pairs), sum(p.seconds for _, p in pairs)
+    spec_tps = spec_tokens / spec_seconds if spec_seconds else 0.0
+    plain_tps = plain_tokens / plain_seconds if plain_seconds else 0.0
+    return {
+        "tau": stats.tau,
         "tau_ci95": bootstrap_ci(
             [[s.accepted + s.steps, s.steps] for s, _ in pairs], ratio_of_sums
         ),
-        "alpha": spec.stats.alpha(k) if drafter != "none" else [],
+        "alpha": stats.alpha(k) if drafts else [],
         "spec_tokens_per_s": spec_tps,
         "plain_tokens_per_s": plain_tps,
         "speedup": spec_tps / plain_tps if plain_tps else 0.0,
         "speedup_ci95": bootstrap_ci(
             [[s.tokens, s.seconds, p.tokens, p.seconds] for s, p in pairs], speedup_of_sums
         ),
-        "prompts": spec.prompts,
-        "turns": spec.turns,
-        "tokens": spec.tokens,
-        "plain_tokens": plain.tokens,
-        "verify_steps": spec.stats.steps,
-        "spec_seconds": spec.seconds,
-        "plain_seconds": plain.seconds,
-        "per_prompt": [
-            {
-                "id": s.id,
-                "tau": (s.accepted + s.steps) / s.steps if s.steps else 0.0,
-                "accepted": s.accepted,
-                "steps": s.steps,
-                "tokens": s.tokens,
-                "seconds": s.seconds,
-                "plain_tokens": p.tokens,
-                "plain_seconds": p.seconds,
-            }
-            for s, p in pairs
-        ],
+        "tokens": spec_tokens,
+        "plain_tokens": plain_tokens,
+        "verify_steps": stats.steps,
+        "spec_seconds": spec_seconds,
+        "plain_seconds": plain_seconds,
     }
 
 
@@ -107,24 +141,91 @@ def _interval(r: dict[str, Any], key: str) -> str:
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
-    """Markdown: one row per drafter x benchmark; 95% intervals are bootstrapped over prompts."""
+    """Markdown, benchmark by benchmark: each drafter's row, then "plain" (the target alone, the
+    speedups' denominator), then the serving engine's rows; a benchmark with several turns
+    repeats that per turn ("mt_bench turn 2"). 95% intervals are bootstrapped over prompts."""
     k = max((len(r["alpha"]) for r in results), default=0)
     head = ["drafter", "bench", "τ", "τ 95% CI", *[f"α{i + 1}" for i in range(k)]]
     head += ["spec tok/s", "plain tok/s", "speedup", "speedup 95% CI", "prompts", "tokens"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in results:
-        alphas = [r["alpha"][i] if i < len(r["alpha"]) else None for i in range(k)]
-        cells = [r["drafter"], r["bench"], f"{r['tau']:.2f}", _interval(r, "tau_ci95")]
-        cells += ["–" if a is None else f"{a:.2f}" for a in alphas]
-        cells += [
-            f"{r['spec_tokens_per_s']:.1f}",
-            f"{r['plain_tokens_per_s']:.1f}",
-            f"{r['speedup']:.2f}x",
-            _interval(r, "speedup_ci95"),
-            str(r["prompts"]),
-            str(r["tokens"]),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+    for bench in dict.fromkeys(r["bench"] for r in results):
+        rows = [r for r in results if r["bench"] == bench]
+        lines += [_table_line(r, bench, k) for r in _with_plain(rows)]
+        turns = dict.fromkeys(t["turn"] for r in rows for t in r.get("per_turn") or ())
+        for turn in turns:
+            split = [{**r, **t} for r in rows for t in r.get("per_turn") or () if t["turn"] == turn]
+            lines += [_table_line(r, f"{bench} turn {turn}", k) for r in _with_plain(split)]
+    return "\n".join(lines)
+
+
+def _with_plain(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The in-house rows, a "plain" row (their shared plain decoding: tau 1 by definition),
+    then the engine rows (each against plain vLLM run the same way, in its own row)."""
+    own = [r for r in rows if "engine" not in r]
+    if not own:
+        return rows
+    base = own[0]
+    plain = {
+        "drafter": "plain",
+        "tau": 1.0,
+        "alpha": [],
+        "spec_tokens_per_s": base["plain_tokens_per_s"],
+        "plain_tokens_per_s": base["plain_tokens_per_s"],
+        "speedup": 1.0,
+        "prompts": base["prompts"],
+        "tokens": base.get("plain_tokens", "–"),  # results from before plain_tokens: none
+    }
+    return [*own, plain, *(r for r in rows if "engine" in r)]
+
+
+def _table_line(r: dict[str, Any], bench: str, k: int) -> str:
+    alphas = [r["alpha"][i] if i < len(r["alpha"]) else None for i in range(k)]
+    cells = [r["drafter"], bench, f"{r['tau']:.2f}", _interval(r, "tau_ci95")]
+    cells += ["–" if a is None else f"{a:.2f}" for a in alphas]
+    cells += [
+        f"{r['spec_tokens_per_s']:.1f}",
+        f"{r['plain_tokens_per_s']:.1f}",
+        f"{r['speedup']:.2f}x",
+        _interval(r, "speedup_ci95"),
+        str(r["prompts"]),
+        str(r["tokens"]),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def speedup_note(report: dict[str, Any]) -> str:
+    """What the speedup columns mean where they were measured: lines to print under the table."""
+    results = report["results"]
+    lines = [
+        "speedup = spec tok/s / plain tok/s of the in-house decoder (PyTorch eager, "
+        f"{report['device']}, one sequence, both measured in this run): the instrument that "
+        "measures τ, not a serving engine."
+    ]
+    if str(report["device"]).startswith("cpu"):
+        lines.append(
+            "On a CPU each draft step is a full draft layer + lm_head pass and a tree's "
+            "candidates are all verified, so a speedup below 1 here says nothing about a GPU "
+            "engine; τ is what carries over."
+        )
+    if any("engine" in r for r in results):
+        lines.append(
+            'The serving numbers are vLLM\'s rows ("[vllm]": the drafter served by vLLM vs '
+            'plain vLLM, one request at a time; "[vllm xN]": N at a time).'
+        )
+    else:
+        lines.append("The serving numbers come from vLLM: --engine vllm adds its rows.")
+    if any(r["drafter"].endswith(" [tree]") for r in results):
+        cfg = report["config"]  # the tree's shape
+        lines.append(
+            f"[tree]: EAGLE-2 dynamic tree, topk {cfg['topk']}, depth {cfg['depth']}, "
+            f"{cfg['total_tokens']} tokens verified a step (SGLang serves trees with "
+            "--speculative-eagle-topk > 1; vLLM serves chains)."
+        )
+    if any(r.get("per_turn") for r in results):
+        lines.append(
+            "turn 2: the second question, asked after the target's own first answer; prompt "
+            "lookup copies whatever of that answer the target repeats."
+        )
     return "\n".join(lines)
 
 
@@ -195,6 +296,9 @@ def log_wandb(
                 for i, a in enumerate(r["alpha"]):
                     if a is not None:
                         run.summary[f"{prefix}/alpha_{i + 1}"] = a
+                for turn in r.get("per_turn") or ():  # MT-bench: turn 2 follows turn 1's answer
+                    run.summary[f"{prefix}/turn{turn['turn']}/tau"] = turn["tau"]
+                    run.summary[f"{prefix}/turn{turn['turn']}/speedup"] = turn["speedup"]
             columns = [
                 "drafter",
                 "bench",

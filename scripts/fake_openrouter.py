@@ -13,8 +13,9 @@ Fireworks NVFP4, BaseTen FP4) is counted and rejected with 400.
 
 Billing is upstream's: a request is billed when its generation finishes, even if the client has
 gone away meanwhile (aiohttp does not cancel a handler whose client disconnects), and
-``/key``'s ``usage`` is everything billed. With ``api_key`` set, every route wants
-``Authorization: Bearer <api_key>``; others get 401 and are counted (``stats.unauthorised``).
+``/key``'s ``usage`` is everything billed (``stats.bills``: when, and how much), at once. With
+``api_key`` set, every route wants ``Authorization: Bearer <api_key>``; others get 401 and are
+counted (``stats.unauthorised``).
 
 As a module (tests)::
 
@@ -131,6 +132,7 @@ class Stats:
     providers: Counter = field(default_factory=Counter)  # tag -> requests routed there
     charged_usd: float = 0.0  # everything billed, failures included
     billed: int = 0
+    bills: list = field(default_factory=list)  # (time.time(), usd) of every billing, in order
     cached_tokens: int = 0  # prompt tokens billed at the cache-read price
     cache_discount_usd: float = 0.0
     unauthorised: int = 0  # requests rejected for a missing or wrong key
@@ -388,6 +390,7 @@ class FakeOpenRouter:
         cost = prompt_tokens * p_in - discount + completion * p_out
         st.charged_usd += cost
         st.billed += 1
+        st.bills.append((time.time(), cost))
         st.cached_tokens += cached
         st.cache_discount_usd += discount
         self.generations[gen_id] = {

@@ -160,7 +160,9 @@ class TrainConfig:
     eval_every: int = 100  # optimizer steps between validation passes (and one at the end)
     resume_from: str | None = None  # "latest" (newest in out_dir), a checkpoint dir, or None
     mixed_precision: str = "auto"  # auto: bf16 on GPU, no (fp32) on CPU; or no/bf16/fp16
-    progress: bool = True  # tqdm bar with ETA (main process, terminals only)
+    # done/total, rate, ETA (main process): a bar on a terminal, a line every 30 s in a log;
+    # false: neither
+    progress: bool = True
     export_dtype: str = "bf16"  # SGLang/vLLM exports: bf16 (what engines serve), fp16 or fp32
 
 

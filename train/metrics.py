@@ -1,5 +1,6 @@
 """Training metrics: what is summed (`MetricSums`) and where it goes (`MetricsLog`:
-metrics.jsonl always, W&B never with a login prompt, a tqdm bar).
+metrics.jsonl always, W&B never with a login prompt, progress as every stage shows it:
+eagle3.progress, a bar on a terminal, a line every 30 s in a log).
 
 Only the main process builds an enabled `MetricsLog`; the other ranks get a no-op one, so
 nothing is printed or written N times.
@@ -9,24 +10,19 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import resource
-import sys
-import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tqdm.auto import tqdm
 
 from eagle3.loss import simulated_acceptance
+from eagle3.progress import Progress
 from eagle3.tracking import wandb_mode
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-
-LINE_EVERY_S = 30.0  # plain progress lines when stderr is not a terminal
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +96,7 @@ class MetricsLog:
     ):
         self.enabled = enabled
         self.run = None
-        self.bar = None
+        self.progress: Progress | None = None
         if not enabled:
             return
         self.path = Path(out_dir) / "metrics.jsonl"
@@ -108,19 +104,16 @@ class MetricsLog:
         _truncate_after(self.path, start_step)
         if wandb_cfg is not None and wandb_mode(wandb_cfg.mode) != "disabled":
             self.run = _init_wandb(Path(out_dir), wandb_cfg, config or {}, provenance or {})
-        self.total_steps, self.start_step = total_steps, start_step
-        self.t0 = self.last_line = time.monotonic()
-        # Without a terminal the bar is off; a plain line every LINE_EVERY_S shows progress.
-        self.plain = progress and not sys.stderr.isatty()
-        if progress:
-            self.bar = tqdm(
-                total=total_steps,
-                initial=start_step,
-                desc="train",
-                unit="step",
-                dynamic_ncols=True,
-                disable=not sys.stderr.isatty() and not os.environ.get("EAGLE3_FORCE_PROGRESS"),
-            )
+        self.status = ""  # the last logged step's figures, on every progress line
+        # steps before a resumed run's checkpoint are "already done": the ETA is this launch's
+        self.progress = Progress(
+            "train",
+            total_steps,
+            "steps",
+            already=start_step,
+            status=lambda: self.status,
+            mode=None if progress else "off",
+        )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -129,21 +122,11 @@ class MetricsLog:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.run is not None:
             self.run.log(metrics, step=step)
-        if self.bar is not None:
-            self.bar.set_postfix(
-                loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc_0']:.2f}", refresh=False
-            )
-        now = time.monotonic()
-        if self.plain and (now - self.last_line >= LINE_EVERY_S or step >= self.total_steps):
-            self.last_line = now
-            rate = (step - self.start_step) / max(now - self.t0, 1e-9)  # steps/s since this launch
-            eta = (self.total_steps - step) / rate if rate > 0 else float("nan")
-            print(
-                f"step {step}/{self.total_steps}: loss {metrics['loss']:.3f}, "
-                f"acc_0 {metrics['acc_0']:.2f}, {metrics.get('tokens_per_s', 0):.0f} tok/s, "
-                f"eta {eta / 60:.1f} min",
-                flush=True,
-            )
+        self.status = (
+            f"step {step}: loss {metrics['loss']:.3f}, acc_0 {metrics['acc_0']:.2f}, "
+            f"{metrics.get('tokens_per_s', 0):,.0f} tok/s"
+        )
+        self.progress.tick()  # a line, when one is due, with these figures
 
     def log_eval(self, step: int, metrics: dict[str, Any], improved: bool) -> None:
         """One validation pass: a metrics.jsonl line {"step", "split": "val", "val/...": ...}
@@ -178,21 +161,24 @@ class MetricsLog:
         return row
 
     def advance(self, n: int = 1) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
+        """`n` more optimizer steps done (the line waits for their figures: `log`)."""
+        if self.progress is not None:
+            self.progress.update(n, tick=False)
 
     def write(self, text: str) -> None:
-        """Print a line without breaking the progress bar (main process only)."""
+        """Print a line without breaking the progress bar (main process only). Once every
+        step is done the count closes first, so its last line comes before the run's last
+        words (the final validation, where the draft was written)."""
         if not self.enabled:
             return
-        if self.bar is not None:
-            self.bar.write(text)
-        else:
-            print(text, flush=True)
+        if self.progress.finished:
+            self.progress.close()
+        self.progress.write(text)
 
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+    def close(self, produced: str | None = None) -> None:
+        """The last progress line, then `produced` (what the run made, where)."""
+        if self.progress is not None:
+            self.progress.close(produced)
         if self.run is not None:
             self.run.finish()
 

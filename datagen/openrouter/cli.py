@@ -3,7 +3,8 @@
     OPENROUTER_API_KEY=sk-or-... python -m datagen.openrouter --budget 100 \\
         [--config configs/datagen/kimi-k2.5.yaml] [--prompts FILE.jsonl ...] [--out DIR] \\
         [--concurrency 2000] [--max-tokens N] [--tokens-per-dataset N] [--model SLUG] \\
-        [--base-url URL] [--plan] [--audit-every N [--audit-target NAME_OR_PATH]]
+        [--base-url URL] [--plan] [--audit-every N [--audit-target NAME_OR_PATH]] \\
+        [--no-wait-for-orphans]
 
 Reads the model's endpoints, keeps only providers at or above the native precision (see
 datagen.openrouter.providers), and generates every prompt of the config's dataset mix, or with
@@ -16,8 +17,11 @@ request.
 The API key goes with every request. ``--plan`` runs without one (OpenRouter's endpoint
 listing is public); a server that wants one for it gets a one-line error. Before its first chat
 request a run writes the key's usage (``GET /key``) to the ledger; then it settles what earlier
-runs left at worst case (datagen.openrouter.settle: ``GET /generation`` for known generation ids, the key's
-usage growth for the rest) and prints one ``ledger:`` line per decision.
+runs left at worst case (datagen.openrouter.settle: ``GET /generation`` for known generation
+ids, the key's usage growth for the rest) and prints one ``ledger:`` line per decision. What a
+killed run left in flight is settled by the resumed run itself, while it runs, once that run's
+last event is ``request_timeout_s`` (+5 s) old; if only that money stops the run, it waits for
+the settlement with a countdown (``--no-wait-for-orphans``: exit 75 naming the time instead).
 
 ``--audit-every N`` loads a local copy of the target (``--audit-target``, default the config's
 ``audit_target``) and, every N finished prompts, scores a sample of each provider's responses
@@ -26,7 +30,8 @@ rule's ``ignore`` list for the rest of the run, and the decision and its reason 
 ``DIR/audit.jsonl``; later runs on DIR read that file and keep ignoring it (audit on or off).
 
 Exit codes: 0 all work done; 75 stopped with work left (budget, a dataset's token budget, 402
-out of credits, Ctrl-C/SIGTERM, the audit excluded every provider), nothing lost, re-run to
+out of credits, Ctrl-C/SIGTERM, the audit excluded every provider, a killed run's requests hold
+the budget with ``--no-wait-for-orphans``), nothing lost, re-run to
 continue; 2 bad input or configuration (one line ``error: ...``); 69 OpenRouter failed
 (unreachable, an HTTP error: one line ``error: ...`` naming what failed and what to do; results
 and ledger kept, re-run the same command once it answers); 1 a bug (with a traceback). The last
@@ -87,6 +92,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--audit-target", default=None, help="target for the audit (default: config audit_target)"
+    )
+    ap.add_argument(
+        "--no-wait-for-orphans",
+        action="store_true",
+        help="when only a killed run's requests of unknown cost hold the budget, exit 75 naming "
+        "the time to resume instead of waiting for OpenRouter's figures to settle them",
     )
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return ap.parse_args(argv)
@@ -173,6 +184,7 @@ def run_sync(args: argparse.Namespace) -> int:
                 api_key=api_key,
                 plan=args.plan,
                 audit_every=args.audit_every,
+                wait_for_orphans=not args.no_wait_for_orphans,
             )
         )
     except KeyboardInterrupt:  # before the requester took over the signals: nothing was sent

@@ -119,6 +119,19 @@ class OpenRouter:
             log.debug("account lookup failed: %s", err)
         return out
 
+    async def key_usage(self) -> float | None:
+        """``GET /key`` ``data.usage``: the key's all-time usage in USD (None = unknown)."""
+        try:
+            status, key = await self.fetch_json(self.base + "/key", ACCOUNT_TIMEOUT)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as err:
+            log.debug("key usage lookup failed: %s", err)
+            return None
+        usage = (key.get("data") or {}).get("usage") if status == 200 else None
+        try:
+            return None if usage is None else float(usage)
+        except (TypeError, ValueError):
+            return None
+
     async def generation_costs(self, ids: list[str]) -> dict[str, float]:
         """generation id -> ``GET /generation?id=`` ``data.total_cost``, for those it answers."""
         url = self.base + "/generation"

@@ -15,28 +15,42 @@
 - ``{"t": "release", "rid"}`` when the request was not charged (HTTP errors, 402, ...);
 - ``{"t": "settle_generation", "rid", "generation_id", "usd", "worst_case_usd"}``: a
   ``cost_known: false`` charge whose generation id is known, settled at ``GET /generation``'s
-  ``total_cost`` on a later run;
+  ``total_cost`` (by a later run, or by the run that made it while it settles a dead run);
 - ``{"t": "settle_orphans", "runs", "rids", "usd", "worst_case_usd", "how", "why"}``: the
   requests of dead runs whose cost is unknown (orphans: reserved, never settled; and cost-unknown
   charges without a generation id), settled together at ``usd`` (``how: "key usage"``) or
-  kept at their worst case for good (``how: "worst case"``).
+  kept at their worst case for good (``how: "worst case"``);
+- ``{"t": "bound_orphans", "runs", "rids", "usd", "worst_case_usd", "why"}``: those requests
+  together cost at most ``usd`` (the key's usage read while the writing run had requests of its
+  own in flight); they count at ``usd`` instead of their worst case until a ``settle_orphans``
+  settles them. A later bound replaces an earlier one; settling one of its requests on its own
+  (``settle_generation``) drops it (back to the worst case). Readers that predate this event
+  skip it and count the worst case: more, never less.
 
-Spent = every charge + every reservation never settled. An unsettled reservation is a request
-that was in flight when a run died (kill -9, or abandoned after the Ctrl-C grace period):
-OpenRouter may have billed it, so it counts at its worst case; this is what makes ``--budget``
-a hard limit on real money however a run ends. In memory, open reservations of this run count
-too, so a request is only sent when ``spent + reserved + its worst case <= budget``
-(:func:`fits`). Output-token budgets per dataset work the same way with ``tokens`` (settled
-orphans keep their worst-case tokens: what they produced is not known).
+Spent = every charge + every reservation never settled (less a bound's relief). An unsettled
+reservation is a request that was in flight when a run died (kill -9, or abandoned after the
+Ctrl-C grace period): OpenRouter may have billed it, so it counts at its worst case; this is what
+makes ``--budget`` a hard limit on real money however a run ends. In memory, open reservations
+of this run count too, so a request is only sent when ``spent + reserved + its worst case <=
+budget`` (:func:`fits`). Output-token budgets per dataset work the same way with ``tokens``
+(settled orphans keep their worst-case tokens: what they produced is not known).
 
-Orphans at their real cost (:func:`decide_settlement`, applied by ``datagen.openrouter`` on
-resume): the key's usage grew by D from the start snapshot of the first run with unknown costs
-to this run's snapshot; this directory's known charges in those runs are C; so the unknowns
-cost D - C if nothing else used the key. They are settled at D - C when it lies in [0, W] (W
-their worst case, a cent of slack either way); above W something else used the key and the
-worst case stays for good. Nothing is settled while a dead run's last event is younger than the
-request timeout (an orphan may still be running upstream and be billed when it finishes), nor
-when the usage cannot be read or D - C < 0: a later resume tries again.
+Orphans at their real cost (:func:`decide_settlement`, applied by
+:mod:`datagen.openrouter.settle` at the start of a run and while it runs): the key's usage grew
+by D from the start snapshot of the first run with unknowns to now; this directory's known
+charges since (the running run's included) are C; so the unknowns cost at most D - C if the
+counter holds C, and exactly D - C if also nothing else used the key and nothing of this
+directory may be in the counter beyond C. What may be (``unsure``): the running run's open
+reservations (sent, maybe billed, not yet answered) and its cost-unknown charges, at worst case,
+and charges younger than :data:`KEY_USAGE_LAG_S`, which the counter may not hold yet (they are
+left out of C, so D - C stays an upper bound). With nothing unsure, D - C in [0, W] (W the
+unknowns' worst case, a cent of slack either way) settles them; above W something else used the
+key and the worst case stays for good. With something unsure, D - C below W is a bound (counted,
+settled exactly later, e.g. when the run has nothing in flight); D - C - unsure above W means
+something else used the key. Nothing is decided before the dead runs' last event is
+``request_timeout_s + KEY_USAGE_LAG_S`` old (an orphan may still be running upstream, be billed
+when it finishes, and reach the counter moments later), nor when the usage cannot be read or D
+- C < 0: a later try decides again.
 """
 
 from __future__ import annotations
@@ -46,7 +60,7 @@ import json
 import logging
 import os
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +68,11 @@ log = logging.getLogger(__name__)
 
 EPS_USD = 1e-9  # float slack when comparing sums of costs with the budget
 SLACK_USD = 0.01  # key-usage settlement: the key's counter and our sums may differ by a cent
+# How long a charge may take to reach the key's usage counter: OpenRouter records a generation
+# moments after it answers (GET /generation says 404 for a short while). Charges younger than
+# this are not taken to be in the counter, which can only over-count.
+KEY_USAGE_LAG_S = 5.0
+SETTLE_RETRY_S = 30.0  # a key-usage reading that decided nothing: read again after this
 
 
 def worst_case_usd(
@@ -84,12 +103,18 @@ def fits(spent: float, reserved: float, amount: float, limit: float | None) -> b
 @dataclass(frozen=True)
 class Settlement:
     """What to do with a window of unknown costs: ``settle`` at ``usd``; ``worst_case`` for
-    good (written to the ledger, the next window starts after it); ``later`` (nothing written,
-    a later resume decides again). ``why`` is one line for the user."""
+    good (written to the ledger, the next window starts after it); ``bound``: they cost at most
+    ``usd`` (counted so, settled exactly later); ``later`` (nothing written). ``why`` is one
+    line for the user; ``retry_s``: when to read the key's usage again (None: no need, or no
+    reading can decide: a later run does); ``cause`` of a bound or a later: ``time`` (too
+    soon), ``reading`` (the counter could not be read, or is behind), ``blur`` (this
+    directory's latest spending may or may not be in the counter)."""
 
-    action: str  # "settle" | "worst_case" | "later"
+    action: str  # "settle" | "bound" | "worst_case" | "later"
     usd: float
     why: str
+    retry_s: float | None = None
+    cause: str = ""
 
 
 def decide_settlement(
@@ -99,44 +124,70 @@ def decide_settlement(
     worst_usd: float,
     idle_s: float | None,
     timeout_s: float,
+    *,
+    unsure_usd: float = 0.0,
+    young_usd: float = 0.0,
+    young_in_s: float = 0.0,
 ) -> Settlement:
-    """How much the unknown costs of dead runs came to, from the key's usage counter.
+    """How much the unknown costs of dead runs came to, from the key's usage counter (the rule
+    is the module docstring's).
 
     ``start_usage``: the key's usage at the start of the first run with unknowns (None: that
-    run wrote no snapshot); ``now_usage``: at the start of this run (None: the lookup failed);
-    ``known_usd``: this directory's known charges in between; ``worst_usd``: the unknowns' worst
-    case; ``idle_s``: seconds since the last ledger event of those runs (None = no timestamp).
+    run wrote no snapshot); ``now_usage``: now (None: the lookup failed); ``known_usd``: this
+    directory's known charges since, old enough to be in the counter; ``worst_usd``: the
+    unknowns' worst case; ``idle_s``: seconds since the last ledger event of those runs (None =
+    no timestamp); ``unsure_usd``: the running run's spending the counter may hold or not (open
+    reservations and cost-unknown charges, at worst case); ``young_usd``: known charges younger
+    than :data:`KEY_USAGE_LAG_S`, the youngest of them that old in ``young_in_s``.
     """
     if start_usage is None:
         return Settlement("worst_case", worst_usd, "no key-usage snapshot at the start of that run")
-    if idle_s is None or idle_s < timeout_s:
+    wait_s = timeout_s + KEY_USAGE_LAG_S
+    if idle_s is None or idle_s < wait_s:
         return Settlement(
             "later",
             worst_usd,
             f"the run stopped {idle_s or 0:.0f}s ago, less than request_timeout_s "
-            f"({timeout_s:g}s): its requests may still be billed; a later resume settles them",
+            f"({timeout_s:g}s) + {KEY_USAGE_LAG_S:g}s: its requests may still be billed",
+            None if idle_s is None else wait_s - idle_s,
+            "time",
         )
     if now_usage is None:
         return Settlement(
-            "later", worst_usd, "the key's usage could not be read; a later resume tries again"
+            "later", worst_usd, "the key's usage could not be read", SETTLE_RETRY_S, "reading"
         )
-    usd = now_usage - start_usage - known_usd
+    grew = now_usage - start_usage
+    usd = grew - known_usd  # at most what the unknowns cost, if the counter holds known_usd
     if usd < -SLACK_USD:
         return Settlement(
             "later",
             worst_usd,
-            f"the key's usage grew ${now_usage - start_usage:.4f}, less than the "
-            f"${known_usd:.4f} charged here; a later resume tries again",
+            f"the key's usage grew ${grew:.4f}, less than the ${known_usd:.4f} charged here",
+            SETTLE_RETRY_S,
+            "reading",
         )
-    if usd > worst_usd + SLACK_USD:
+    blur = unsure_usd + young_usd  # this directory's spending the counter may or may not hold
+    if usd - blur > worst_usd + SLACK_USD:
         return Settlement(
             "worst_case",
             worst_usd,
-            f"the key's usage grew ${now_usage - start_usage:.4f}, more than the "
-            f"${known_usd:.4f} charged here plus the ${worst_usd:.4f} worst case: something "
-            "else used the key meanwhile",
+            f"the key's usage grew ${grew:.4f}, more than the ${known_usd + blur:.4f} charged "
+            f"here plus the ${worst_usd:.4f} worst case: something else used the key meanwhile",
         )
-    return Settlement("settle", min(max(usd, 0.0), worst_usd), "from the key's usage")
+    if blur <= EPS_USD:
+        return Settlement("settle", min(max(usd, 0.0), worst_usd), "from the key's usage")
+    # the counter may hold some of ``blur`` too: ``usd`` is an upper bound, not the cost
+    retry_s = young_in_s if unsure_usd <= EPS_USD else SETTLE_RETRY_S
+    blurred = (
+        f"while ${blur:.4f} of this directory's latest spending (in flight, of unknown cost or "
+        "too recent for the counter) may or may not be in it"
+    )
+    bound = min(max(usd, 0.0), worst_usd)
+    if bound >= worst_usd - EPS_USD:
+        why = f"the key's usage says no less {blurred}"
+        return Settlement("later", worst_usd, why, retry_s, "blur")
+    why = f"from the key's usage, an upper bound {blurred}"
+    return Settlement("bound", bound, why, retry_s, "blur")
 
 
 @dataclass
@@ -159,7 +210,8 @@ class RunInfo:
 
 @dataclass
 class Unknown:
-    """A request of a dead run whose cost is unknown, counted at its worst case ``usd``."""
+    """A request whose cost is unknown, counted at its worst case ``usd``: of a dead run, or a
+    cost-unknown charge of this run (``ts``: when it was sent or charged)."""
 
     rid: str
     run: str
@@ -168,21 +220,31 @@ class Unknown:
     dataset: str
     orphan: bool  # True: reserved, never settled; False: a cost-unknown charge
     generation_id: str | None = None
+    ts: float | None = None
 
 
 @dataclass
 class Window:
-    """The unknowns of dead runs to settle together from the key's usage (see the module doc)."""
+    """The unknowns of dead runs to settle together from the key's usage, and what the key's
+    growth since ``start_usage`` is to be compared with (see the module doc)."""
 
-    runs: list[str]
+    runs: list[str]  # the dead runs from the first with unknowns on
     unknowns: list[Unknown]
     start_usage: float | None
-    known_usd: float
-    last_ts: float | None
+    known_usd: float  # known charges of those runs and of this one, young ones included
+    last_ts: float | None  # last event of the runs with unknowns
+    young_usd: float = 0.0  # of known_usd, charges younger than KEY_USAGE_LAG_S
+    young_in_s: float = 0.0  # when the youngest of them is that old
+    unsure_usd: float = 0.0  # this run's open reservations and cost-unknown charges
+    held_usd: float = 0.0  # what the unknowns count at now (their worst case, or a bound)
 
     @property
     def worst_usd(self) -> float:
         return sum(u.usd for u in self.unknowns)
+
+    def safe_at(self, timeout_s: float) -> float | None:
+        """When nothing of these runs can still be billed and not be in the key's counter."""
+        return None if self.last_ts is None else self.last_ts + timeout_s + KEY_USAGE_LAG_S
 
 
 def _run_of(event: dict) -> str:
@@ -203,14 +265,21 @@ class Ledger:
         self.cached_tokens = 0  # prompt tokens served from a provider's cache, all runs
         self.cache_discount_usd = 0.0  # what caching saved, all runs (as usage reported it)
         self.reserved_usd = 0.0  # this run's open reservations
+        self.reserved_total_usd = 0.0  # everything this run has reserved (only grows)
         self.reserved_tokens = defaultdict(int)
         self.open = 0  # this run's open reservations
         self.open_by_dataset = defaultdict(int)
-        self.runs: dict[str, RunInfo] = {}  # earlier runs, in ledger order
-        self.unknown: dict[str, Unknown] = {}  # rid -> cost unknown (dead runs), worst case
+        self.runs: dict[str, RunInfo] = {}  # every run, in ledger order (this one last)
+        self.unknown: dict[str, Unknown] = {}  # rid -> cost unknown, counted at worst case
+        self.bound_relief_usd = 0.0  # worst case minus the bound of the bounded unknowns
+        self._bound: tuple[frozenset, float] | None = None  # (rids, usd) of bound_orphans
+        self._recent: deque = deque()  # (ts, usd, run) of the last seconds' known charges
         self._open_res: dict[str, dict] = {}
+        self._loading = True
         self._run = f"{int(time.time() * 1000):x}-{os.getpid()}-{os.urandom(2).hex()}"
         self._load()
+        self._loading = False
+        self.runs[self._run] = RunInfo()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._ids = itertools.count()
@@ -233,11 +302,14 @@ class Ledger:
         for rid, event in self._open_res.items():
             usd, tokens = float(event["usd"]), int(event.get("tokens", 0))
             dataset = event.get("dataset", "")
-            self.unknown[rid] = Unknown(rid, _run_of(event), usd, tokens, dataset, orphan=True)
+            self.unknown[rid] = Unknown(
+                rid, _run_of(event), usd, tokens, dataset, orphan=True, ts=event.get("ts")
+            )
             self.orphan_usd += usd
             self.orphans += 1
             self.orphan_tokens[dataset] += tokens
         self._open_res = {}
+        self._refresh_bound()
         if bad:
             log.warning("%s: ignored %d unreadable line(s)", self.path, bad)
         if self.orphans:
@@ -255,6 +327,15 @@ class Ledger:
         if ts is not None:
             info.last_ts = max(float(ts), info.last_ts or 0.0)
         return info
+
+    def _known(self, run: str, usd: float, ts: float | None) -> None:
+        """A known cost of ``run``, billed at ``ts`` (what the key's counter is compared with)."""
+        self.runs.setdefault(run, RunInfo()).known_usd += usd
+        if ts is None:
+            return
+        self._recent.append((float(ts), usd, run))
+        while self._recent and self._recent[0][0] < self._recent[-1][0] - 2 * KEY_USAGE_LAG_S:
+            self._recent.popleft()
 
     def _apply(self, event: dict) -> None:
         """One event read back from the file (settlements also when this run writes them)."""
@@ -275,7 +356,7 @@ class Ledger:
             if known is None:  # a ledger of an older version
                 known = "cost unknown" not in str(event.get("reason", ""))
             if known:
-                info.known_usd += usd
+                self._known(_run_of(event), usd, event.get("ts"))
             else:
                 rid = str(event.get("rid"))
                 self.unknown[rid] = Unknown(
@@ -286,6 +367,7 @@ class Ledger:
                     event.get("dataset", ""),
                     orphan=False,
                     generation_id=event.get("generation_id"),
+                    ts=event.get("ts"),
                 )
         elif kind == "release":
             self._info(event)
@@ -299,7 +381,8 @@ class Ledger:
             if u is not None:
                 usd = float(event["usd"])
                 self.charged_usd += usd - u.usd
-                self.runs.setdefault(u.run, RunInfo()).known_usd += usd
+                self._known(u.run, usd, u.ts)  # billed when it was charged
+                self._drop_bound({u.rid})
         elif kind == "settle_orphans":
             for rid in event["rids"]:
                 u = self.unknown.pop(rid, None)
@@ -317,43 +400,76 @@ class Ledger:
             self.charged_usd += float(event["usd"])
             if self.orphans == 0:
                 self.orphan_usd = 0.0
+            self._drop_bound(set(event["rids"]))
+        elif kind == "bound_orphans":
+            self._bound = (frozenset(event["rids"]), float(event["usd"]))
+            if not self._loading:  # (while loading, orphans are known only at the end)
+                self._refresh_bound()
+
+    def _drop_bound(self, rids: set) -> None:
+        """A bound covers its requests together: settling any of them otherwise ends it."""
+        if self._bound is not None and not self._bound[0].isdisjoint(rids):
+            self._bound = None
+            self.bound_relief_usd = 0.0
+
+    def _refresh_bound(self) -> None:
+        if self._bound is None:
+            self.bound_relief_usd = 0.0
+            return
+        rids, usd = self._bound
+        if not all(r in self.unknown for r in rids):
+            self._bound, self.bound_relief_usd = None, 0.0
+            return
+        self.bound_relief_usd = max(0.0, sum(self.unknown[r].usd for r in rids) - usd)
 
     # ------------------------------------------------------------------ totals
 
     @property
     def spent_usd(self) -> float:
-        """Settled charges plus orphaned reservations: the most real money that has gone."""
-        return self.charged_usd + self.orphan_usd
+        """Settled charges plus orphaned reservations (less what a bound says they cost at
+        most): the most real money that has gone."""
+        return self.charged_usd + self.orphan_usd - self.bound_relief_usd
 
     def spent_tokens(self, dataset: str) -> int:
         return self.tokens[dataset] + self.orphan_tokens[dataset]
 
     # ------------------------------------------------------------------ settling dead runs
 
-    def window(self) -> Window | None:
-        """The unknowns of earlier runs, from the first run that has one to the last run: the
-        key's usage growth since that first run's snapshot covers them all. None = no unknown."""
-        if not self.unknown:
+    def window(self, now: float | None = None) -> Window | None:
+        """The unknowns of dead runs, and what the key's usage growth since the snapshot of the
+        first run that has one is to be compared with at ``now`` (default: the time): the known
+        charges of that run and every later one, this run's included. None = no unknown."""
+        now = time.time() if now is None else now
+        dead = [u for u in self.unknown.values() if u.run != self._run]
+        if not dead:
             return None
         order = list(self.runs)
-        with_unknowns = {u.run for u in self.unknown.values()}
+        with_unknowns = {u.run for u in dead}
         first = min((order.index(r) for r in with_unknowns if r in self.runs), default=0)
-        runs = [r for r in order[first:] if r != self._run]
-        infos = [self.runs[r] for r in runs]
+        runs = order[first:]
         # the unknowns were sent before their run's last event: after request_timeout_s more
         # nothing of theirs can still be billed (the other runs finished what they sent)
         stamps = [self.runs[r].last_ts for r in with_unknowns if self.runs[r].last_ts is not None]
+        young = [
+            (ts, usd) for ts, usd, run in self._recent if ts > now - KEY_USAGE_LAG_S and run in runs
+        ]
+        mine = sum(u.usd for u in self.unknown.values() if u.run == self._run)
         return Window(
-            runs=runs,
-            unknowns=list(self.unknown.values()),
-            start_usage=infos[0].start_usage if infos else None,
-            known_usd=sum(i.known_usd for i in infos),
+            runs=[r for r in runs if r != self._run],
+            unknowns=dead,
+            start_usage=self.runs[runs[0]].start_usage if runs else None,
+            known_usd=sum(self.runs[r].known_usd for r in runs),
             last_ts=max(stamps) if stamps else None,
+            young_usd=sum(usd for _, usd in young),
+            young_in_s=max((ts + KEY_USAGE_LAG_S - now for ts, _ in young), default=0.0),
+            unsure_usd=self.reserved_usd + mine,
+            held_usd=sum(u.usd for u in dead) - self.bound_relief_usd,
         )
 
     def record_key_usage(self, usd: float) -> None:
         """This run's start snapshot of the key's usage counter (before any chat request)."""
         self._write({"t": "key_usage", "usd": usd})
+        self.runs[self._run].start_usage = usd
 
     def settle_generation(self, rid: str, usd: float) -> None:
         """Settle a cost-unknown charge at its generation's ``total_cost``."""
@@ -369,26 +485,31 @@ class Ledger:
         self._apply(event)
 
     def settle_window(self, window: Window, decision: Settlement) -> None:
-        """Write a ``settle``/``worst_case`` decision for ``window`` (``later`` writes nothing)."""
+        """Write a ``settle``/``worst_case`` decision for ``window``, or a ``bound`` that holds
+        less than the current one (``later`` writes nothing)."""
         if decision.action == "later":
             return
         event = {
-            "t": "settle_orphans",
+            "t": "bound_orphans" if decision.action == "bound" else "settle_orphans",
             "runs": window.runs,
             "rids": [u.rid for u in window.unknowns],
             "usd": decision.usd,
             "worst_case_usd": window.worst_usd,
-            "how": "key usage" if decision.action == "settle" else "worst case",
-            "why": decision.why,
         }
+        if decision.action != "bound":
+            event["how"] = "key usage" if decision.action == "settle" else "worst case"
+        elif decision.usd >= window.held_usd - EPS_USD:
+            return  # no tighter than what counts already
+        event["why"] = decision.why
         self._write(event)
         self._apply(event)
 
     # ------------------------------------------------------------------ reserve / settle
 
-    def _write(self, event: dict) -> None:
+    def _write(self, event: dict) -> dict:
         event = {**event, "run": self._run, "ts": round(time.time(), 3)}
         os.write(self._fd, (json.dumps(event, separators=(",", ":")) + "\n").encode())
+        return event
 
     def reserve(
         self,
@@ -410,6 +531,7 @@ class Ledger:
             {"t": "reserve", "rid": res.rid, "usd": usd, "tokens": tokens, "dataset": dataset}
         )
         self.reserved_usd += usd
+        self.reserved_total_usd += usd
         self.reserved_tokens[dataset] += tokens
         self.open += 1
         self.open_by_dataset[dataset] += 1
@@ -442,7 +564,7 @@ class Ledger:
             log.warning(
                 "request %s cost $%.6f, above its reservation $%.6f", generation_id, usd, res.usd
             )
-        self._write(
+        event = self._write(
             {
                 "t": "charge",
                 "rid": res.rid,
@@ -460,6 +582,12 @@ class Ledger:
             }
         )
         self._close(res)
+        if cost_known:
+            self._known(self._run, usd, event["ts"])
+        else:  # settled by GET /generation, or with a later key-usage window
+            self.unknown[res.rid] = Unknown(
+                res.rid, self._run, usd, tokens, res.dataset, False, generation_id, event["ts"]
+            )
         self.charged_usd += usd
         self.charges += 1
         self.tokens[res.dataset] += tokens

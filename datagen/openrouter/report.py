@@ -88,6 +88,11 @@ async def stop_messages(
         lines.append(
             f"stopped: budget reached ({out.stop_detail}); raise --budget and re-run to continue"
         )
+    elif out.stop == "orphans":
+        lines.append(
+            f"stopped: {out.stop_detail} (without --no-wait-for-orphans a run waits for that "
+            "itself)"
+        )
     elif out.stop == "audit":
         lines.append(
             f"stopped: {out.stop_detail}; see {AUDIT_LOG} in the output directory, and "

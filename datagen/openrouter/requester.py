@@ -9,6 +9,8 @@ whose input is the conversation so far, the model's own earlier answers included
 2. reserve the request's worst case in the :class:`~datagen.openrouter.ledger.Ledger` (dollars
    and the dataset's output tokens); if it does not fit, wait for in-flight requests to settle,
    and when nothing is in flight any more, stop (budget) or close the dataset (token budget);
+   but when a dead run's requests of unknown cost hold the money it lacks, wait for the
+   :class:`HeldOrphans` to settle them (a countdown line; ``wait_for_orphans=False``: stop);
 3. send; sort the response with :func:`datagen.retry.check`; settle the reservation with
    ``usage.cost`` (billed failures too) or release it; retry, fail the prompt, or stop on 402.
 
@@ -36,12 +38,12 @@ import asyncio
 import collections
 import json
 import logging
+import math
 import random
 import signal
-import sys
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -54,6 +56,7 @@ from datagen.openrouter.providers import Prices, slug_matches
 from datagen.transcript import Reply, Transcript, parse_reply
 from eagle3.data.prompts import Prompt
 from eagle3.data.records import ResultStore
+from eagle3.progress import Progress as ProgressCounter
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +95,25 @@ class Settings:
     # cache_discount; and the plan's $/M output tokens, shown next to what is paid.
     cache_savings: dict = field(default_factory=dict)
     plan_usd_per_m_out: float | None = None
+    done_before: int = 0  # prompts earlier runs finished (progress: already done)
+    # The budget is full of a dead run's requests that settle later: wait (True) or stop.
+    wait_for_orphans: bool = True
+
+
+class HeldOrphans(Protocol):
+    """What the requester needs of :class:`datagen.openrouter.settle.Settler`."""
+
+    on_change: Callable[[], None] | None  # set by the requester: a try may have freed money
+
+    def could_fit(self, usd: float, budget: float) -> bool: ...  # once they settle
+
+    def poke(self) -> None: ...  # nothing of this run is in flight: try now if safe
+
+    def settle_in_s(self) -> float: ...  # seconds until they can be settled (0: now)
+
+    def waiting_line(self, short: bool = False) -> str: ...  # the countdown
+
+    def held_line(self) -> str: ...  # what holds the budget, when the run stops instead
 
 
 class Auditor(Protocol):
@@ -104,7 +126,7 @@ class Auditor(Protocol):
 
 @dataclass
 class Outcome:
-    stop: str | None = None  # "budget" | "credits" | "interrupted" | "audit" | None
+    stop: str | None = None  # "budget" | "orphans" | "credits" | "interrupted" | "audit" | None
     stop_detail: str = ""
     capped: set = field(default_factory=set)  # datasets that hit their token budget
     done: int = 0  # prompts finished in this run
@@ -204,9 +226,12 @@ class Requester:
         store: ResultStore,
         ledger: Ledger,
         audit: Auditor | None = None,
+        orphans: HeldOrphans | None = None,
     ):
         self.settings = settings
         self.audit = audit
+        self.orphans = orphans
+        self._countdown: asyncio.Task | None = None  # while waiting for the orphans
         self._audit_task: asyncio.Task | None = None
         self.store = store
         self.ledger = ledger
@@ -236,6 +261,31 @@ class Requester:
             )
         self._stopping.set()
         self._notify_settled()
+
+    def _wait_for_orphans(self) -> None:
+        """The budget is full and only a dead run's held requests may free it: show a
+        countdown (once per wait) and have the settler try as soon as it may."""
+        if self._countdown is None or self._countdown.done():
+            self.orphans.poke()
+            self._countdown = asyncio.create_task(self._count_down())
+
+    async def _count_down(self) -> None:
+        """A live description on a terminal, else a log line every ``log_every`` seconds,
+        until a request fits again or the run stops."""
+        bar = self.progress.bar
+        desc = bar.desc if bar is not None else ""
+        last = -math.inf
+        try:
+            while self.ledger.open == 0 and not self._stopping.is_set():
+                if bar is not None:
+                    bar.set_description_str(self.orphans.waiting_line(short=True), refresh=True)
+                elif time.monotonic() - last >= self.settings.log_every:
+                    log.info("%s", self.orphans.waiting_line())
+                    last = time.monotonic()
+                await asyncio.sleep(1.0)
+        finally:
+            if bar is not None:
+                bar.set_description_str(desc, refresh=False)
 
     def _on_signal(self, signum: int) -> None:
         if self.out.stop == "interrupted":  # second signal: do not wait any longer
@@ -267,7 +317,9 @@ class Requester:
             loop.add_signal_handler(sig, self._on_signal, sig)
         connector = aiohttp.TCPConnector(limit=self.settings.concurrency, keepalive_timeout=75)
         timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout)
-        progress = Progress(self)
+        progress = self.progress = Progress(self)
+        if self.orphans is not None:
+            self.orphans.on_change = self._notify_settled
         try:
             async with aiohttp.ClientSession(
                 connector=connector, timeout=timeout, headers=self.headers
@@ -286,6 +338,8 @@ class Requester:
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+            if self._countdown is not None:
+                self._countdown.cancel()
             progress.close()
         return self.out
 
@@ -388,6 +442,13 @@ class Requester:
             if isinstance(res, Reservation):
                 return res
             if res == "budget" and self.ledger.open == 0:
+                if self.orphans is not None and self.orphans.could_fit(usd, self.settings.budget):
+                    if not self.settings.wait_for_orphans and self.orphans.settle_in_s() > 0:
+                        self.stop("orphans", self.orphans.held_line())
+                        return None
+                    self._wait_for_orphans()  # the settler's try wakes us (_notify_settled)
+                    await self._settled.wait()
+                    continue
                 left = self.settings.budget - self.ledger.spent_usd
                 self.stop(
                     "budget",
@@ -552,20 +613,26 @@ class Requester:
 
 
 class Progress:
-    """A live tqdm line on a terminal; plain log lines every ``log_every`` s otherwise."""
+    """Prompts resolved (written or failed for good) out of all the run's prompts, those done by
+    earlier runs counted as already done (:mod:`eagle3.progress`: a bar on a terminal, a line
+    every ``log_every`` s otherwise), with the run's figures: in flight, tok/s, spend, retries.
+    The workers only count in :class:`Outcome`; the ticker brings the count up to date."""
 
     def __init__(self, requester: Requester):
         self.requester = requester
-        tty = requester.settings.progress_bar
-        if tty is None:
-            tty = sys.stderr.isatty()
-        self.bar = None
-        if tty:
-            from tqdm import tqdm
-
-            self.bar = tqdm(
-                total=requester.total, unit="prompt", dynamic_ncols=True, file=sys.stderr
-            )
+        settings = requester.settings
+        bar = settings.progress_bar
+        mode = None if bar is None else "bar" if bar else "lines"  # None: by stderr
+        self.counter = ProgressCounter(
+            "openrouter",
+            settings.done_before + requester.total,
+            "prompts",
+            already=settings.done_before,
+            status=self.line,
+            every_s=settings.log_every,
+            mode=mode,
+        )
+        self.bar = self.counter.bar  # the countdown of a wait for held orphans writes on it
 
     def line(self) -> str:
         requester, out = self.requester, self.requester.out
@@ -587,20 +654,22 @@ class Progress:
         return f"{paid}/M out paid" + (f" (plan ${plan:.2f}/M)" if plan is not None else "")
 
     async def tick(self) -> None:
-        interval = 0.5 if self.bar is not None else self.requester.settings.log_every
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(0.5)
             self.show()
 
     def show(self) -> None:
         out = self.requester.out
-        if self.bar is not None:
-            self.bar.n = out.done + out.failed
-            self.bar.set_postfix_str(self.line(), refresh=True)
-        else:
-            log.info("done %d/%d, %s", out.done + out.failed, self.requester.total, self.line())
+        self.counter.update(out.done + out.failed - self.counter.done)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.show()
-            self.bar.close()
+        """The last count, then where the records are."""
+        self.show()
+        requester = self.requester
+        store, out = requester.store, requester.out
+        files = ", ".join(f"{name}.jsonl" for name in store.datasets()) or "no records yet"
+        self.counter.close(
+            f"openrouter: {out.done:,} prompts written in this run, {out.failed:,} failed -> "
+            f"{store.dir} ({files}; ledger {requester.ledger.path.name}"
+            + ("; failed.jsonl)" if out.failed else ")")
+        )

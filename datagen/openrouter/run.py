@@ -1,7 +1,8 @@
 """One run of ``python -m datagen.openrouter``, top to bottom: load the prompts, read the
 model's endpoints and apply the provider rule (and the audit's earlier exclusions); with
-``--plan`` print the plan and stop; else snapshot the key's usage, settle earlier runs, generate
-what is left with the requester, and report.
+``--plan`` print the plan and stop; else snapshot the key's usage, settle earlier runs (and keep
+settling them in the background while generating: a killed run's requests free the budget as
+soon as OpenRouter's figures are final), generate what is left with the requester, and report.
 
 Work done is never lost, however the run ends: results and ledger events are appended as they
 happen and both files are closed on every way out (a RemoteError from OpenRouter included); the
@@ -10,9 +11,12 @@ same command resumes.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from datagen import retry
@@ -24,7 +28,7 @@ from datagen.openrouter.ledger import Ledger
 from datagen.openrouter.plan import plan_text, usd_per_m_out
 from datagen.openrouter.report import stop_messages, summary_line
 from datagen.openrouter.requester import Requester, Settings
-from datagen.openrouter.settle import settle_earlier
+from datagen.openrouter.settle import Settler
 from eagle3.cli import EXIT_OK, EXIT_TEMPFAIL
 from eagle3.data.prompts import Prompt, dedupe, load_prompts
 from eagle3.data.records import ResultStore
@@ -43,6 +47,7 @@ async def run(
     api_key: str,
     plan: bool,
     audit_every: int,
+    wait_for_orphans: bool = True,
 ) -> int:
     """``plan``: print the plan and send no chat request. Else generate what ``out_dir`` lacks
     within ``budget``: 0 when every prompt is done, 75 with prompts left (re-run to continue)."""
@@ -61,6 +66,7 @@ async def run(
             raise ConfigError(
                 f"no endpoint of {cfg.model} passes the provider rule: run with --plan to see why"
             )
+        read_at = time.time()  # the snapshot holds what was billed before this
         acct = await api.account()
         if acct["key_status"] == 401:
             raise ConfigError("OpenRouter rejected the API key (401): check OPENROUTER_API_KEY")
@@ -86,6 +92,7 @@ async def run(
             provider_slugs=slugs_of,
             allowed_slugs=[e.tag for e in allowed],
             cache_savings=providers.cache_savings(allowed),
+            wait_for_orphans=wait_for_orphans,
         )
         total = sum(len(prompts) for prompts in groups.values())
         store = ResultStore(out_dir, fsync_interval=1.0)
@@ -93,11 +100,12 @@ async def run(
         try:  # closed on every way out: what was written stays, the same command resumes
             if acct["usage"] is not None:  # the snapshot comes before this run's first request
                 ledger.record_key_usage(acct["usage"])
-            lines, settled = await settle_earlier(ledger, api, acct["usage"], cfg.request_timeout_s)
-            for line in lines:
+            settler = Settler(ledger, api, cfg.request_timeout_s)
+            for line in await settler.start(acct["usage"], read_at):
                 print(line, file=sys.stderr, flush=True)
             todo, done_before = prompts_left(store, groups)
             settings.plan_usd_per_m_out = usd_per_m_out(cfg, allowed, dict(zip(groups, todo)))
+            settings.done_before = done_before  # progress: already done, not in the rate
             log.info(
                 "allowed providers: %s; rule %s", ", ".join(e.provider for e in allowed), block
             )
@@ -106,11 +114,22 @@ async def run(
                 audit = exclusions.make_audit(
                     cfg.audit_target, audit_every, out_dir / AUDIT_LOG, cfg.audit_device_map
                 )
-            outcome = await Requester(settings, todo, store, ledger, audit).run()
+            settling = asyncio.create_task(settler.run())  # tries while the run goes on
+            try:
+                outcome = await Requester(settings, todo, store, ledger, audit, settler).run()
+            finally:
+                settling.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await settling  # (a bug in it surfaces here)
+            for line in await settler.finish(outcome.stop == "interrupted"):
+                print(line, file=sys.stderr, flush=True)
             spent = ledger.spent_usd + ledger.reserved_usd  # open reservations now are abandoned
             tokens = sum(ledger.tokens.values())
             cache = (ledger.cached_tokens, ledger.cache_discount_usd)
             remaining = total - done_before - outcome.done - outcome.failed
+            held = settler.pending_line()
+            if held:
+                print(held, file=sys.stderr)
             for line in await stop_messages(outcome, remaining, spent, budget, api, store, groups):
                 print(line, file=sys.stderr)
         finally:
@@ -120,7 +139,7 @@ async def run(
     excluded = [*earlier, *(p for p in outcome.excluded if p not in earlier)]
     done = done_before + outcome.done
     line = summary_line(
-        done, total, outcome.failed, tokens, spent, budget, excluded, settled, cache
+        done, total, outcome.failed, tokens, spent, budget, excluded, settler.settled, cache
     )
     print(line, flush=True)
     return EXIT_OK if remaining == 0 else EXIT_TEMPFAIL

@@ -255,7 +255,9 @@ def test_long_records_are_captured_as_windows_and_resumed_window_by_window(
     assert [i for i in after if after[i] != before[i]] == ["g2#w1"]  # recaptured alone
 
 
-def test_resume_skips_what_is_captured(chat_llama, tmp_path, capsys):
+def test_resume_skips_what_is_captured(chat_llama, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("eagle3.progress.EVERY_S", 0.0)  # a progress line at every batch
+    monkeypatch.delenv("EAGLE3_PROGRESS", raising=False)
     first = write_jsonl(tmp_path / "a.jsonl", GOOD[:3])
     out = tmp_path / "shards"
     args = [
@@ -269,19 +271,36 @@ def test_resume_skips_what_is_captured(chat_llama, tmp_path, capsys):
         0,
         "--long-records",
         "cut",
+        "--batch-tokens",
+        30,  # one record a batch
     ]  # fmt: skip  (windows resume: the test above)
     assert run_cli(*args, "--data", first) == 0
     index = (out / "index.jsonl").read_text()
+    before = sum(e["length"] for e in read_index(out))
+    capsys.readouterr()
     assert run_cli(*args, "--data", first) == 0  # nothing new
     assert (out / "index.jsonl").read_text() == index
     assert read_meta(out)["summary"] == {"already captured": 3}
+    err = capsys.readouterr().err
+    assert f"capture: {before:,}/{before:,} tokens (100%, {before:,} already done) in " in err
     second = write_jsonl(tmp_path / "b.jsonl", GOOD[3:])
     assert run_cli(*args, "--data", first, second) == 0
     ds = ShardDataset(out)
     assert sorted(e["id"] for e in ds.index) == ["g0", "g1", "g2", "g3", "g4"]
     assert ds.meta["summary"]["already captured"] == 3 and ds.meta["summary"]["kept"] == 2
     assert len(ds.meta["sources"]) == 2 and ds.meta["models"] == {"fake/target": 5}
-    capsys.readouterr()
+    # progress in tokens, the 3 records of the first run already done; the last line says where
+    total = ds.meta["num_tokens"]
+    captured = capsys.readouterr()
+    lines = [x for x in captured.err.splitlines() if x.startswith("capture: ")]
+    done = f"{before:,}/{total:,} tokens ({100 * before // total}%, {before:,} already done)"
+    assert lines[0] == f"capture: {done}, eta -; 0/2 sequences in this run"
+    assert ", eta " in lines[1] and lines[1].endswith("; 1/2 sequences in this run")
+    assert lines[-1].startswith(f"capture: {total:,}/{total:,} tokens (100%, {before:,} already")
+    assert captured.out.splitlines()[-1] == (
+        f"capture: 5 records, {total} tokens in {ds.meta['num_shards']} shards -> {out} "
+        "(meta.json, index.jsonl)"
+    )
 
 
 def test_settings_that_change_the_data_are_refused_on_resume(chat_llama, tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -75,12 +76,28 @@ def test_max_turns_keeps_the_first_user_turns():
     assert local.first_user_turns(p, 1).id == "x"
 
 
-def test_servers_round_robin_retries_reasoning_resume(servers, prompts_file, tmp_path):
+def test_servers_round_robin_retries_reasoning_resume(
+    servers, prompts_file, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr("eagle3.progress.EVERY_S", 0.0)  # a progress line at every turn
+    monkeypatch.delenv("EAGLE3_PROGRESS", raising=False)
     one, two = servers
     out = tmp_path / "out"
     argv = ["--prompts", str(prompts_file), "--out", str(out), "--base-url", one.url, two.url + "/v1",
             "--concurrency", "2", "--max-new-tokens", "64", "--temperature", "0.5"]  # fmt: skip
     assert local.main(argv) == 0
+    # progress in turns (p1 has two), the failed p4 leaves the total; the last line says where
+    captured = capsys.readouterr()
+    lines = [x for x in captured.err.splitlines() if x.startswith("local: ")]
+    assert lines[0].startswith("local: 0/6 turns (0%), eta -; 0 prompts done, 0 failed")
+    assert any(re.match(r"local: [1-4]/[56] turns \(\d+%\), .+, eta \d+s; ", x) for x in lines)
+    assert lines[-1].startswith("local: 5/5 turns (100%) in ")
+    assert "; 4 prompts done, 1 failed, " in lines[-1]
+    tokens = sum(r["usage"]["completion_tokens"] for r in records(out).values())
+    assert captured.out == (
+        f"local: 4 of 5 prompts are records (4 written in this run, {tokens} tokens) -> {out} "
+        "(chat.jsonl; 1 failed: failed.jsonl)\n"
+    )
     got = records(out)
     assert sorted(got) == ["p0", "p1", "p2", "p3"]
     r0 = got["p0"]
@@ -110,8 +127,12 @@ def test_servers_round_robin_retries_reasoning_resume(servers, prompts_file, tmp
     sent = len(one.requests) + len(two.requests)
     assert local.main(argv) == 0  # resume: done and failed-for-good prompts are skipped
     assert len(one.requests) + len(two.requests) == sent
+    capsys.readouterr()
     assert local.main([*argv, "--retry-failed"]) == 0  # only the failed prompt is tried again
     assert len(one.requests) + len(two.requests) == sent + 1
+    err = capsys.readouterr().err  # the turns of the 4 records are already done
+    assert "local: 5/6 turns (83%, 5 already done), eta -; 0 prompts done" in err
+    assert "local: 5/5 turns (100%, 5 already done) in " in err
     assert sorted(records(out)) == ["p0", "p1", "p2", "p3"]
 
 
@@ -146,15 +167,28 @@ def chat_llama(tiny_llama_dir, tmp_path_factory):
     )
 
 
-def test_in_process_generation(chat_llama, prompts_file, tmp_path):
+def test_in_process_generation(chat_llama, prompts_file, tmp_path, capsys, monkeypatch):
     def argv(out, batch_size):
         return ["--prompts", str(prompts_file), "--out", str(out), "--target", str(chat_llama),
                 "--max-new-tokens", "6", "--batch-size", str(batch_size), "--temperature", "0"]  # fmt: skip
 
+    monkeypatch.setattr("eagle3.progress.EVERY_S", 0.0)  # a progress line at every turn
+    monkeypatch.delenv("EAGLE3_PROGRESS", raising=False)
     out = tmp_path / "out"
     assert local.main(argv(out, 2)) == 0
     got = records(out)
     assert sorted(got) == ["p0", "p1", "p2", "p3", "p4"]
+    # each turn counts as its row finishes, before the chunk's records are written
+    captured = capsys.readouterr()
+    lines = [x for x in captured.err.splitlines() if x.startswith("local: ")]
+    assert lines[0].startswith("local: 0/6 turns (0%), eta -; 0 prompts done")
+    assert re.match(r"local: 1/6 turns \(16%\), .+, eta \d+s; 0 prompts done", lines[1])
+    assert lines[-1].startswith("local: 6/6 turns (100%) in ") and "; 5 prompts done" in lines[-1]
+    tokens = sum(r["usage"]["completion_tokens"] for r in got.values())
+    assert captured.out == (
+        f"local: 5 of 5 prompts are records (5 written in this run, {tokens} tokens) -> {out} "
+        "(chat.jsonl)\n"
+    )
     two = got["p1"]["messages"]
     assert [m["role"] for m in two] == ["system", "user", "assistant", "user", "assistant"]
     for r in got.values():

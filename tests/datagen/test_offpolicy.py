@@ -59,9 +59,17 @@ def test_cli_writes_records_resumes_and_splits_like_datagen_local(tmp_path, caps
         "reasoning": "",
     }
     assert records["c0"]["provider"] == "offpolicy" and records["c0"]["usage"]["cost"] is None
-    assert "3 written" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "offpolicy: 0/3 conversations (0%), eta -; 0 assistant turns written\n" in captured.err
+    assert "offpolicy: 3/3 conversations (100%) in " in captured.err
+    assert captured.out.splitlines()[-1] == (
+        f"offpolicy: 3 conversations selected, 3 written (4 assistant turns), 0 already there "
+        f"-> {out} (convs.jsonl)"
+    )
     assert offpolicy.main(["--prompts", str(src), "--out", str(out)]) == 0  # nothing new
-    assert "0 written" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "0 written" in captured.out
+    assert "offpolicy: 3/3 conversations (100%, 3 already done) in " in captured.err
     assert len(list(ResultStore(out, readonly=True).iter_records())) == 3
 
     # --split train keeps exactly the ids datagen.local keeps for the same source

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import subprocess
@@ -99,8 +100,21 @@ def test_evaluate_cli_reports_every_drafter_and_benchmark(
         "--json", str(out),
     ]  # fmt: skip
     assert main(argv) == 0
-    table = capsys.readouterr().out
+    captured = capsys.readouterr()
+    table = captured.out
     assert table.splitlines()[0].startswith("| drafter | bench | τ | τ 95% CI | α1 | α2 | α3 |")
+    # progress: every turn (prompt a has two) decoded plainly and by each of the 3 drafters
+    decodes = 4 * (3 + (2 if GSM8K.is_file() else 0))
+    benches_n = 1 + GSM8K.is_file()
+    assert (
+        f"evaluate: 0/{decodes} decodes (0%), eta -; plain + 3 drafters on {benches_n} benchmarks"
+        in captured.err
+    )
+    assert f"evaluate: {decodes}/{decodes} decodes (100%) in " in captured.err
+    names = "gsm8k 2 prompts, mine 2 prompts" if GSM8K.is_file() else "mine 2 prompts"
+    assert table.splitlines()[-1] == (
+        f"evaluate: {3 * benches_n} rows, 3 drafters x {benches_n} benchmarks ({names}) -> {out}"
+    )
     report = json.loads(out.read_text())
     rows = {(r["drafter"], r["bench"]): r for r in report["results"]}
     expected_benches = ["mine"] + (["gsm8k"] if GSM8K.is_file() else [])
@@ -268,3 +282,58 @@ def test_engine_only_needs_the_engine(chat_target_dir, prompts_file, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == "error: --engine-only needs --engine vllm (it keeps only the engine's rows)"
+
+
+def test_one_run_measures_a_checkpoint_as_chain_and_tree_with_rows_per_turn(
+    chat_target_dir, prompts_file, tmp_path, monkeypatch, capsys
+):
+    """`--draft DIR --draft tree:DIR` (what the quickstart runs): one plain decoding, the chain
+    of --steps and the tree of --topk/--depth/--total-tokens of the same checkpoint, each exact
+    at T=0; the two-turn prompt adds rows per turn; vLLM is never asked to serve the tree."""
+    from eagle3.measure import engine_runs
+    from eagle3.speculative import DecodeConfig, EagleDrafter
+    from eagle3.target import load_target
+
+    ckpt = make_ckpt(chat_target_dir, tmp_path / "exp" / "final")
+    proposed: list[tuple[str, object]] = []
+    propose = EagleDrafter.propose
+
+    def recording(self, tokens, generator=None):
+        tree = propose(self, tokens, generator)
+        proposed.append((self.name, self.cfg.mode, tree))
+        return tree
+
+    monkeypatch.setattr(EagleDrafter, "propose", recording)
+    out = tmp_path / "eval.json"
+    argv = [
+        "--target", str(chat_target_dir), "--device", "cpu", "--draft", str(ckpt),
+        "--draft", f"tree:{ckpt}", "--draft", "prompt-lookup", "--bench", f"mine={prompts_file}",
+        "--max-new-tokens", "10", "--steps", "2", "--topk", "3", "--depth", "3",
+        "--total-tokens", "8", "--json", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    modes = {(name, mode) for name, mode, _ in proposed}
+    assert modes == {("exp/final", "chain"), ("exp/final", "tree")}
+    trees = [tree for _, mode, tree in proposed if mode == "tree"]
+    assert all(len(t) <= 7 for t in trees) and any(not t.is_chain() for t in trees)
+    assert all(t.is_chain() and len(t) == 2 for _, mode, t in proposed if mode == "chain")
+    report = json.loads(out.read_text())
+    rows = {r["drafter"]: r for r in report["results"]}
+    assert list(rows) == ["exp/final", "exp/final [tree]", "prompt-lookup"]
+    tree = rows["exp/final [tree]"]
+    assert tree["tokens"] == tree["plain_tokens"] == rows["exp/final"]["tokens"] == 30
+    assert len(tree["alpha"]) == 3 and len(rows["exp/final"]["alpha"]) == 2
+    first, second = tree["per_turn"]  # prompt "a" has two turns, "b" one
+    assert (first["turn"], first["prompts"], second["turn"], second["prompts"]) == (1, 2, 2, 1)
+    assert first["tokens"] + second["tokens"] == tree["tokens"]
+    assert "| exp/final [tree] | mine turn 2 |" in table and "| plain | mine turn 1 |" in table
+
+    target = load_target(chat_target_dir, device="cpu")
+    args = argparse.Namespace(target=str(chat_target_dir), engine_batch=8)
+    tree_only = {"exp/final [tree]": f"tree:{ckpt}"}
+    assert engine_runs(args, target, [], tree_only, DecodeConfig()) == []
+    argv[argv.index(f"tree:{ckpt}")] = "tree:prompt-lookup"
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "error: --draft tree:prompt-lookup: tree: takes a checkpoint directory"

@@ -84,6 +84,68 @@ def test_quickstart_offpolicy_conversations_miss_its_benchmarks(scale, tmp_path,
     assert leaked == []
 
 
+def test_quickstart_evaluates_chain_tree_and_prompt_lookup_against_one_plain_run(tmp_path):
+    """One evaluate stage measures the drafter as a chain of the trained depth and as the tree
+    (topk 4, that depth, 16 tokens) next to prompt lookup; --no-tree drops the tree, and the
+    EAGLE-2-style ablation is measured as a chain only."""
+    from eagle3 import evaluate
+    from eagle3.measure import decode_config, drafter_name
+
+    def evaluate_args(*argv: str):
+        args = quickstart.parse_args(["--run-dir", str(tmp_path), *argv])
+        cmd = dict(quickstart.stage_commands(args, tmp_path))["evaluate"]
+        assert cmd[1:3] == ["-m", "eagle3.evaluate"]
+        return evaluate.build_parser().parse_args(cmd[3:])
+
+    final = str(tmp_path / "train" / "final")
+    stage = evaluate_args()
+    assert [drafter_name(d) for d in stage.draft] == [
+        "train/final",
+        "train/final [tree]",
+        "prompt-lookup",
+    ]
+    assert stage.draft[:2] == [final, f"tree:{final}"]
+    cfg = decode_config(stage)
+    assert (cfg.mode, cfg.steps, cfg.topk, cfg.depth, cfg.total_tokens) == ("chain", 4, 4, 4, 16)
+    cfg = decode_config(evaluate_args("--train-override", "model.ttt_steps=3"))
+    assert (cfg.steps, cfg.depth) == (3, 3)  # both follow the depth trained
+    stage = evaluate_args("--no-tree", "--ablation")
+    assert stage.draft == [final, str(tmp_path / "train-eagle2" / "final"), "prompt-lookup"]
+
+
+def test_quickstart_table_splits_turns_and_says_what_the_speedups_mean(tmp_path):
+    from eagle3.measure import Tally
+    from eagle3.report import result_row
+    from eagle3.speculative import AcceptanceStats, Generation
+
+    def tally(accepted_per_turn: list[int]) -> Tally:
+        out = Tally()
+        out.start("81")
+        for accepted in accepted_per_turn:  # one verification step a turn
+            stats = AcceptanceStats()
+            stats.record(accepted, 4)
+            out.add(Generation([0] * (accepted + 1), stats, 1.0))
+        return out
+
+    plain = Tally()
+    plain.start("81")
+    for tokens in (2, 4):
+        plain.add(Generation([0] * tokens, AcceptanceStats(steps=tokens), 1.0))
+    rows = [
+        result_row(name, "mt_bench", plain, tally(turns), 4)
+        for name, turns in [("train/final", [1, 1]), ("train/final [tree]", [1, 2]),
+                            ("prompt-lookup", [0, 3])]
+    ]  # fmt: skip
+    report = {"device": "cpu", "config": {"topk": 4, "depth": 4, "total_tokens": 16}}
+    (tmp_path / "eval.json").write_text(json.dumps({**report, "results": rows}))
+    table = quickstart.results_table(tmp_path)
+    assert table.startswith("| drafter | bench | τ |")
+    assert "| prompt-lookup | mt_bench turn 2 | 4.00 |" in table
+    assert "| plain | mt_bench turn 1 | 1.00 |" in table
+    assert "[tree]: EAGLE-2 dynamic tree, topk 4, depth 4, 16 tokens" in table
+    assert "a speedup below 1 here says nothing about a GPU engine" in table
+
+
 @pytest.mark.slow
 def test_quickstart_tiny_killed_then_resumed(tmp_path):
     run_dir = tmp_path / "run"
@@ -132,10 +194,15 @@ def test_quickstart_tiny_killed_then_resumed(tmp_path):
     report = json.loads((run_dir / "eval.json").read_text())
     cells = {(r["drafter"], r["bench"]) for r in report["results"]}
     assert {b for _, b in cells} == {"mt_bench", "humaneval"}
-    assert len(cells) == 4  # drafter and prompt lookup on both (plain decoding in every row)
+    assert len(cells) == 6  # chain, tree, prompt lookup on both (plain decoding in every row)
+    assert {d for d, _ in cells} == {"train/final", "train/final [tree]", "prompt-lookup"}
+    mt_bench = next(r for r in report["results"] if r["bench"] == "mt_bench")
+    assert [t["turn"] for t in mt_bench["per_turn"]] == [1, 2]
     assert all(r["tau"] >= 1.0 for r in report["results"])
     table = (run_dir / "results.md").read_text()
     assert table.startswith("| drafter | bench | τ |") and table in done.stdout
+    assert "| train/final [tree] | mt_bench turn 2 |" in table and "| plain | humaneval |" in table
+    assert "says nothing about a GPU engine" in table
     assert "Rerun any stage by hand" in (run_dir / "README.md").read_text()
 
     # A third run skips everything and prints the same table.
@@ -154,6 +221,6 @@ def test_quickstart_tiny_killed_then_resumed(tmp_path):
     assert eagle2["feature"] == "last"
     report = json.loads((run_dir / "eval.json").read_text())
     drafters = {r["drafter"] for r in report["results"]}
-    assert {"train/final", "train-eagle2/final", "prompt-lookup"} == drafters
+    assert {"train/final", "train/final [tree]", "train-eagle2/final", "prompt-lookup"} == drafters
     table = (run_dir / "results.md").read_text()
     assert "τ EAGLE-3 / EAGLE-2-style (same data and steps): mt_bench " in table

@@ -4,6 +4,7 @@ resumes exactly where an uninterrupted one goes (checkpoint rotation kept every 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -89,6 +90,14 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(
         helpers.common_args(tiny_llama_dir, killed, **steps, **{"train.resume_from": "latest"})
     )
     assert "resuming from" in out.stdout
+    # progress: the steps before the checkpoint are already done, the ETA is this launch's
+    resumed = re.search(
+        r"^train: (\d+)/30 steps \(\d+%, \1 already done\), eta -$", out.stderr, re.M
+    )
+    assert resumed, out.stderr[-2000:]
+    already = resumed[1]
+    assert f"train: 30/30 steps (100%, {already} already done) in " in out.stderr
+    assert out.stdout.splitlines()[-1] == f"done: 30 steps; SGLang draft in {killed / 'final'}"
     assert [r["step"] for r in helpers.metric_lines(killed)] == list(range(1, 31))
     assert helpers.losses(killed) == pytest.approx(helpers.losses(whole), rel=1e-6)
     val, val_whole = helpers.metric_lines(killed, "val"), helpers.metric_lines(whole, "val")

@@ -77,3 +77,28 @@ def test_resume_truncates_steps_after_the_checkpoint_and_a_torn_line(tmp_path):
     steps = [json.loads(x)["step"] for x in path.read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
     assert MetricsLog(tmp_path, enabled=False, total_steps=1, start_step=0).run is None
+
+
+def test_progress_lines_count_from_the_checkpoint_and_close_before_the_last_words(
+    tmp_path, monkeypatch, capsys
+):
+    """Not a terminal: plain lines (every step here) with done/total, the steps before the
+    checkpoint as already done, the last logged figures; the count closes before `done:`."""
+    monkeypatch.setattr("eagle3.progress.EVERY_S", 0.0)
+    monkeypatch.delenv("EAGLE3_PROGRESS", raising=False)
+    log = MetricsLog(tmp_path, enabled=True, total_steps=5, start_step=3)
+    for step in (4, 5):
+        log.advance()
+        log.log(step, {"loss": 2.0 / step, "acc_0": 0.1 * step, "tokens_per_s": 1234.0})
+    log.write("done: 5 steps; SGLang draft in x/final")
+    log.close()
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert lines[0] == "train: 3/5 steps (60%, 3 already done), eta -"
+    assert lines[1].startswith("train: 4/5 steps (80%, 3 already done), ")
+    assert (
+        lines[1].endswith("; step 4: loss 0.500, acc_0 0.40, 1,234 tok/s") and ", eta " in lines[1]
+    )
+    assert lines[-1].startswith("train: 5/5 steps (100%, 3 already done) in ")
+    assert lines[-1].endswith("; step 5: loss 0.400, acc_0 0.50, 1,234 tok/s")
+    assert captured.out == "done: 5 steps; SGLang draft in x/final\n"
