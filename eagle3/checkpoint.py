@@ -7,7 +7,7 @@ config.json
     `model_type: "llama"`, `num_hidden_layers: 1`, the layer sizes (hidden, intermediate,
     heads, kv-heads, head_dim), rope and rms-norm settings (`rope_theta`, and `rope_scaling`
     null or linear/YaRN in the form vLLM and SGLang both read the same way, see
-    eagle3.model.rope_scaling_for_engines; configs without it load as unscaled),
+    eagle3.rope.rope_scaling_for_engines; configs without it load as unscaled),
     `vocab_size` (the TARGET vocab), `draft_vocab_size`, `target_hidden_size`, `tie_word_embeddings: false`, `torch_dtype`,
     and `eagle_config: {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state: true}`.
 
@@ -36,6 +36,23 @@ model.safetensors
     Exactly fc.weight, midlayer.* (norms, q/k/v/o_proj, gate/up/down_proj), norm.weight,
     lm_head.weight [draft_vocab, H], d2t (int64 [draft_vocab]: target id = draft id + d2t)
     and t2d (bool [target vocab]). No embed_tokens: the drafter uses the target's embeddings.
+
+The MLA draft (DraftConfig.attention "mla") is the same directory for vLLM's
+`Eagle3DeepseekV3ForCausalLM` (vllm/model_executor/models/deepseek_eagle3.py):
+- config.json: `architectures: ["Eagle3DeepseekV3ForCausalLM"]`, `model_type: "deepseek_v2"`,
+  `num_hidden_layers: 1`, hidden / intermediate sizes, `num_attention_heads` (=
+  `num_key_value_heads`), `q_lora_rank` (null: a plain q_proj), `kv_lora_rank`,
+  `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`, `rope_theta` and `rope_scaling` in
+  DeepSeek's YaRN keys (eagle3.rope.deepseek_rope_scaling), `n_routed_experts: 1`,
+  `norm_before_residual` / `fc_norm` / `norm_output` false, and the same vocab, aux-id,
+  speculators and extra_config keys as above.
+- model.safetensors: midlayer.self_attn.{q_a_proj, q_a_layernorm, q_b_proj (or q_proj),
+  kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}.weight in place of q/k/v/o_proj;
+  everything else as above. vLLM's load_weights renames midlayer. -> layers.0., fuses q_a_proj
+  with kv_a_proj_with_mqa and gate_proj with up_proj itself, maps d2t to draft_id_to_target_id
+  and skips t2d, so the tensors are written unfused, under the names our model uses.
+SGLang (python/sglang/srt/models/deepseek_eagle3.py at the commits read) registers the same
+architecture and reads the same names and eagle_config ids; see README "Kimi-K2.5".
 """
 
 from __future__ import annotations
@@ -51,9 +68,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3.errors import Eagle3Error
-from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.model import MLA_FIELDS, DraftConfig, Eagle3Draft
+from eagle3.rope import deepseek_rope_scaling
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
+ARCHITECTURE = "LlamaForCausalLMEagle3"  # the GQA draft
+# The MLA draft: vLLM's Eagle3DeepseekV3ForCausalLM, an alias of its V2 class (both accepted)
+MLA_ARCHITECTURE = "Eagle3DeepseekV3ForCausalLM"
+MLA_ARCHITECTURES = (MLA_ARCHITECTURE, "Eagle3DeepseekV2ForCausalLM")
+# vLLM's DeepseekV2Eagle3DecoderLayer switches, all off: eagle3.model's definition (its docstring)
+MLA_NORM_SWITCHES = ("norm_before_residual", "fc_norm", "norm_output")
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 EMBED_KEY = "embed_tokens.weight"  # part of Eagle3Draft, never saved
@@ -111,17 +134,11 @@ def checkpoint_config(
     cfg = model.config
     aux = check_aux_ids(list(cfg.aux_layer_ids))
     extra = dict(extra_config or {})
-    layer = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "aux_layer_ids"}
     speculative_tokens = extra.get("speculative_tokens", extra.get("ttt_steps", 3))
+    layer = _mla_layer(cfg) if cfg.attention == "mla" else _gqa_layer(cfg)
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
         **layer,
-        "rope_scaling": getattr(cfg, "rope_scaling", None),
         "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
         "torch_dtype": _dtype_name(_export_dtype(dtype, model)),
         # vLLM reads this top-level key first, in its own convention (see the module docstring)
         "eagle_aux_hidden_state_layer_ids": vllm_aux_layer_ids(aux),
@@ -147,6 +164,41 @@ def checkpoint_config(
             },
         },
         "extra_config": extra,
+    }
+
+
+def _gqa_layer(cfg: DraftConfig) -> dict[str, Any]:
+    """A Llama config of one decoder layer (the module docstring)."""
+    skip = {"aux_layer_ids", "attention", *MLA_FIELDS}
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        **{k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip},
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+def _mla_layer(cfg: DraftConfig) -> dict[str, Any]:
+    """A DeepSeek-V2 config of one decoder layer, as vLLM's Eagle3DeepseekV3ForCausalLM loads it.
+
+    model_type is "deepseek_v2", not "deepseek_v3": with deepseek_v3 vLLM's speculative config
+    rewrites the draft into DeepSeek's MTP model and refuses it. n_routed_experts is an int
+    because DeepseekV2Config refuses null (the draft layer is dense: vLLM never reads it). No
+    head_dim: vLLM sizes MLA heads from the qk/v head dims and caches kv_lora_rank + rope.
+    """
+    skip = {"aux_layer_ids", "attention", "head_dim", "rope_scaling", "q_lora_rank"}
+    return {
+        "architectures": [MLA_ARCHITECTURE],
+        "model_type": "deepseek_v2",
+        "num_hidden_layers": 1,
+        **{k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip},
+        "q_lora_rank": cfg.q_lora_rank or None,  # null: q_proj from the input, no q_a/q_b
+        "rope_scaling": deepseek_rope_scaling(cfg.rope_scaling),
+        "n_routed_experts": 1,
+        **{switch: False for switch in MLA_NORM_SWITCHES},
+        "attention_bias": False,
     }
 
 
@@ -188,10 +240,16 @@ def load_config(ckpt_dir: str | Path) -> tuple[DraftConfig, dict[str, Any]]:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise Eagle3Error(f"{path} is not valid JSON ({err}); re-export the checkpoint") from err
-    if ARCHITECTURE not in raw.get("architectures", []):
+    architectures = raw.get("architectures") or []
+    if ARCHITECTURE in architectures:
+        attention = "gqa"
+    elif set(MLA_ARCHITECTURES) & set(architectures):
+        attention = "mla"
+        _check_mla_config(path, raw)
+    else:
         raise Eagle3Error(
-            f"{path} has architectures={raw.get('architectures')}, expected [{ARCHITECTURE!r}]: "
-            "not an EAGLE-3 drafter checkpoint"
+            f"{path} has architectures={raw.get('architectures')}, expected [{ARCHITECTURE!r}] "
+            f"or [{MLA_ARCHITECTURE!r}]: not an EAGLE-3 drafter checkpoint"
         )
     aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     top = raw.get("eagle_aux_hidden_state_layer_ids")  # vLLM convention (project id + 1)
@@ -206,15 +264,49 @@ def load_config(ckpt_dir: str | Path) -> tuple[DraftConfig, dict[str, Any]]:
             f"layers) should be eagle_config's {aux} + 1 = {vllm_aux_layer_ids(aux)}; "
             "re-export the checkpoint"
         )
-    values: dict[str, Any] = {"aux_layer_ids": aux}
+    values: dict[str, Any] = {"aux_layer_ids": aux, "attention": attention}
+    if attention == "mla":
+        values["q_lora_rank"] = raw.get("q_lora_rank") or 0
+        values["head_dim"] = raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"]
     for f in dataclasses.fields(DraftConfig):
-        if f.name == "aux_layer_ids":
+        if f.name in values:
             continue
         if f.name in raw:
             values[f.name] = raw[f.name]
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise Eagle3Error(f"{path} lacks the field {f.name!r}; re-export the checkpoint")
-    return DraftConfig(**values), raw
+    try:
+        return DraftConfig(**values), raw
+    except (Eagle3Error, TypeError) as err:
+        raise Eagle3Error(f"{path}: {err}; re-export the checkpoint") from err
+
+
+def _check_mla_config(path: Path, raw: dict[str, Any]) -> None:
+    """What vLLM's Eagle3DeepseekV3ForCausalLM would refuse (or serve as other maths), refused
+    here first in one line."""
+    problems = []
+    if raw.get("model_type") != "deepseek_v2":
+        problems.append(
+            f"model_type is {raw.get('model_type')!r}, not 'deepseek_v2' (with 'deepseek_v3' "
+            "vLLM rewrites the draft into DeepSeek's MTP model and refuses it)"
+        )
+    if raw.get("num_hidden_layers", 1) != 1:
+        problems.append(f"num_hidden_layers is {raw.get('num_hidden_layers')}, not 1")
+    if not isinstance(raw.get("n_routed_experts"), int) or isinstance(
+        raw.get("n_routed_experts"), bool
+    ):
+        problems.append(
+            f"n_routed_experts is {raw.get('n_routed_experts')!r}: vLLM's DeepseekV2Config "
+            "refuses anything but an int (the dense draft layer never reads it; write 1)"
+        )
+    missing = [name for name in MLA_FIELDS[1:] if not isinstance(raw.get(name), int)]
+    if missing:
+        problems.append(f"it lacks the MLA dims {missing}")
+    on = [switch for switch in MLA_NORM_SWITCHES if raw.get(switch)]
+    if on:
+        problems.append(f"{on} are on: this project trains and decodes with them off")
+    if problems:
+        raise Eagle3Error(f"{path}: an MLA drafter vLLM would not serve as trained: {problems[0]}")
 
 
 def load_draft(

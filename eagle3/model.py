@@ -1,12 +1,21 @@
-"""The EAGLE-3 draft model: one Llama-style decoder layer over fused target features.
+"""The EAGLE-3 draft model: one decoder layer over fused target features.
 
 Definition (the EAGLE-3 paper; parameter names as in SGLang's LlamaForCausalLMEagle3):
 
     h_0   = fc(concat(aux_low, aux_mid, aux_high))                   3*H_target -> H
-    x     = concat(input_layernorm(embed(token)), hidden_norm(h))     2H, into q/k/v
-    h'    = h + o_proj(attn(x))
+    x     = concat(input_layernorm(embed(token)), hidden_norm(h))     2H, into the attention
+    h'    = h + attn(x)                                               attn ends in o_proj
     out   = h' + mlp(post_attention_layernorm(h'))                    passed to the next step
     logits = lm_head(norm(out))                                       over the draft vocab
+
+The attention is Llama's GQA (`Attention`, exported as LlamaForCausalLMEagle3) or DeepSeek-V3's
+MLA (`MLAAttention`, exported as vLLM's Eagle3DeepseekV3ForCausalLM): DraftConfig.attention.
+Everything else is the same layer. In vLLM's DeepseekV2Eagle3DecoderLayer terms this is
+norm_before_residual = false (the residual is the incoming h, not hidden_norm(h)), fc_norm =
+false (no RMSNorm per aux state before fc) and norm_output = false (the next step gets the
+pre-norm `out`): the definition the GQA draft has always had (vLLM's llama_eagle3 and SGLang
+compute it), so both kinds train and serve one EAGLE-3, and peers' MLA drafts trained without
+those switches (TorchSpec's Kimi config) are the same maths.
 
 Two ways to run it:
 - `forward`: incremental decoding with a KV cache and an optional explicit attention mask
@@ -24,7 +33,6 @@ Parameter names match SGLang's `LlamaForCausalLMEagle3` so checkpoints load ther
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -33,10 +41,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3.errors import Eagle3Error
+from eagle3.rope import (
+    apply_rotary,
+    apply_rotary_interleaved,
+    check_mla_rope,
+    mla_mscales,
+    mla_rotary,
+    rope_scaling_for_engines,
+    rotary_cos_sin,
+    target_rope,
+)
 from eagle3.ttt_attention import ttt_attention
 
 FEATURES = ("aux", "last")
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # scalings the drafter's rotary implements
+# "gqa": Llama's attention (q/k/v/o_proj), exported as LlamaForCausalLMEagle3. "mla": DeepSeek-
+# V3's multi-head latent attention, exported as vLLM's Eagle3DeepseekV3ForCausalLM (MLAAttention).
+ATTENTIONS = ("gqa", "mla")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # Kimi-class (MLA) targets have no Llama head shape to copy: 64 heads of 112 (hidden / heads)
 # or of 64 (qk_rope_head_dim), neither of which every attention backend serves. Their draft
 # layer defaults to SpecForge's DeepSeek-V3 EAGLE-3 shape instead: heads of 128, 8 KV heads.
@@ -68,9 +89,21 @@ class DraftConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
+    attention: str = "gqa"  # one of ATTENTIONS
+    # MLA only (0 otherwise); from_target_config copies the target's. q_lora_rank 0: a plain
+    # q_proj from the 2H input instead of q_a_proj -> q_a_layernorm -> q_b_proj.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         self.rope_scaling = rope_scaling_for_engines(self.rope_scaling)
+        if self.attention not in ATTENTIONS:
+            raise Eagle3Error(f"attention {self.attention!r} is not one of {ATTENTIONS}")
+        if self.attention == "mla":
+            self._check_mla()
         if self.hidden_act != "silu":
             raise Eagle3Error(f"hidden_act {self.hidden_act!r} is not supported; use 'silu'")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -88,6 +121,33 @@ class DraftConfig:
         if len(self.aux_layer_ids) != 3:
             raise Eagle3Error(f"EAGLE-3 fuses exactly 3 aux layers, got {self.aux_layer_ids}")
 
+    def _check_mla(self) -> None:
+        dims = {name: getattr(self, name) for name in MLA_FIELDS}
+        if min(dims.values()) < 0 or 0 in (
+            self.kv_lora_rank,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+        ):
+            raise Eagle3Error(
+                f"an MLA draft needs kv_lora_rank, qk_rope_head_dim and v_head_dim >= 1 (and "
+                f"q_lora_rank, qk_nope_head_dim >= 0), got {dims}: set model.draft.mla.*"
+            )
+        if self.qk_rope_head_dim % 2:
+            raise Eagle3Error(f"qk_rope_head_dim must be even (rotary pairs), got {dims}")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise Eagle3Error(
+                f"an MLA draft has one latent KV for all heads: num_key_value_heads "
+                f"({self.num_key_value_heads}) must equal num_attention_heads "
+                f"({self.num_attention_heads}); leave model.draft.num_key_value_heads null"
+            )
+        if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise Eagle3Error(
+                f"an MLA draft's head_dim is qk_nope_head_dim + qk_rope_head_dim = "
+                f"{self.qk_nope_head_dim + self.qk_rope_head_dim}, got {self.head_dim}; leave "
+                "model.draft.head_dim null"
+            )
+        check_mla_rope(self.rope_scaling)
+
     @property
     def feature_size(self) -> int:
         """Width of the target features the fc layer takes."""
@@ -100,8 +160,10 @@ class DraftConfig:
         """Size the draft layer like one decoder layer of the target (the usual choice), with
         the target's RoPE (theta and scaling); `overrides` replace any field (None = derive).
 
-        MLA targets (DeepSeek-V3, Kimi-K2.5) get heads of MLA_HEAD_DIM with MLA_KV_HEADS KV
-        heads where the hidden size divides (Kimi: 56 x 128, 8 KV heads), else hidden / heads.
+        A GQA draft for an MLA target (DeepSeek-V3, Kimi-K2.5) gets heads of MLA_HEAD_DIM
+        with MLA_KV_HEADS KV heads where the hidden size divides (Kimi: 56 x 128, 8 KV heads),
+        else hidden / heads. An MLA draft (attention="mla") takes the target's heads and MLA
+        dims (q_lora_rank, kv_lora_rank, qk_nope / qk_rope / v head dims), each overridable.
         """
         heads = hf_config.num_attention_heads
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
@@ -130,11 +192,35 @@ class DraftConfig:
             rope_scaling=scaling,
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
         )
+        if overrides.get("attention") == "mla":
+            values.update(_mla_shape(hf_config, overrides))
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _mla_shape(hf_config: Any, overrides: dict[str, Any]) -> dict[str, Any]:
+    """An MLA draft's heads and dims: the overrides', else the target's (one line if neither)."""
+    dims = {}
+    for name in MLA_FIELDS:
+        value = overrides.get(name)
+        dims[name] = getattr(hf_config, name, None) if value is None else value
+    missing = [n for n in MLA_FIELDS[1:] if dims[n] is None]
+    if missing:
+        raise Eagle3Error(
+            f"the target has no MLA attention to copy ({', '.join(missing)} unset): set "
+            "model.draft.mla.* or use model.draft.attention: gqa"
+        )
+    heads = overrides.get("num_attention_heads") or hf_config.num_attention_heads
+    return {
+        **dims,
+        "q_lora_rank": dims["q_lora_rank"] or 0,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"],
+    }
 
 
 class RMSNorm(nn.Module):
@@ -150,137 +236,48 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def target_rope(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) of a target's HF config: transformers 5's `rope_parameters`
-    or the older `rope_theta` + `rope_scaling` keys; 10000 and None when it says nothing."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if isinstance(params, dict) and params:
-        theta = params.get("rope_theta")
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta, scaling = (
-            getattr(hf_config, "rope_theta", None),
-            getattr(hf_config, "rope_scaling", None),
-        )
-    return float(theta or 10000.0), rope_scaling_for_engines(scaling)
+class DraftAttention(nn.Module):
+    """What the two attention kinds share: given q, keys and values (qkv), the TTT attention
+    and the incremental one, then o_proj. Subclasses set n_heads, scale, o_proj and qkv()."""
+
+    n_heads: int
+    scale: float
+    o_proj: nn.Linear
+    ttt_impl = "auto"  # "auto" | "chunked" | "flex" | "sdpa" | "split": eagle3/ttt_attention.py
+
+    def attend_ttt(
+        self,
+        q: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """TTT step k = len(keys) - 1: q (B, nh, T, dqk) over step-0 keys causally (within a
+        segment) and the keys of steps 1..k on the diagonal -> (B, T, H). self.ttt_impl picks
+        the kernel (eagle3/ttt_attention.py says what each is for)."""
+        B, nh, T, _ = q.shape
+        out = ttt_attention(
+            q, keys, values, scale=self.scale, impl=self.ttt_impl, segment_ids=segment_ids
+        )  # (B, nh, T, dv)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q (B, nh, S, dqk) over k (B, nkv, P, dqk), v (B, nkv, P, dv) with bool mask
+        (B|1, S, P) -> (B, S, H)."""
+        B, _, S, _ = q.shape
+        if mask is not None:
+            mask = mask[:, None]  # (B|1, 1, S, P), broadcast over heads
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=k.shape[1] != q.shape[1]
+        )  # (B, nh, S, dv)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+class Attention(DraftAttention):
+    """Llama's grouped-query attention over the 2H input (LlamaForCausalLMEagle3's layer)."""
 
-
-def rope_scaling_for_engines(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A target's rope scaling -> the form the drafter, vLLM and SGLang compute identically.
-
-    None/"default" -> None. "linear" -> {rope_type, factor}. "llama3" (Llama-3.1) -> {rope_type,
-    factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}. "yarn" ->
-    {rope_type, factor, original_max_position_embeddings, beta_fast, beta_slow,
-    attention_factor, attn_factor}: the
-    cos/sin magnitude factor is resolved once (explicit attention_factor, else DeepSeek's
-    mscale / mscale_all_dim ratio, else 0.1 ln(factor) + 1, as transformers and vLLM do) and
-    written twice, because vLLM (and transformers) take `attention_factor` as the factor while
-    SGLang ignores it and mscale, and multiplies 0.1 ln(factor) + 1 by `attn_factor`.
-    Idempotent; other types (dynamic, longrope, ...) raise Eagle3Error.
-    """
-    if not scaling:
-        return None
-    s = dict(scaling)
-    kind = s.get("rope_type") or s.get("type") or "default"
-    if kind == "default":
-        return None
-    if kind not in ROPE_TYPES:
-        raise Eagle3Error(
-            f"rope scaling type {kind!r} is not implemented by the drafter (it has "
-            f"{', '.join(ROPE_TYPES)}); set model.draft.rope.scaling to one of them, e.g. "
-            "{rope_type: default}"
-        )
-    factor = s.get("factor")
-    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
-        raise Eagle3Error(f"rope scaling {kind!r} needs a positive 'factor', got {factor!r}")
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": float(factor)}
-    original = s.get("original_max_position_embeddings")
-    if kind == "llama3":
-        return {
-            "rope_type": "llama3",
-            "factor": float(factor),
-            "low_freq_factor": float(s.get("low_freq_factor", 1.0)),
-            "high_freq_factor": float(s.get("high_freq_factor", 4.0)),
-            "original_max_position_embeddings": int(original or 8192),
-        }
-    if not isinstance(original, int) or original <= 0:
-        raise Eagle3Error(
-            f"yarn rope scaling needs original_max_position_embeddings (an int), got {original!r}"
-        )
-    attention = s.get("attention_factor")
-    if attention is None and s.get("mscale") and s.get("mscale_all_dim"):
-        attention = _yarn_mscale(factor, s["mscale"]) / _yarn_mscale(factor, s["mscale_all_dim"])
-    if attention is None:
-        attention = _yarn_mscale(factor)
-    return {
-        "rope_type": "yarn",
-        "factor": float(factor),
-        "original_max_position_embeddings": original,
-        "beta_fast": float(s.get("beta_fast", 32)),
-        "beta_slow": float(s.get("beta_slow", 1)),
-        "attention_factor": float(attention),
-        "attn_factor": float(attention) / _yarn_mscale(factor),  # SGLang's: see above
-    }
-
-
-def rope_inv_freq(
-    head_dim: int, theta: float, scaling: dict[str, Any] | None = None
-) -> tuple[torch.Tensor, float]:
-    """-> (inverse frequencies (head_dim/2,), cos/sin magnitude factor) for the scaling
-    rope_scaling_for_engines returns; YaRN as in transformers' and vLLM's rotary (truncated
-    correction range, linear ramp between interpolated and extrapolated frequencies)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    if scaling is None:
-        return inv_freq, 1.0
-    factor = scaling["factor"]
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor, 1.0
-    original = scaling["original_max_position_embeddings"]
-    if scaling["rope_type"] == "llama3":  # long wavelengths / factor, short kept, smooth between
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = ((original / wavelen - low) / (high - low)).clamp(0, 1)
-        return (1 - smooth) * inv_freq / factor + smooth * inv_freq, 1.0
-
-    def correction_dim(rotations: float) -> float:  # the dim doing `rotations` turns in `original`
-        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low = max(math.floor(correction_dim(scaling["beta_fast"])), 0)
-    high = min(math.ceil(correction_dim(scaling["beta_slow"])), head_dim - 1)
-    if low == high:
-        high += 0.001  # no zero-width ramp
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolate = 1 - ramp  # 1: high-frequency dims keep their frequency
-    inv_freq = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
-    return inv_freq, scaling["attention_factor"]
-
-
-def rotary_cos_sin(
-    position_ids: torch.Tensor,
-    head_dim: int,
-    theta: float,
-    dtype: torch.dtype,
-    scaling: dict[str, Any] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for positions (B, S) -> each (B, 1, S, head_dim), Llama's half-split layout."""
-    inv_freq, magnitude = rope_inv_freq(head_dim, theta, scaling)
-    freqs = position_ids.float()[..., None] * inv_freq.to(position_ids.device)  # (B, S, hd/2)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (B, S, hd)
-    cos, sin = emb.cos() * magnitude, emb.sin() * magnitude
-    return cos[:, None].to(dtype), sin[:, None].to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-class Attention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
@@ -289,12 +286,12 @@ class Attention(nn.Module):
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
+        self.scale = self.head_dim**-0.5
         in_dim = 2 * cfg.hidden_size  # concat(embed, hidden)
         self.q_proj = nn.Linear(in_dim, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.ttt_impl = "auto"  # "auto" | "chunked" | "flex" | "sdpa" | "split": see attend_ttt
 
     def qkv(
         self, x: torch.Tensor, position_ids: torch.Tensor
@@ -309,33 +306,72 @@ class Attention(nn.Module):
         )
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def attend_ttt(
-        self,
-        q: torch.Tensor,
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-        segment_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """TTT step k = len(keys) - 1: q (B, nh, T, hd) over step-0 keys causally (within a
-        segment) and the keys of steps 1..k on the diagonal -> (B, T, H). self.ttt_impl picks
-        the kernel (eagle3/ttt_attention.py says what each is for)."""
-        B, nh, T, hd = q.shape
-        out = ttt_attention(
-            q, keys, values, scale=hd**-0.5, impl=self.ttt_impl, segment_ids=segment_ids
-        )  # (B, nh, T, hd)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, nh * hd))
 
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """q (B, nh, S, hd) over k/v (B, nkv, P, hd) with bool mask (B|1, S, P) -> (B, S, H)."""
-        B, _, S, _ = q.shape
-        if mask is not None:
-            mask = mask[:, None]  # (B|1, 1, S, P), broadcast over heads
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads
-        )  # (B, nh, S, hd)
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+class MLAAttention(DraftAttention):
+    """DeepSeek-V3's multi-head latent attention over the 2H input, as vLLM 0.32's
+    DeepseekV2MLAAttention computes it in Eagle3DeepseekV3ForCausalLM's layer
+    (vllm/model_executor/models/deepseek_v2.py, layers/mla.py), per token x (2H):
+
+        c_q          = q_a_layernorm(q_a_proj(x))                  (q_lora_rank)
+        [q_n | q_r]  = q_b_proj(c_q), per head                     (nope | rope); q_lora_rank 0:
+                                                                   q_proj(x) instead
+        [c_kv | k_r] = kv_a_proj_with_mqa(x)                       (kv_lora_rank | rope)
+        [k_n | v]    = kv_b_proj(kv_a_layernorm(c_kv)), per head   (nope | v_head_dim)
+        q = [q_n | rot(q_r)], k = [k_n | rot(k_r)]                 k_r shared by every head
+        out          = o_proj(softmax(scale * q k^T) v)            (nh * v_head_dim -> H)
+
+    rot is DeepSeek's interleaved rotary at the token's position (eagle3.rope.mla_rotary:
+    YaRN frequencies, cos/sin times mscale(f, mscale) / mscale(f, mscale_all_dim)), and scale
+    = (nope + rope)^-0.5 * mscale(f, mscale_all_dim)^2, vLLM's `self.scaling` for
+    "deepseek_yarn". Keys and values are expanded per head here (nkv = nh), for training and
+    the in-house decoder; vLLM caches the kv_lora_rank + rope latent (576 values a token for
+    Kimi) and absorbs kv_b_proj into the query: the same function.
+    """
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        in_dim, nh = 2 * cfg.hidden_size, cfg.num_attention_heads
+        self.n_heads = self.n_kv = nh
+        self.nope, self.rope, self.v_dim = (
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+        )
+        self.scale = (self.nope + self.rope) ** -0.5 * mla_mscales(cfg.rope_scaling)[1]
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(in_dim, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * (self.nope + self.rope), bias=False)
+        else:
+            self.q_proj = nn.Linear(in_dim, nh * (self.nope + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(in_dim, cfg.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(nh * self.v_dim, cfg.hidden_size, bias=False)
+
+    def qkv(
+        self, x: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, S, 2H) -> q and k (B, nh, S, nope + rope), v (B, nh, S, v_head_dim)."""
+        B, S, _ = x.shape
+        nh, nope, rope = self.n_heads, self.nope, self.rope
+        if self.cfg.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(B, S, nh, nope + rope).transpose(1, 2)  # (B, nh, S, nope + rope)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, S, nh, nope + self.v_dim)
+        k_nope, v = kv.transpose(1, 2).split([nope, self.v_dim], dim=-1)  # (B, nh, S, .)
+        cos, sin = mla_rotary(
+            position_ids, rope, self.cfg.rope_theta, q.dtype, self.cfg.rope_scaling
+        )  # (B, 1, S, rope / 2)
+        q_rope = apply_rotary_interleaved(q[..., nope:], cos, sin)
+        k_rope = apply_rotary_interleaved(k_rope[:, None], cos, sin)  # (B, 1, S, rope)
+        q = torch.cat([q[..., :nope], q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(B, nh, S, rope)], dim=-1)
+        return q, k, v.contiguous()
 
 
 class MLP(nn.Module):
@@ -356,7 +392,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = MLAAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 

@@ -38,13 +38,21 @@ def train_flops_per_token(cfg: DraftConfig, seq_len: int, ttt_steps: int) -> flo
     H, ffn, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     fc = 2 * 3 * cfg.target_hidden_size * H
+    if cfg.attention == "mla":  # the latent projections (eagle3.model.MLAAttention)
+        dqk, dv, r = cfg.head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
+        q = cfg.q_lora_rank * (2 * H + nh * dqk) if cfg.q_lora_rank else 2 * H * nh * dqk
+        kv = 2 * H * (cfg.kv_lora_rank + r) + cfg.kv_lora_rank * nh * (dqk - r + dv)
+        projections = q + kv + nh * dv * H  # ... and o_proj
+    else:
+        dqk = dv = hd
+        projections = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H  # q, k, v from 2H; o_proj
     per_step = 2 * (
-        2 * H * (nh + 2 * nkv) * hd  # q, k, v from the 2H input
-        + nh * hd * H  # o_proj
+        projections
         + 3 * H * ffn  # gate, up, down
         + H * Vd  # draft lm_head
     )
-    attn = sum(2 * 2 * nh * hd * ((seq_len + 1) / 2 + k) for k in range(ttt_steps))  # QK^T and AV
+    # QK^T and AV over the causal half and the k diagonal keys
+    attn = sum(2 * nh * (dqk + dv) * ((seq_len + 1) / 2 + k) for k in range(ttt_steps))
     return 2 * fc + 3 * (ttt_steps * per_step + attn)  # fc: forward + weight grad only
 
 

@@ -164,6 +164,8 @@ def make_config(tok, vocab_size: int):
         video_token_id=ids("<|kimi_k25_video_placeholder|>"),
         vision_start_token_id=ids("<|media_begin|>"),
         vision_end_token_id=ids("<|media_end|>"),
+        # vLLM reads it once a speculator is attached (the real Kimi config has it)
+        media_placeholder_token_id=ids("<|media_pad|>"),
         tie_word_embeddings=False,  # the config class defaults to tied; Kimi's is not
         architectures=["KimiK25ForConditionalGeneration"],
         bos_token_id=tok.bos_token_id,

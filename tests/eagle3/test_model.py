@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from eagle3.errors import Eagle3Error
 from eagle3.loss import label_rows, target_probs, ttt_loss
-from eagle3.model import DraftConfig, Eagle3Draft, apply_rotary, rotary_cos_sin
+from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.rope import apply_rotary, rotary_cos_sin
 from eagle3.vocab import build_draft_vocab, token_frequencies
 
 

@@ -11,13 +11,8 @@ import torch
 
 from eagle3.checkpoint import load_config, load_draft, save_draft
 from eagle3.errors import Eagle3Error
-from eagle3.model import (
-    DraftConfig,
-    Eagle3Draft,
-    rope_inv_freq,
-    rope_scaling_for_engines,
-    target_rope,
-)
+from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.rope import rope_inv_freq, rope_scaling_for_engines, target_rope
 
 KIMI_YARN = {  # Kimi-K2 style: DeepSeek's mscale == mscale_all_dim, so no magnitude change
     "rope_type": "yarn",

@@ -57,10 +57,55 @@ def test_bad_values_are_one_config_error(override, message):
     assert "\n" not in str(excinfo.value)
 
 
-def test_kimi_recipes_pin_specforges_gqa_shape():
-    for name in ("kimi-k2.5-offline.yaml", "kimi-k2.5-online.yaml"):
-        draft = load_config(REPO / "configs" / "train" / name, check_paths=False).model.draft
-        shape = (draft.num_attention_heads, draft.num_key_value_heads, draft.head_dim)
-        assert shape == (56, 8, 128), name
-        assert draft.intermediate_size == 18432
-        assert draft.rope.theta is None and draft.rope.scaling is None  # the target's own
+def _kimi_text_config():
+    """Kimi-K2.5's text config sizes (its config.json needs the hub; the sizes are enough)."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        hidden_size=7168, intermediate_size=18432, num_attention_heads=64,
+        num_key_value_heads=64, vocab_size=163840, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_theta=50000.0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["kimi-k2.5-offline.yaml", "kimi-k2.5-online.yaml"])
+def test_kimi_recipes_default_to_the_mla_draft_and_gqa_is_one_value_away(name):
+    from train.draft import draft_config
+
+    path = REPO / "configs" / "train" / name
+    cfg = load_config(path, check_paths=False)
+    draft = cfg.model.draft
+    assert draft.attention == "mla" and draft.intermediate_size == 18432
+    assert draft.rope.theta is None and draft.rope.scaling is None  # the target's own
+    mla = draft_config(cfg, _kimi_text_config(), 32000, [1, 29, 57])
+    assert (mla.attention, mla.num_attention_heads, mla.num_key_value_heads) == ("mla", 64, 64)
+    assert (mla.q_lora_rank, mla.kv_lora_rank, mla.head_dim, mla.v_head_dim) == (
+        1536,
+        512,
+        192,
+        128,
+    )
+    gqa_cfg = load_config(path, ["model.draft.attention=gqa"], check_paths=False)
+    gqa = draft_config(gqa_cfg, _kimi_text_config(), 32000, [1, 29, 57])
+    # SpecForge's DeepSeek-V3 EAGLE-3 shape, derived from Kimi's hidden size
+    assert (gqa.attention, gqa.num_attention_heads, gqa.num_key_value_heads) == ("gqa", 56, 8)
+    assert (gqa.head_dim, gqa.kv_lora_rank) == (128, 0)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.draft.attention=mha"], "must be one of gqa, mla"),
+        (["model.draft.attention=mla", "model.draft.num_key_value_heads=8"], "gqa setting"),
+        (
+            ["model.draft.attention=mla", "model.draft.mla.kv_lora_rank=0"],
+            "kv_lora_rank must be >= 1",
+        ),
+        (["model.draft.mla.kv_lora_rank=512"], "applies to attention: mla only"),
+    ],
+    ids=["unknown", "mla-with-kv-heads", "mla-zero-latent", "mla-dims-on-gqa"],
+)
+def test_mla_draft_settings_are_one_config_error(overrides, message):
+    with pytest.raises(ConfigError, match=message) as excinfo:
+        load_config(None, BASE + overrides, check_paths=False)
+    assert "\n" not in str(excinfo.value)
