@@ -93,7 +93,10 @@ def start_served(cfg: Config, accelerator: Accelerator, served: ServedTarget) ->
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether nothing listens on host:port. SO_REUSEADDR as the engine's own server binds: the
+    connections a killed run's engine left in TIME_WAIT do not make the port taken."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -107,7 +110,12 @@ def report_engines(accelerator: Accelerator, target: ServedTarget) -> None:
     that count beside the requests the node's ranks sent (the client's count)."""
     target.stop_requests(wait=True)  # a prefetched step's requests: counted on both sides
     accelerator.wait_for_everyone()
-    served = target.server.requests_served() if accelerator.is_local_main_process else None
+    served = None
+    if accelerator.is_local_main_process:
+        try:
+            served = target.server.requests_served()
+        except RemoteError:  # the drafter is exported already: a report is no reason to fail
+            served = "an unknown number of"
     mine = (node_rank(), accelerator.process_index, sum(target.sent.values()), served)
     rows = gather_object([mine]) if accelerator.num_processes > 1 else [mine]
     if not accelerator.is_main_process:

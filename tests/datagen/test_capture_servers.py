@@ -255,3 +255,16 @@ def test_multinode_capture_goes_on_when_a_server_is_killed(servers, one_server):
     assert f"the engine at {b.url} stopped answering" in log
     assert not EngineClient(b.url).healthy()
     assert_same_capture(out, one_server)
+
+
+def test_multinode_capture_with_a_url_nobody_serves_is_one_line(embedded_target_dir, tmp_path):
+    """No server at a URL: one line naming it, exit 69 (the other side failed), no shard."""
+    data = tmp_path / "records.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records()[:2]))
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = capture(data, tmp_path / "out", [url])
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 69, stderr[-2000:]
+    (line,) = [x for x in stderr.splitlines() if x.startswith("error:")]
+    assert url in line and "Traceback" not in stderr
+    assert not list((tmp_path / "out").glob("shard-*"))
