@@ -15,6 +15,9 @@ final post-norm hidden state, no lm_head), and the result is written as shards
     python -m datagen.capture --engine vllm --target smollm2-135m-q4 --data out/responses \\
         --out out/shards [--tensor-parallel-size 8] [--engine-arg=--enforce-eager]
     python -m datagen.capture --verify --out out/shards    # every shard whole? (no model)
+    python -m datagen.capture --serve --target smollm2-135m-q4 --host 0.0.0.0 --port 8100  # per node
+    python -m datagen.capture --engine-url http://n1:8100 http://n2:8100 --target smollm2-135m-q4 \
+        --data out/responses --out out/shards    # the records shared across running servers
 
 ``--engine vllm`` takes the hidden states from a managed vLLM server instead of HF in-process
 (vLLM's ``extract_hidden_states`` method with the CPU-safe connector in eagle3/engine/plugin/):
@@ -24,6 +27,14 @@ after the last layer, and the target's final norm (its weight read alone from th
 safetensors) is applied here. The returned token ids are checked against ours; the shards,
 meta.json and resume are the HF path's: both targets go through one loop (`capture_items`,
 the same batches in the same order), the served one with every batch's rows in flight at once.
+
+Across servers: ``--serve`` starts one capture server (a managed vLLM with the connector, on
+``--host``/``--port``) and keeps it up until Ctrl-C or SIGTERM; ``--engine-url URL...`` captures
+through running ones: one process, one writer, one index and one meta.json, each row a request
+to the server with the fewest in flight (eagle3.engine.served_target), so the shards are those
+of a one-server capture. A server that dies mid-run is dropped with a warning and the others
+take its requests; the hidden-state files a server writes are read by path, so a server on
+another host needs TMPDIR on a filesystem both see, at the same path.
 
 Scale-out: under ``accelerate launch`` (or ``torchrun``) every process captures its own slice
 of the records (one process per GPU, or one per node with ``--device-map auto`` for a target
@@ -87,7 +98,7 @@ from eagle3.data.windows import MODES as WINDOW_MODES
 from eagle3.data.windows import lengths_line, record_of
 from eagle3.engine.served_target import ServedTarget, describe_served_target
 from eagle3.engine.server import add_engine_args
-from eagle3.errors import Eagle3Error
+from eagle3.errors import Eagle3Error, RemoteError
 from eagle3.progress import Progress, count
 from eagle3.target import TargetModel, load_target
 
@@ -106,6 +117,10 @@ NOT_IN_COMMAND = {
     "tokens_per_s",
     "no_disk_check",
     "engine_log",
+    "engine_url",  # which servers ran the forwards changes nothing stored
+    "serve",
+    "host",
+    "port",
 }
 
 
@@ -135,6 +150,10 @@ class CaptureSettings:
     engine_args: list[str]  # --engine-arg: more vLLM server arguments, verbatim
     engine_log: str | None
     engine_concurrency: int  # engine requests in flight
+    engine_urls: list[str]  # --engine-url: running capture servers to share the requests
+    serve: bool  # only start a capture server and keep it up (--host, --port)
+    host: str
+    port: int | None
     flags: list[str]  # the flags that shape the data (meta.json's command: command_flags)
 
 
@@ -254,7 +273,7 @@ def capture_items(
 def load_capture_target(s: CaptureSettings, state) -> TargetModel:
     """The target with a tokenizer and a chat template to render with: in-process on this
     process's device, or (--engine) as vLLM will serve it, not started yet."""
-    if s.engine:
+    if s.engine or s.engine_urls:
         target = describe_served_target(
             s.target, s.aux_layers, "--aux-layers", concurrency=s.engine_concurrency
         )
@@ -272,13 +291,44 @@ def load_capture_target(s: CaptureSettings, state) -> TargetModel:
 
 
 def start_capture_engine(s: CaptureSettings, target: ServedTarget) -> ServedTarget:
-    """Start the managed vLLM server the engine flags ask for, with the capture connector."""
+    """Attach to the running servers of --engine-url, or start the managed vLLM server the
+    engine flags ask for, with the capture connector."""
+    if s.engine_urls:
+        return target.attach(*s.engine_urls)
     return target.start(
         s.rendering.max_length,
         tensor_parallel_size=s.tensor_parallel_size,
         extra_args=s.engine_args,
         log_path=s.engine_log,
+        host=s.host,
+        port=s.port,
     )
+
+
+def run_serve(s: CaptureSettings) -> int:
+    """--serve: one capture server for --target, up until Ctrl-C or SIGTERM (then stopped with
+    its engine and temp dir); RemoteError (exit 69) if its engine dies."""
+    import signal
+    import socket
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt  # SIGTERM stops it as Ctrl-C does: the engine goes with it
+
+    signal.signal(signal.SIGTERM, interrupt)
+    target = load_capture_target(s, None)
+    start_capture_engine(s, target)
+    server = target.server
+    host = socket.getfqdn() if s.host in ("0.0.0.0", "::") else s.host
+    print(f"capture server for {target.name}: http://{host}:{server.port} (Ctrl-C stops it); "
+          f"capture through it with --engine-url http://{host}:{server.port}", flush=True)  # fmt: skip
+    try:
+        while server.running():
+            time.sleep(1)
+        raise RemoteError(f"the capture server's engine exited (log {server.log_path})")
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        target.stop()
 
 
 # ----------------------------------------------------------------------------- main
@@ -359,6 +409,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-s", type=float, help="capture speed for --estimate")
     add_engine_args(p)
     p.add_argument("--engine-concurrency", type=int, default=16, help="engine: requests in flight")
+    p.add_argument(
+        "--engine-url",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="capture through these running capture servers (--serve), the records shared "
+        "among them, instead of --engine's managed one",
+    )
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="only start a capture server for --target (the engine flags apply) and keep it up "
+        "until Ctrl-C; give its URL to --engine-url",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="--serve: the address to listen on (0.0.0.0: all)"
+    )
+    p.add_argument("--port", type=int, help="--serve: the port (default: a free one)")
     return p
 
 
@@ -371,7 +439,13 @@ def parse_args(argv: list[str] | None) -> CaptureSettings:
     else:
         if not args.target:
             p.error("--target is required")
-        if not args.estimate and not (args.data and args.out):
+        if args.engine and args.engine_url:
+            p.error("--engine starts a server, --engine-url uses running ones: pass one of them")
+        if args.serve and args.engine_url:
+            p.error("--serve starts a capture server; --engine-url is for the capture using it")
+        if args.serve:
+            args.engine = args.engine or "vllm"  # what a capture server is
+        if not args.estimate and not args.serve and not (args.data and args.out):
             p.error("--data and --out are required (or use --estimate)")
         if args.window_context is not None and not 0 < args.window_context < args.max_length:
             p.error(f"--window-context must be in (0, --max-length={args.max_length})")
@@ -405,6 +479,10 @@ def parse_args(argv: list[str] | None) -> CaptureSettings:
         engine_args=args.engine_arg,
         engine_log=args.engine_log,
         engine_concurrency=args.engine_concurrency,
+        engine_urls=args.engine_url,
+        serve=args.serve,
+        host=args.host,
+        port=args.port,
         flags=command_flags(p, args),  # the template as given: its file's path, not its text
     )
 
@@ -648,6 +726,8 @@ def run(s: CaptureSettings) -> int:
     """Capture this process's share of the records; process 0 merges and prints the summary."""
     if s.verify:
         return run_verify(Path(s.out))
+    if s.serve:
+        return run_serve(s)
     if s.estimate:
         return run_estimate(s.target, s.rendering, s.dtype, data=s.data, limit=s.limit,
                             out=s.out, tokens=s.tokens, tokens_per_s=s.tokens_per_s)  # fmt: skip
@@ -662,7 +742,8 @@ def run(s: CaptureSettings) -> int:
     if s.engine and world > 1:
         raise Eagle3Error(
             "--engine runs as one process (the engine batches and spreads the model itself); "
-            "drop accelerate launch and use --tensor-parallel-size"
+            "drop accelerate launch and use --tensor-parallel-size, or start a capture server "
+            "per node (--serve) and pass their URLs to one capture with --engine-url"
         )
     target = load_capture_target(s, state)
     meta = capture_meta(target, s.dtype, s.rendering)
@@ -712,9 +793,11 @@ def run(s: CaptureSettings) -> int:
     state.wait_for_everyone()
     if rank == 0:
         sources = [str(Path(p).expanduser().resolve()) for p in s.data]
-        served_by = (
-            {"engine": s.engine, **target.serving} if target.served and target.serving else None
-        )
+        served_by = None
+        if target.served and target.serving:  # the managed server's dtype and backend
+            served_by = {"engine": s.engine, **target.serving}
+        elif target.served and target.sent:  # running servers: who answered how many rows
+            served_by = {"engine": "vllm", "servers": dict(sorted(target.sent.items()))}
         command = capture_command(s.flags, sources, (read_meta(out) or {}).get("sources") or [])
         stats, final = merge_provenance(out, gathered, sources, world, served_by, command)
         print(summary_text(stats, final))

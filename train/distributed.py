@@ -48,3 +48,25 @@ def configure_deepspeed(cfg: Config, accelerator: Accelerator) -> None:
     ds["gradient_accumulation_steps"] = cfg.optim.grad_accum
     ds["train_batch_size"] = cfg.data.batch_size * cfg.optim.grad_accum * accelerator.num_processes
     ds["gradient_clipping"] = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 0.0
+
+
+def node_rank() -> int:
+    """This process's node (machine) rank: torchrun's GROUP_RANK (accelerate launch
+    --machine_rank), 0 for a single process."""
+    return int(os.environ.get("GROUP_RANK", "0"))
+
+
+def num_nodes(accelerator: Accelerator) -> int:
+    """Nodes of the launch: all processes over this node's (torchrun's LOCAL_WORLD_SIZE)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    return max(1, accelerator.num_processes // max(local, 1))
+
+
+# what gloo says when the process at the other end of a collective is gone (NCCL raises
+# torch.distributed.DistError subclasses instead)
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether a collective failed because another process of the job died (a node lost)."""
+    return isinstance(err, torch.distributed.DistError) or any(m in str(err) for m in _PEER_GONE)

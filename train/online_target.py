@@ -1,6 +1,12 @@
 """Online training's served target: the first rank of each node starts the node's vLLM server,
 every rank of the node sends its sequences to it, and the next step is captured while the ranks
-train on this one (target.engine.kind: vllm)."""
+train on this one (target.engine.kind: vllm).
+
+A node's ranks find their server at 127.0.0.1 on the node's port: target.engine.port, which
+each node's command line may set on its own (nodes that share a host need different ones; a
+port already taken is refused in one line), else MASTER_PORT + 1, the same on every node.
+When training ends, rank 0 prints each node's server's own count of the requests it served
+next to what that node's ranks sent: they are equal when every rank used its own node's server."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 
 from eagle3.engine.client import EngineClient
 from eagle3.engine.served_target import ServedTarget, describe_served_target
@@ -19,6 +26,7 @@ from eagle3.engine.server import free_port
 from eagle3.engine.venv import INSTALL_HINT, engine_available
 from eagle3.errors import ConfigError, Eagle3Error, RemoteError
 from train.config import Config
+from train.distributed import node_rank, num_nodes
 
 
 def engine_port(cfg: Config, accelerator: Accelerator) -> int:
@@ -54,7 +62,15 @@ def start_served(cfg: Config, accelerator: Accelerator, served: ServedTarget) ->
     e = cfg.target.engine
     port = engine_port(cfg, accelerator)
     if accelerator.is_local_main_process:
-        log_path = e.log or Path(cfg.train.out_dir) / f"engine-{socket.gethostname()}.log"
+        if not port_free(port):  # else this node's ranks could train on another node's server
+            raise ConfigError(
+                f"port {port} for this node's engine is already in use on {socket.gethostname()} "
+                "(another node's engine on the same host?): give each node that shares a host "
+                "its own target.engine.port=PORT on its command line"
+            )
+        # nodes sharing a host and an out_dir (a one-machine rehearsal) each keep their own log
+        node = f"-node{node_rank()}" if num_nodes(accelerator) > 1 else ""
+        log_path = e.log or Path(cfg.train.out_dir) / f"engine-{socket.gethostname()}{node}.log"
         served.start(
             cfg.data.max_length,
             tensor_parallel_size=e.tensor_parallel_size,
@@ -74,6 +90,41 @@ def start_served(cfg: Config, accelerator: Accelerator, served: ServedTarget) ->
             "process's error and the engine's log"
         )
     served.attach(client.base_url)
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether nothing listens on host:port. SO_REUSEADDR as the engine's own server binds: the
+    connections a killed run's engine left in TIME_WAIT do not make the port taken."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def report_engines(accelerator: Accelerator, target: ServedTarget) -> None:
+    """Every rank, once none needs its engine any more: the requests in flight finish, then each
+    node's first rank asks its server how many it served; rank 0 prints one line per node with
+    that count beside the requests the node's ranks sent (the client's count)."""
+    target.stop_requests(wait=True)  # a prefetched step's requests: counted on both sides
+    accelerator.wait_for_everyone()
+    served = None
+    if accelerator.is_local_main_process:
+        try:
+            served = target.server.requests_served()
+        except RemoteError:  # the drafter is exported already: a report is no reason to fail
+            served = "an unknown number of"
+    mine = (node_rank(), accelerator.process_index, sum(target.sent.values()), served)
+    rows = gather_object([mine]) if accelerator.num_processes > 1 else [mine]
+    if not accelerator.is_main_process:
+        return
+    for node in sorted({r[0] for r in rows}):
+        ranks = [r for r in rows if r[0] == node]
+        count = next(r[3] for r in ranks if r[3] is not None)
+        sent = " + ".join(f"rank {r[1]}: {r[2]}" for r in ranks)
+        print(f"engine of node {node}: served {count} requests; its ranks sent {sent}", flush=True)
 
 
 def captured_ahead(

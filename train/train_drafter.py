@@ -55,6 +55,7 @@ from accelerate.utils import set_seed
 from torch import nn
 
 from eagle3.cli import HelpFormatter, run_cli
+from eagle3.errors import RemoteError
 from eagle3.loss import ttt_loss, valid_counts
 from eagle3.model import TTTModel
 from eagle3.target import target_facts
@@ -62,12 +63,12 @@ from train.batches import Labeller, val_batches
 from train.checkpointing import Checkpoints, export_extra, find_resume, load_checkpoint, read_best
 from train.config import Config, load_config
 from train.data import collate, step_batches
-from train.distributed import configure_deepspeed, make_accelerator
+from train.distributed import configure_deepspeed, make_accelerator, peer_lost
 from train.draft import build_draft
 from train.label_cache import make_label_cache
 from train.loading import TrainData, count_steps, fit_length, load_data, pack_rows
 from train.metrics import MetricsLog, MetricSums, peak_memory_gb
-from train.online_target import captured_ahead, start_served
+from train.online_target import captured_ahead, report_engines, start_served
 from train.optim import make_optimizer
 from train.vocab import setup_vocab
 
@@ -333,6 +334,8 @@ def cleanup(run: Run) -> None:
     run.logger.write(f"done: {run.total_steps} steps; SGLang draft in {final}")
     run.logger.close()
     run.accelerator.wait_for_everyone()  # no rank still needs this node's engine
+    if run.data.target is not None and run.data.target.served:
+        report_engines(run.accelerator, run.data.target)  # every rank used its node's server?
     stop_target(run)
     run.accelerator.end_training()
 
@@ -349,6 +352,14 @@ def train(cfg: Config) -> None:
     try:
         train_loop(run)
         cleanup(run)
+    except RuntimeError as err:
+        if not peer_lost(err):
+            raise
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise RemoteError(
+            f"another process of this job stopped ({detail[:300]}): the checkpoints written so "
+            "far are kept; start every node's command again with train.resume_from=latest"
+        ) from err
     finally:
         stop_target(run)  # on an error too: the engine holds GPUs (and dies with us anyway)
 

@@ -17,7 +17,11 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from eagle3.engine.metrics import SpecDecodeMetrics, parse_spec_decode_metrics
+from eagle3.engine.metrics import (
+    SpecDecodeMetrics,
+    parse_requests_served,
+    parse_spec_decode_metrics,
+)
 from eagle3.errors import RemoteError
 
 
@@ -114,6 +118,10 @@ class EngineClient:
 
     def spec_decode_metrics(self) -> SpecDecodeMetrics:
         return parse_spec_decode_metrics(self.metrics_text())
+
+    def requests_served(self) -> int:
+        """The requests this server finished since it started (its own count, from /metrics)."""
+        return parse_requests_served(self.metrics_text())
 
     # a remote server needs no lifecycle; these make both kinds usable the same way
     def start(self) -> EngineClient:

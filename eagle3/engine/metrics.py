@@ -96,3 +96,16 @@ def parse_spec_decode_metrics(text: str) -> SpecDecodeMetrics:
                 per_pos[int(pos)] = per_pos.get(int(pos), 0.0) + number
     positions = tuple(per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)) if per_pos else ()
     return SpecDecodeMetrics(accepted_per_position=positions, **totals)
+
+
+def parse_requests_served(text: str) -> int:
+    """Prometheus text from GET /metrics -> the requests the server finished
+    (vllm:request_success_total, summed over engines and finish reasons but abort)."""
+    total = 0.0
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None or m.group(1) != "vllm:request_success_total":
+            continue
+        if dict(_LABEL.findall(m.group(2) or "")).get("finished_reason") != "abort":
+            total += float(m.group(3))  # an aborted request (client gone) was not served
+    return int(total)

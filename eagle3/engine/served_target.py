@@ -18,6 +18,14 @@ the project's aux layer ids in that order (vLLM's ids are ours + 1), last [B, T,
 hidden state after the target's final norm (lm_head's input: vLLM returns it pre-norm),
 padded positions zero. datagen.capture --engine and online training with `target.engine` both
 go through here.
+
+Several servers (`attach(url, url, ...)`: replicas of the same target, each started with the
+capture connector, e.g. by `python -m datagen.capture --serve` on every node) share the
+requests: each one goes to the server with the fewest in flight (then the fewest answered), so a
+faster server takes more.
+A server that stops answering (connection refused or reset, no answer in time) is dropped with
+a warning and its requests go to the others; with none left the RemoteError ends the run.
+`sent` counts the requests each server answered.
 """
 
 from __future__ import annotations
@@ -25,6 +33,9 @@ from __future__ import annotations
 import logging
 import shutil
 import sys
+import threading
+import urllib.error
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -79,7 +90,10 @@ class ServedTarget:
         self.norm_eps = norm_eps
         self.context = context  # max_position_embeddings: the engine's longest max_model_len
         self.concurrency = concurrency  # requests in flight (the engine batches them)
-        self.server: EngineClient | None = None  # once started or attached
+        self.servers: list[EngineClient] = []  # once started or attached: the live ones
+        self.sent: Counter[str] = Counter()  # requests answered, by server base_url
+        self._in_flight: Counter[str] = Counter()
+        self._lock = threading.Lock()
         self.owned = False  # start() made the server, so stop() stops it (attach() does not)
         self.hidden_dir: Path | None = None  # where the connector writes (our temp dir)
         self.serving: dict[str, Any] | None = None  # start(): dtype and attention backend, why
@@ -87,8 +101,13 @@ class ServedTarget:
         self._assembly: ThreadPoolExecutor | None = None
 
     def __repr__(self) -> str:
-        state = "stopped" if self.server is None else self.server.base_url
+        state = ", ".join(s.base_url for s in self.servers) or "stopped"
         return f"ServedTarget({self.name!r}, {self.hf_dir!r}, {state})"
+
+    @property
+    def server(self) -> EngineClient | None:
+        """The (first) server, None before start() or attach()."""
+        return self.servers[0] if self.servers else None
 
     # -- the engine --------------------------------------------------------------------------
     def engine_layer_ids(self) -> list[int]:
@@ -110,6 +129,7 @@ class ServedTarget:
         extra_args: list[str] = (),
         log_path: str | Path | None = None,
         port: int | None = None,
+        host: str = "127.0.0.1",
         startup_timeout: float = 900.0,
         dtype: str | None = None,
         say=log.info,
@@ -128,6 +148,7 @@ class ServedTarget:
                 tensor_parallel_size=tensor_parallel_size,
                 log_path=log_path,
                 port=port,
+                host=host,
                 startup_timeout=startup_timeout,
                 extra_args=[
                     *capture_engine_args(self.engine_layer_ids(), self.hidden_dir),
@@ -138,7 +159,7 @@ class ServedTarget:
             say(f"starting vLLM for {self.name} on port {server.port}: "
                 f"{server.serving.describe()}; capturing vLLM layer ids "
                 f"{self.engine_layer_ids()}; log {server.log_path or 'a temp file'}")  # fmt: skip
-            self.server = server.start()
+            self.servers = [server.start()]
         except BaseException:  # a refused dtype, a dead engine, Ctrl-C: no temp dir left
             shutil.rmtree(self.hidden_dir, ignore_errors=True)
             self.hidden_dir = None
@@ -147,24 +168,38 @@ class ServedTarget:
         log.info("vLLM up at %s after %.0f s", server.base_url, server.startup_seconds)
         return self
 
-    def attach(self, base_url: str) -> ServedTarget:
-        """Use a server someone else started (with this target's capture connector)."""
-        self.server, self.owned = EngineClient(base_url, self.name), False
+    def attach(self, *base_urls: str) -> ServedTarget:
+        """Use servers someone else started with this target's capture connector (one, or
+        several replicas sharing the requests). Each must answer GET /health and serve this
+        target's name, else one line says which does not."""
+        clients = []
+        for url in base_urls:
+            client = EngineClient(url).start()  # RemoteError: not up at that address
+            if client.model != self.name:
+                raise Eagle3Error(
+                    f"the engine at {client.base_url} serves {client.model!r}, not {self.name!r}: "
+                    "give the URLs of servers started for this target (python -m datagen.capture "
+                    "--serve --target ...)"
+                )
+            clients.append(client)
+        self.servers, self.owned = clients, False
         return self
 
-    def stop_requests(self) -> None:
-        """Drop the request threads (queued requests are cancelled); new ones start on use."""
+    def stop_requests(self, wait: bool = False) -> None:
+        """Drop the request threads (queued requests are cancelled; wait=True lets those in
+        flight finish first, so `sent` and the servers' counts agree); new ones start on use."""
         for pool in (self._pool, self._assembly):
             if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+                pool.shutdown(wait=wait, cancel_futures=True)
         self._pool = self._assembly = None
 
     def stop(self) -> None:
         """Stop the server if we started it, drop the request threads and the temp dir."""
         self.stop_requests()
         if self.owned:
-            self.server.stop()
-        self.server, self.owned = None, False
+            for server in self.servers:
+                server.stop()
+        self.servers, self.owned = [], False
         if self.hidden_dir is not None:
             shutil.rmtree(self.hidden_dir, ignore_errors=True)
             self.hidden_dir = None
@@ -172,13 +207,11 @@ class ServedTarget:
     # -- hidden states ---------------------------------------------------------------------------
     def hidden_states(self, token_ids: list[int], label: str = "a prompt") -> torch.Tensor:
         """One prompt of token ids -> the engine's [T, 4, H] (aux layers, then pre-norm last)."""
-        if self.server is None:
-            raise Eagle3Error("the served target is not started: call start() or attach()")
-        reply = self.server.complete(token_ids, max_tokens=1, temperature=0.0)
+        server, reply = self._ask(token_ids)
         path = (reply.get("kv_transfer_params") or {}).get("hidden_states_path")
         if not path:
             raise RemoteError(
-                f"the engine at {self.server.base_url} returned no "
+                f"the engine at {server.base_url} returned no "
                 "kv_transfer_params.hidden_states_path: start it with the capture connector "
                 "(eagle3.engine.capture.capture_engine_args)"
             )
@@ -189,7 +222,57 @@ class ServedTarget:
                 f"{label}: the engine saw {len(got)} tokens that differ from the "
                 f"{len(token_ids)} sent; it must be sent token ids, not text"
             )
-        return data["hidden_states"]
+        hidden = data["hidden_states"]
+        want = (len(self.engine_layer_ids()), self.hidden_size)
+        if tuple(hidden.shape[1:]) != want:
+            raise RemoteError(
+                f"the engine at {server.base_url} captured {tuple(hidden.shape[1:])} (layers, "
+                f"hidden) per token, not {want}: it was started for other aux layers or another "
+                "model; start it with this --target and --aux-layers"
+            )
+        return hidden
+
+    def _ask(self, token_ids: list[int]) -> tuple[EngineClient, dict]:
+        """One completion from the live server with the fewest requests in flight; a server
+        that stopped answering is dropped and the request goes to another."""
+        while True:
+            with self._lock:
+                if not self.servers:
+                    raise Eagle3Error("the served target is not started: call start() or attach()")
+                # fewest in flight, then fewest answered: with one request in flight, by turns
+                server = min(
+                    self.servers, key=lambda c: (self._in_flight[c.base_url], self.sent[c.base_url])
+                )
+                self._in_flight[server.base_url] += 1
+            try:
+                reply = server.complete(token_ids, max_tokens=1, temperature=0.0)
+            except RemoteError as err:
+                if not self._drop(server, err):
+                    raise
+                continue
+            finally:
+                with self._lock:
+                    self._in_flight[server.base_url] -= 1
+            with self._lock:
+                self.sent[server.base_url] += 1
+            return server, reply
+
+    def _drop(self, server: EngineClient, err: RemoteError) -> bool:
+        """Drop a server that stopped answering when others are left -> whether it was."""
+        cause = err.__cause__
+        gone = isinstance(cause, OSError) and not isinstance(cause, urllib.error.HTTPError)
+        with self._lock:
+            if not gone:  # the server answered with an error: the request itself is at fault
+                return False
+            if server not in self.servers:  # another request thread dropped it already
+                return True
+            if len(self.servers) == 1:  # the last one: the run ends with its error
+                return False
+            self.servers.remove(server)
+            left = len(self.servers)
+        log.warning("the engine at %s stopped answering (%s): dropped, its requests go to the "
+                    "%d other server(s)", server.base_url, cause, left)  # fmt: skip
+        return True
 
     def features(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The engine's [T, 4, H] -> (aux [T, 3H], last [T, H] after the final norm), fp32."""

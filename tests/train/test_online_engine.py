@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -146,3 +147,106 @@ def test_served_target_trains_like_the_in_process_one_and_survives_sigkill(
     for a, b in zip(val_want, val_got):
         assert b["val/loss"] == pytest.approx(a["val/loss"], rel=rtol)
         assert b["val/sim_accept_len"] == pytest.approx(a["val/sim_accept_len"], abs=0.01)
+
+
+# -- two nodes, an engine each ------------------------------------------------------------------
+def launch_node(helpers, rank: int, port: int, args: list[str], log: Path) -> subprocess.Popen:
+    """One "machine" of a two-machine launch of configs/accelerate/multinode.yaml on 127.0.0.1
+    (one process each; DeepSpeed's CPU accelerator over gloo)."""
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", "configs/accelerate/multinode.yaml", "--num_machines", "2",
+        "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+        "--main_process_port", str(port), str(helpers.SCRIPT), *args,
+    ]  # fmt: skip
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, cwd=helpers.REPO, env={**helpers.env(), "DS_ACCELERATOR": "cpu"},
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_two_node_online_training_each_node_uses_its_own_engine(
+    engine, embedded_target_dir, records_file, tmp_path, helpers, short_tmpdir
+):
+    """Two simulated nodes on this host, each its own vLLM-CPU server (eager), ports from each
+    node's own target.engine.port (the default, MASTER_PORT + 1, would be the same port on both):
+    each server's own request count (GET /metrics) equals what its node's rank sent, so no rank
+    used the other node's server, and the per-step losses equal the in-process target's with the
+    same sequences per step (1 per rank x 2 ranks = 2 in one process; ZeRO-2 vs plain adds
+    ~2e-8, tests/train/test_kimi_recipe.py), to LOSS_RTOL."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs deepspeed (pip install -e '.[dev]')")
+    steps = {"train.max_steps": 4, "data.val_fraction": 0, "train.save_every": 100}
+    inproc, served = tmp_path / "in-process", tmp_path / "two-node"
+    helpers.run_cli(recipe(helpers, records_file, inproc, **steps, **{"data.batch_size": 2}))
+    master, ports = free_port(), [free_port(), free_port()]
+    logs = [tmp_path / f"node{r}.log" for r in (0, 1)]
+    nodes = [
+        launch_node(
+            helpers,
+            r,
+            master,
+            recipe(
+                helpers,
+                records_file,
+                served,
+                **steps,
+                **{
+                    "data.batch_size": 1,
+                    "target.engine.kind": "vllm",
+                    "target.engine.port": ports[r],
+                    "target.engine.args": "[--enforce-eager]",
+                },
+            ),
+            logs[r],
+        )  # fmt: skip
+        for r in (0, 1)
+    ]
+    try:
+        codes = [p.wait(timeout=900) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
+    for r in (0, 1):
+        assert f"starting vLLM for {TARGET} on port {ports[r]}" in texts[r]  # its node's server
+        engine_log = served / f"engine-{os.uname().nodename}-node{r}.log"
+        assert "Using auxiliary layers from speculative config" in engine_log.read_text()
+        assert not engine_processes(ports[r]), f"node {r}'s engine outlived its trainer"
+    counts = {}
+    for node, served_n, sent in re.findall(
+        r"engine of node (\d): served (\d+) requests; its ranks sent rank \d: (\d+)", texts[0]
+    ):
+        counts[int(node)] = (int(served_n), int(sent))
+    assert set(counts) == {0, 1}, texts[0][-3000:]
+    for node, (served_n, sent) in counts.items():
+        assert served_n == sent > 0, (node, served_n, sent)  # only its own node's rank asked it
+
+    want, got = helpers.metric_lines(inproc), helpers.metric_lines(served)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for a, b in zip(want, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=LOSS_RTOL["float32"]), a["step"]
+
+
+def test_two_node_engine_port_taken_is_one_line(
+    engine, embedded_target_dir, records_file, tmp_path, helpers
+):
+    """A node whose engine port is already taken (another node's engine on the same host) is
+    refused before any server starts: one line, exit 2."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = recipe(helpers, records_file, tmp_path / "run", **{
+            "target.engine.kind": "vllm", "target.engine.port": port})  # fmt: skip
+        proc = helpers.run_cli(args, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert f"port {port}" in line and "target.engine.port" in line
+    assert "starting vLLM" not in proc.stdout

@@ -6,7 +6,11 @@ import math
 
 import pytest
 
-from eagle3.engine.metrics import SpecDecodeMetrics, parse_spec_decode_metrics
+from eagle3.engine.metrics import (
+    SpecDecodeMetrics,
+    parse_requests_served,
+    parse_spec_decode_metrics,
+)
 
 METRICS = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -37,3 +41,16 @@ def test_metrics_parse_and_window():
 def test_metrics_without_spec_decode_are_zero():
     m = parse_spec_decode_metrics('vllm:num_requests_running{engine="0"} 0.0\n')
     assert m == SpecDecodeMetrics() and math.isnan(m.tau) and m.per_position_acceptance == []
+
+
+def test_requests_served_sums_finished_requests_but_aborted_ones():
+    # vLLM 0.32's lines, as a capture server printed them (the client gone: abort)
+    text = """\
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 2.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 24.0
+vllm:request_success_total{engine="0",finished_reason="abort",model_name="m"} 3.0
+vllm:request_success_created{engine="0",finished_reason="length",model_name="m"} 1.7e9
+"""
+    assert parse_requests_served(text) == 26
+    assert parse_requests_served(METRICS) == 0
