@@ -4,6 +4,7 @@
     python scripts/bench_long_context.py --json results/long_context.json   # every point
     python scripts/bench_long_context.py --drafts smollm2 --paths new --seq-lens 32768
     python scripts/bench_long_context.py --device cuda --steps 3    # GPU: bf16 autocast
+    python scripts/bench_long_context.py --packing /tmp/qs/shards   # padded vs packed training
 
 The step is the recipe's (train/train_drafter.py): the TTT unroll over ttt_steps steps, the
 weighted soft-label loss, backward, clip, AdamW; batch size 1. Inputs are random tensors of the
@@ -29,6 +30,14 @@ A point whose projected memory (a rough model fitted to CPU runs, `projected_gib
 MFU as scripts/bench_train.py defines it: its analytic useful training FLOPs per token x
 tokens/s over the matmul peak (its `matmul_peak`), measured in the point's own process just
 before and after its steps (the better of the two: a shared machine's peak drifts).
+
+--packing SHARD_DIR: the recipe's trainer (train/train_drafter.py, configs/train/smollm2-q4-cpu.yaml)
+on captured shards (the quickstart's: scripts/quickstart.sh writes them to <out>/shards), padded
+(data.batch_size records per step, length-grouped) against packed (rows of data.pack_length
+tokens, --pack-batch rows per step), arms interleaved --repeats times. tokens/s is the
+trainer's own metric (real tokens, padding not counted) over its log windows of the second
+epoch, when the soft labels come from the cache as in every later epoch; each arm's number is
+the median over its windows and repeats.
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ from bench_train import (  # noqa: E402
 
 from eagle3.loss import ttt_loss  # noqa: E402
 from eagle3.model import DraftConfig, Eagle3Draft, TTTModel  # noqa: E402
-from eagle3.ttt_attention import CHUNK_SIZE  # noqa: E402
+from eagle3.ttt_attention import CHUNK_SIZE, KEY_BLOCK  # noqa: E402
 from train.config import load_config  # noqa: E402
 
 RECIPE = REPO / "configs/train/smollm2-q4-cpu.yaml"
@@ -106,8 +115,8 @@ def projected_gib(cfg: DraftConfig, K: int, T: int, impl: str) -> float:
         total += (K * (4 * nh + 1) + 16 * nh) * T * T + 8 * nh * hd * T * K * (K - 1) // 2
     elif impl == "sdpa":
         total += sum(3 * (k + 1) for k in range(K)) * T * T + 4 * nh * T * T
-    else:  # chunked / flex: a chunk's score buffers
-        total += 3 * 4 * nh * CHUNK_SIZE * T
+    else:  # chunked / flex: a tile's score buffers
+        total += 3 * 4 * nh * CHUNK_SIZE * min(KEY_BLOCK, T)
     return total / GiB
 
 
@@ -283,6 +292,53 @@ def report(points: list[dict], impls: dict[str, str]) -> dict[str, list[str]]:
     return ratios
 
 
+# -- padded vs packed training on real shards ---------------------------------------------------
+def train_arm(shards: Path, out_dir: Path, packed: bool, args) -> list[float]:
+    """One trainer run of two epochs -> tokens/s of its second-epoch log windows."""
+    overrides = [
+        f"data.shard_dirs=[{shards}]",
+        f"data.max_length={args.pack_length}",
+        "data.val_fraction=0.05",  # the quickstart's
+        f"data.packing={str(packed).lower()}",
+        f"data.pack_length={args.pack_length}",
+        f"data.batch_size={args.pack_batch if packed else args.padded_batch}",
+        f"train.out_dir={out_dir}",
+        "train.epochs=2",
+        "train.log_every=5",
+        "train.eval_every=1000000",  # validation is not the training step
+        "train.save_every=1000000",
+        "wandb.mode=disabled",
+    ]
+    cmd = [sys.executable, str(REPO / "train/train_drafter.py"), "--config", str(RECIPE)]
+    proc = subprocess.run(cmd + overrides, capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(f"trainer failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    lines = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [m["tokens_per_s"] for m in lines if "tokens_per_s" in m and m.get("epoch") == 1]
+
+
+def packing_bench(args) -> dict:
+    """Padded vs packed trainer runs on args.packing, interleaved -> medians and their ratio."""
+    import statistics
+    import tempfile
+
+    arms: dict[str, list[float]] = {"padded": [], "packed": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            for arm in arms:
+                rates = train_arm(args.packing, Path(tmp) / f"{arm}-{r}", arm == "packed", args)
+                arms[arm] += rates
+                print(f"  {arm} repeat {r}: tokens/s {[round(x) for x in rates]}", flush=True)
+    medians = {arm: statistics.median(rates) for arm, rates in arms.items()}
+    ratio = medians["packed"] / medians["padded"]
+    print(
+        f"padded (batch {args.padded_batch} records) {medians['padded']:,.0f} tokens/s, packed "
+        f"(batch {args.pack_batch} rows of {args.pack_length}) {medians['packed']:,.0f} tokens/s:"
+        f" packed/padded = {ratio:.2f}"
+    )
+    return {"shards": str(args.packing), "windows": arms, "medians": medians, "ratio": ratio}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smollm2 at 2k and 16k; old at 2k only")
@@ -297,12 +353,23 @@ def main() -> None:
     p.add_argument("--drafts", default="smollm2,kimi-layout", help="comma-separated")
     p.add_argument("--paths", default="old,new", help="comma-separated: old, new")
     p.add_argument("--seq-lens", help=f"comma-separated (default {','.join(map(str, SEQ_LENS))})")
+    p.add_argument("--packing", type=Path, help="shard dir: padded vs packed training instead")
+    p.add_argument("--pack-length", type=int, default=1024, help="packed row length, max_length")
+    p.add_argument("--pack-batch", type=int, default=1, help="packed rows per step")
+    p.add_argument("--padded-batch", type=int, default=4, help="records per padded step")
+    p.add_argument("--repeats", type=int, default=2, help="--packing: runs per arm")
     p.add_argument("--point", help=argparse.SUPPRESS)  # internal: one point, in a subprocess
     args = p.parse_args()
     if args.steps < 1:
         p.error(f"--steps must be at least 1, got {args.steps}")
     if args.point:
         print("RESULT " + json.dumps(run_point(json.loads(args.point))), flush=True)
+        return
+    if args.packing:
+        summary = packing_bench(args)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(summary, indent=2) + "\n")
         return
 
     device = torch.device(args.device)

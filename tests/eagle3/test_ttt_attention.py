@@ -8,7 +8,14 @@ import torch
 
 from eagle3.errors import Eagle3Error
 from eagle3.model import Eagle3Draft
-from eagle3.ttt_attention import flex_ttt, ttt_attention, ttt_mask, ttt_mask_mod
+from eagle3.ttt_attention import (
+    KEY_BLOCK,
+    _segment_bounds,
+    flex_ttt,
+    ttt_attention,
+    ttt_mask,
+    ttt_mask_mod,
+)
 
 # A packed row of 3 documents (lengths 7, 12, 9) and 9 padding positions under an id of their own
 PACKED = torch.tensor([0] * 7 + [1] * 12 + [2] * 9 + [-1] * 9)  # T = 37
@@ -53,7 +60,9 @@ def assert_close(got, want, rtol):
         assert err < rtol, f"relative error {err:.2e} > {rtol:.0e}"
 
 
-def check_against_reference(impl, leaves, steps, scale, segment_ids=None, chunk_size=16, rtol=1e-5):
+def check_against_reference(
+    impl, leaves, steps, scale, segment_ids=None, chunk_size=16, rtol=1e-5, key_block=KEY_BLOCK
+):
     q, keys, values = leaves[0], leaves[1 : steps + 2], leaves[steps + 2 :]
     B, nh, T, _ = q.shape
     grad_out = torch.randn(B, nh, T, values[0].shape[-1], dtype=torch.float64)
@@ -62,7 +71,14 @@ def check_against_reference(impl, leaves, steps, scale, segment_ids=None, chunk_
     )
     got = outputs_and_grads(
         lambda: ttt_attention(
-            q, keys, values, scale=scale, impl=impl, segment_ids=segment_ids, chunk_size=chunk_size
+            q,
+            keys,
+            values,
+            scale=scale,
+            impl=impl,
+            segment_ids=segment_ids,
+            chunk_size=chunk_size,
+            key_block=key_block,
         ),
         leaves,
         grad_out,
@@ -82,6 +98,59 @@ def test_chunked_matches_dense_reference_outputs_and_gradients(T, steps, layout)
     nh, nkv, dqk, dv = LAYOUTS[layout]
     leaves = inputs(nh=nh, nkv=nkv, T=T, dqk=dqk, dv=dv, steps=steps)
     check_against_reference("chunked", leaves, steps, scale=dqk**-0.5)
+
+
+# (chunk_size, key_block): several key blocks per chunk, with chunk and block edges that do not
+# line up with each other or with T = 37 (and a block narrower than a chunk)
+TILES = [(16, 5), (7, 5), (5, 16), (8, 8), (37, 7)]
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"c{t[0]}-kb{t[1]}")
+@pytest.mark.parametrize("steps", [0, 2])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_chunked_key_blocks_match_dense_reference(tile, steps, layout):
+    nh, nkv, dqk, dv = LAYOUTS[layout]
+    leaves = inputs(nh=nh, nkv=nkv, dqk=dqk, dv=dv, steps=steps)
+    check_against_reference(
+        "chunked", leaves, steps, dqk**-0.5, chunk_size=tile[0], key_block=tile[1]
+    )
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"c{t[0]}-kb{t[1]}")
+@pytest.mark.parametrize("steps", [0, 2])
+def test_packing_key_blocks_and_document_skipping_match_reference(tile, steps):
+    segment_ids = torch.stack([PACKED, PACKED.flip(0)])  # the second row: padding first
+    check_against_reference(
+        "chunked",
+        inputs(steps=steps),
+        steps,
+        0.2,
+        segment_ids,
+        chunk_size=tile[0],
+        key_block=tile[1],
+    )
+
+
+def test_packing_segment_bounds_skip_only_other_documents():
+    """Chunks of 8 over documents [0, 7), [7, 19), [19, 28) and padding [28, 37)."""
+    lo, clean = _segment_bounds(PACKED[None], 37, 8)
+    # chunk [a, b) may see keys from the start of row a's document: [0, 8) -> 0, [8, 16) -> 7, ...
+    assert lo == [0, 7, 7, 19, 28]
+    # ... and from the start of row b-1's document on, rows and keys share one document
+    assert clean == [7, 7, 19, 28, 28]
+    # two rows: the earliest start and the latest one over the batch
+    lo, clean = _segment_bounds(torch.stack([PACKED, torch.zeros(37, dtype=torch.long)]), 37, 8)
+    assert lo == [0, 0, 0, 0, 0] and clean == [7, 7, 19, 28, 28]
+    # an id that comes back (not a packed row): nothing skipped, every block masked
+    assert _segment_bounds(torch.tensor([[0, 0, 1, 1, 0, 0]]), 6, 4) == ([0, 0], [7, 7])
+
+
+@pytest.mark.parametrize("steps", [0, 2])
+def test_packing_non_contiguous_segments_stay_exact(steps):
+    segment_ids = torch.randint(0, 3, (2, 37))  # ids returning within a row: no skipping
+    check_against_reference(
+        "chunked", inputs(steps=steps), steps, 0.2, segment_ids, chunk_size=8, key_block=5
+    )
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "split"])
