@@ -50,6 +50,7 @@ from eagle3.measure import (
     decode_config,
     decodes,
     drafter_name,
+    engine_drafters,
     engine_runs,
     load_drafter,
     own_config,
@@ -125,6 +126,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             name = f"{drafter_name(spec)}#{n}"
         names[name] = spec
     drafters = {name: load_drafter(spec, target, cfg) for name, spec in names.items()}
+    if args.engine:  # what the engine would refuse, refused before the in-house decoding
+        from eagle3.engine.server import check_servable
+        from eagle3.target import resolve
+
+        for spec in engine_drafters(names).values():
+            check_servable(resolve(args.target)[1], spec)
     report: dict[str, Any] = {
         "target": target.name,
         "config": {**asdict(cfg), "seed": args.seed, "limit": args.limit},
@@ -156,9 +163,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report["results"].append(result_row(name, bench, plain, tally, k))
     progress.close()
     if args.engine:
-        measured = engine_runs(args, target, loaded, names, cfg)
+        try:
+            measured = engine_runs(args, target, loaded, names, cfg)
+        except Eagle3Error:
+            if args.json and report["results"]:  # the in-house rows are not lost with it
+                write_json(args.json, report)
+                log.warning("the in-house rows are in %s; rerun with --engine-only for the "
+                            "engine's", args.json)  # fmt: skip
+            raise
         report["results"] += [engine_row(m, cfg.max_depth) for m in measured]
     return report
+
+
+def write_json(path: str, report: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,8 +192,7 @@ def evaluate(args: argparse.Namespace) -> int:
     """Measure, write the JSON, copy it to W&B, print the table."""
     report = run(args)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
     if args.wandb:
         try:
             log_wandb(

@@ -360,6 +360,16 @@ def engine_plain_turns(
     return turns
 
 
+def engine_drafters(names: dict[str, str]) -> dict[str, str]:
+    """The drafters an engine serves: checkpoints (vLLM has no token trees, and prompt-lookup
+    and none are in-house only)."""
+    return {
+        n: s
+        for n, s in names.items()
+        if s not in ("none", "prompt-lookup") and not s.startswith(TREE)
+    }
+
+
 def engine_runs(
     args, target, benches, names: dict[str, str], cfg: DecodeConfig
 ) -> list[EngineResult]:
@@ -372,11 +382,7 @@ def engine_runs(
     hf_dir = resolve(args.target)[1]
     eos = sorted(eos_token_ids(target))
     k, batch = cfg.max_depth, args.engine_batch
-    drafters = {  # vLLM has no token trees: tree:DIR rows are in-house only
-        n: s
-        for n, s in names.items()
-        if s not in ("none", "prompt-lookup") and not s.startswith(TREE)
-    }
+    drafters = engine_drafters(names)
     if not drafters:
         log.warning(
             "--engine: no chain drafter to serve (prompt-lookup, none, tree:DIR are in-house only)"

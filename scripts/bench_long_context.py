@@ -16,7 +16,9 @@ Paths: "old" is what Attention.attend_ttt ran before eagle3/ttt_attention.py ("s
 CUDA). Drafts: "smollm2" is configs/train/smollm2-q4-cpu.yaml's (hidden 576, 9 heads x 64,
 3 KV heads, ttt_steps 4, draft vocab 8000) sized from SmolLM2-135M's shape facts (no model
 file); "kimi-layout" has Kimi's draft head layout (56 heads x 128, 8 KV heads, ttt_steps 7) at
-hidden 1024, intermediate 2816, draft vocab 8000.
+hidden 1024, intermediate 2816, draft vocab 8000; "kimi-mla" the Kimi recipes' default MLA draft
+at the same size (64 heads, q_lora_rank 1536, kv_lora_rank 512, qk nope / rope / v 128 / 64 /
+128: Kimi's own dims).
 
 Each (draft, path, T) point runs in a fresh subprocess, so that its peak is its own. After a
 warm-up step (CPU: at 256 tokens; CUDA: at T, which compiles flex) it runs --steps steps at T
@@ -99,7 +101,26 @@ def draft_setup(name: str) -> tuple[DraftConfig, int]:
             aux_layer_ids=[1, 29, 57],
         )
         return draft_cfg, 7
-    raise SystemExit(f"unknown draft {name!r}: use smollm2 or kimi-layout")
+    if name == "kimi-mla":  # the Kimi recipes' default: MLA with Kimi's own dims, hidden 1024
+        draft_cfg = DraftConfig(
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_attention_heads=64,
+            num_key_value_heads=64,
+            head_dim=192,
+            vocab_size=163840,
+            draft_vocab_size=8000,
+            target_hidden_size=1024,
+            aux_layer_ids=[1, 29, 57],
+            attention="mla",
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+        )
+        return draft_cfg, 7
+    raise SystemExit(f"unknown draft {name!r}: use smollm2, kimi-layout or kimi-mla")
 
 
 def projected_gib(cfg: DraftConfig, K: int, T: int, impl: str) -> float:
@@ -109,7 +130,12 @@ def projected_gib(cfg: DraftConfig, K: int, T: int, impl: str) -> float:
     "sdpa" its bool + additive (T, (k+1)T) masks kept per step."""
     H, inter, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    per_step = 14 * H + 2 * (nh + 2 * nkv) * hd + 2 * nh * hd + 4 * inter + 2 * Vd  # floats/token
+    if cfg.attention == "mla":  # q, k (per head), v, the latents and kv_b's output
+        dv = cfg.v_head_dim
+        qkv = 2 * nh * hd + nh * dv + 2 * cfg.q_lora_rank + cfg.kv_lora_rank * 2 + nh * (hd + dv)
+        per_step = 14 * H + 2 * qkv + 2 * nh * dv + 4 * inter + 2 * Vd  # floats/token
+    else:
+        per_step = 14 * H + 2 * (nh + 2 * nkv) * hd + 2 * nh * hd + 4 * inter + 2 * Vd
     total = 4 * T * K * per_step
     if impl == "split":
         total += (K * (4 * nh + 1) + 16 * nh) * T * T + 8 * nh * hd * T * K * (K - 1) // 2

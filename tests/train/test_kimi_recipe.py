@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import descendants
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -285,23 +287,6 @@ def test_mla_draft_served_by_vllm_accepts_what_the_in_house_decoder_accepts(
 
 
 # -- two nodes (configs/accelerate/multinode.yaml) ----------------------------------------------
-def descendants(pid: int) -> list[int]:
-    """`pid` and every process below it: torchrun starts its workers in their own session, so
-    killing the launcher's process group would leave a "dead" node's worker training on."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found = [pid]
-    for p in found:  # grows while it is walked: breadth first
-        found += children.get(p, [])
-    return found
-
-
 def launch_node(
     rank: int, port: int, args: list[str], log: Path, config: str = "multinode.yaml"
 ) -> subprocess.Popen:
