@@ -130,8 +130,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from eagle3.engine.server import check_servable
         from eagle3.target import resolve
 
+        hf_dir = resolve(args.target)[1]
         for spec in engine_drafters(names).values():
-            check_servable(resolve(args.target)[1], spec)
+            check_servable(hf_dir, spec)
     report: dict[str, Any] = {
         "target": target.name,
         "config": {**asdict(cfg), "seed": args.seed, "limit": args.limit},

@@ -255,7 +255,7 @@ class DraftAttention(nn.Module):
         """TTT step k = len(keys) - 1: q (B, nh, T, dqk) over step-0 keys causally (within a
         segment) and the keys of steps 1..k on the diagonal -> (B, T, H). self.ttt_impl picks
         the kernel (eagle3/ttt_attention.py says what each is for)."""
-        B, nh, T, _ = q.shape
+        B, _, T, _ = q.shape
         out = ttt_attention(
             q, keys, values, scale=self.scale, impl=self.ttt_impl, segment_ids=segment_ids
         )  # (B, nh, T, dv)

@@ -215,9 +215,8 @@ def mla_rotary(
     inv_freq, _ = rope_inv_freq(rope_dim, theta, scaling)  # YaRN's frequencies are DeepSeek's
     magnitude = mla_mscales(scaling)[0]
     freqs = position_ids.float()[..., None] * inv_freq.to(position_ids.device)  # (B, S, d/2)
-    return (freqs.cos() * magnitude)[:, None].to(dtype), (freqs.sin() * magnitude)[:, None].to(
-        dtype
-    )
+    cos, sin = freqs.cos() * magnitude, freqs.sin() * magnitude
+    return cos[:, None].to(dtype), sin[:, None].to(dtype)
 
 
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

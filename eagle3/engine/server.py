@@ -369,12 +369,14 @@ def managed_engine(args, model_dir: str | os.PathLike, **kwargs: Any) -> VLLMSer
 def check_servable(model_dir: str | os.PathLike, drafter: str | os.PathLike) -> None:
     """Refuse in one line a drafter this engine build would refuse next to target `model_dir`
     (eagle3.engine.choice.check_draft_servable): before any work, not minutes into a start."""
+    _check_drafter(drafter, cpu_build=engine_is_cpu_build(), target_mla=uses_mla(model_dir))
+
+
+def _check_drafter(drafter: str | os.PathLike, *, cpu_build: bool, target_mla: bool) -> None:
     config = Path(drafter) / "config.json"
     if config.is_file():
         check_draft_servable(
-            json.loads(config.read_text()),
-            cpu_build=engine_is_cpu_build(),
-            target_mla=uses_mla(model_dir),
+            json.loads(config.read_text()), cpu_build=cpu_build, target_mla=target_mla
         )
 
 
@@ -390,7 +392,7 @@ def vllm_server(model_dir: str | os.PathLike, **kwargs: Any) -> VLLMServer:
     cpu_build = engine_is_cpu_build()
     mla = uses_mla(model_dir)
     if kwargs.get("drafter") is not None:
-        check_servable(model_dir, kwargs["drafter"])
+        _check_drafter(kwargs["drafter"], cpu_build=cpu_build, target_mla=mla)
     choice = choose_serving(
         cpu_build=cpu_build,
         amx=cpu_build and mla and cpu_has_amx(),

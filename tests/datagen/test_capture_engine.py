@@ -37,15 +37,17 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(x, dtype=torch.float32), e - 8)
 
 
+QA = [  # (question, answer): also the records of test_capture_servers.py
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("Write a haiku about the sea.", "Waves fold into foam,\nsalt wind carries gull voices,\nthe tide keeps its time."),
+    ("Explain recursion in one sentence.", "Recursion is when a function solves a problem by calling itself on smaller versions of the same problem."),
+    ("Give me three prime numbers.", "2, 3 and 5 are prime numbers."),
+    ("How do I reverse a list in Python?", "Use `items[::-1]` for a reversed copy, or `items.reverse()` to reverse it in place."),
+    ("Name a colour of the rainbow.", "Green is one of the colours of the rainbow."),
+]  # fmt: skip
+
+
 def records() -> list[dict]:
-    qa = [
-        ("What is the capital of France?", "The capital of France is Paris."),
-        ("Write a haiku about the sea.", "Waves fold into foam,\nsalt wind carries gull voices,\nthe tide keeps its time."),
-        ("Explain recursion in one sentence.", "Recursion is when a function solves a problem by calling itself on smaller versions of the same problem."),
-        ("Give me three prime numbers.", "2, 3 and 5 are prime numbers."),
-        ("How do I reverse a list in Python?", "Use `items[::-1]` for a reversed copy, or `items.reverse()` to reverse it in place."),
-        ("Name a colour of the rainbow.", "Green is one of the colours of the rainbow."),
-    ]  # fmt: skip
     return [
         {
             "id": f"r{i}",
@@ -53,7 +55,7 @@ def records() -> list[dict]:
             "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}],
             "finish_reason": "stop",
         }
-        for i, (q, a) in enumerate(qa)
+        for i, (q, a) in enumerate(QA)
     ]
 
 

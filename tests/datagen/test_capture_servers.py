@@ -25,6 +25,7 @@ import torch
 
 from eagle3.engine.client import EngineClient
 from eagle3.engine.server import free_port
+from tests.datagen.test_capture_engine import QA
 from tests.processes import descendants
 
 pytestmark = pytest.mark.slow
@@ -32,14 +33,6 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 TARGET = "smollm2-135m-q4"
 COMMON = ["--target", TARGET, "--max-length", "512", "--batch-tokens", "512"]
-QA = [
-    ("What is the capital of France?", "The capital of France is Paris."),
-    ("Write a haiku about the sea.", "Waves fold into foam,\nsalt wind carries gull voices,\nthe tide keeps its time."),
-    ("Explain recursion in one sentence.", "Recursion is when a function solves a problem by calling itself on smaller versions of the same problem."),
-    ("Give me three prime numbers.", "2, 3 and 5 are prime numbers."),
-    ("How do I reverse a list in Python?", "Use `items[::-1]` for a reversed copy, or `items.reverse()` to reverse it in place."),
-    ("Name a colour of the rainbow.", "Green is one of the colours of the rainbow."),
-]  # fmt: skip
 
 
 def records() -> list[dict]:

@@ -130,8 +130,9 @@ def test_decide_settlement(
     assert "\n" not in d.why
 
 
-def test_settlement_persists_and_frees_the_worst_case(tmp_path):
-    path = tmp_path / "ledger.jsonl"
+def dead_run_with_an_unknown_cost(path):
+    """A run that charged $0.05, got a 200 without usage.cost ($0.20 at worst case) and died
+    with $0.20 + $0.30 in flight (orphans) -> (its ledger, closed; the unknown's reservation)."""
     dead = Ledger(path)
     dead.record_key_usage(10.0)
     a = dead.reserve(0.2, 100, "ds", 5.0, None)
@@ -142,6 +143,12 @@ def test_settlement_persists_and_frees_the_worst_case(tmp_path):
     dead.charge(b, 0.2, 100, prompt_id="q", generation_id="g2", provider="X", ok=True,
                 cost_known=False, reason="ok; cost unknown, counted at worst case")  # fmt: skip
     dead.close()
+    return dead, b
+
+
+def test_settlement_persists_and_frees_the_worst_case(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    dead, b = dead_run_with_an_unknown_cost(path)
 
     led = Ledger(path)
     assert led.spent_usd == pytest.approx(0.05 + 0.2 + 0.3 + 0.2)
@@ -164,16 +171,7 @@ def test_settlement_persists_and_frees_the_worst_case(tmp_path):
 
 def test_a_bound_counts_until_settled_and_survives_a_reload(tmp_path):
     path = tmp_path / "ledger.jsonl"
-    dead = Ledger(path)
-    dead.record_key_usage(10.0)
-    a = dead.reserve(0.2, 100, "ds", 5.0, None)
-    dead.charge(a, 0.05, 40, prompt_id="p", generation_id="g1", provider="X", ok=True)
-    dead.reserve(0.2, 100, "ds", 5.0, None)  # orphans
-    dead.reserve(0.3, 100, "ds", 5.0, None)
-    b = dead.reserve(0.2, 100, "ds", 5.0, None)
-    dead.charge(b, 0.2, 100, prompt_id="q", generation_id="g2", provider="X", ok=True,
-                cost_known=False, reason="ok; cost unknown, counted at worst case")  # fmt: skip
-    dead.close()
+    dead, b = dead_run_with_an_unknown_cost(path)
 
     led = Ledger(path)  # the resumed run: its own spending is part of what the counter holds
     led.record_key_usage(10.3)

@@ -69,15 +69,21 @@ def dead_run(path, start_usage: float) -> Ledger:
     return dead
 
 
-def test_this_runs_in_flight_spending_is_never_taken_for_the_dead_runs(tmp_path, monkeypatch):
+def resumed_after_a_dead_run(tmp_path, monkeypatch):
+    """The resumed run after dead_run (start $10.00), the key's counter at $10.15 (the orphans
+    were billed $0.10 upstream), read at once (no usage lag) -> (path, api, ledger, settler)."""
     monkeypatch.setattr(ledger_module, "KEY_USAGE_LAG_S", 0.0)  # the counter holds all at once
     monkeypatch.setattr(Settler, "attempt", a_moment_later(Settler.attempt))
     path = tmp_path / "ledger.jsonl"
     dead_run(path, 10.0)
-    api = StubOpenRouter(10.0 + 0.05 + 0.10)  # the orphans were billed $0.10 upstream
+    api = StubOpenRouter(10.0 + 0.05 + 0.10)
     led = Ledger(path)
     led.record_key_usage(api.usage)
-    settler = Settler(led, api, timeout_s=0.0)
+    return path, api, led, Settler(led, api, timeout_s=0.0)
+
+
+def test_this_runs_in_flight_spending_is_never_taken_for_the_dead_runs(tmp_path, monkeypatch):
+    path, api, led, settler = resumed_after_a_dead_run(tmp_path, monkeypatch)
     mine = led.reserve(0.4, 100, "ds", 5.0, None)  # in flight, billed $0.35 already upstream
     api.usage += 0.35
 
@@ -105,14 +111,7 @@ def test_this_runs_in_flight_spending_is_never_taken_for_the_dead_runs(tmp_path,
 
 
 def test_a_reading_only_this_runs_unknown_costs_blur_stops_the_wait(tmp_path, monkeypatch):
-    monkeypatch.setattr(ledger_module, "KEY_USAGE_LAG_S", 0.0)
-    monkeypatch.setattr(Settler, "attempt", a_moment_later(Settler.attempt))
-    path = tmp_path / "ledger.jsonl"
-    dead_run(path, 10.0)
-    api = StubOpenRouter(10.15)
-    led = Ledger(path)
-    led.record_key_usage(api.usage)
-    settler = Settler(led, api, timeout_s=0.0)
+    path, api, led, settler = resumed_after_a_dead_run(tmp_path, monkeypatch)
     timed_out = led.reserve(0.3, 100, "ds", None, None)  # a timeout: billed or not, unknown
     led.charge(timed_out, 0.3, 100, prompt_id="p", generation_id=None, provider=None, ok=False,
                cost_known=False, reason="timeout; cost unknown")  # fmt: skip
@@ -130,14 +129,7 @@ def test_a_reading_only_this_runs_unknown_costs_blur_stops_the_wait(tmp_path, mo
 def test_generation_lookups_settle_this_runs_unknowns_too_while_a_window_is_open(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(ledger_module, "KEY_USAGE_LAG_S", 0.0)
-    monkeypatch.setattr(Settler, "attempt", a_moment_later(Settler.attempt))
-    path = tmp_path / "ledger.jsonl"
-    dead_run(path, 10.0)
-    api = StubOpenRouter(10.15)
-    led = Ledger(path)
-    led.record_key_usage(api.usage)
-    settler = Settler(led, api, timeout_s=0.0)
+    path, api, led, settler = resumed_after_a_dead_run(tmp_path, monkeypatch)
     r = led.reserve(0.3, 100, "ds", None, None)
     led.charge(r, 0.3, 100, prompt_id="p", generation_id="gen-7", provider="X", ok=True,
                cost_known=False, reason="ok; cost unknown")  # fmt: skip
