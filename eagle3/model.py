@@ -24,8 +24,8 @@ Two ways to run it:
   and the hidden state the draft itself produced at step k-1 (step 0: fc over the target's
   aux states). Its query attends to step-0 keys at positions <= t and to the keys of steps
   1..k at position t only, which is exactly what the draft sees at inference after k steps.
-  Its attention kernels (linear-memory "chunked" on CPU, "flex" on CUDA, and the dense
-  references) live in eagle3/ttt_attention.py. `TTTModel` is that unroll as `forward()`, the
+  Its attention kernels (linear-memory "flash" and "chunked" on CPU, "flex" on CUDA, and the
+  dense references) live in eagle3/ttt_attention.py. `TTTModel` is that unroll as `forward()`, the
   module training wraps (DDP, DeepSpeed).
 
 Parameter names match SGLang's `LlamaForCausalLMEagle3` so checkpoints load there unchanged.
@@ -243,7 +243,7 @@ class DraftAttention(nn.Module):
     n_heads: int
     scale: float
     o_proj: nn.Linear
-    ttt_impl = "auto"  # "auto" | "chunked" | "flex" | "sdpa" | "split": eagle3/ttt_attention.py
+    ttt_impl = "auto"  # "auto" | "chunked" | "flash" | "flex" | "sdpa" | "split": ttt_attention.py
 
     def attend_ttt(
         self,

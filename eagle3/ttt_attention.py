@@ -30,6 +30,19 @@ Why each path exists (`ttt_attention(impl=...)`):
   keys, values, out and the per-row log-sum-exp (B, nh, T); backward recomputes each tile's
   probabilities from the LSE (dS = P * (dO V^T - rowsum(dO * O))). Transient memory is a
   tile's scores in two or three reused buffers: constant in T.
+- "flash": CPU. torch's own fused flash-attention kernel (aten's
+  `_scaled_dot_product_flash_attention_for_cpu` and its backward: C++, vectorised, one pass per
+  tile with exp and the row sums fused, tiles spread over threads inside one call) for the
+  causal step-0 part, one call per document of a packed row; its per-row log-sum-exp merges
+  the k diagonal logits (lse = logaddexp(lse_causal, logsumexp(diag))). Backward calls the
+  kernel's backward with the *merged* output and LSE (its P = exp(S - lse) and rowsum(dO * O)
+  are then the joint softmax's), and adds the diagonal's gradients in closed form, the same
+  code as "chunked". SpecForge's flash-attn "fa" backend does this on GPUs; here the kernel is
+  torch's, so nothing is installed. Exact and linear in T like "chunked" (the kernel's scratch
+  is a tile per thread), and measured faster on CPU (results/README.md, "Long sequences").
+  The kernel takes one head dim for q, k and v: MLA's narrower values are zero-padded to the
+  qk width (exact; those columns are sliced off). Rows whose segment ids are not contiguous
+  runs (never made by packing) go to "chunked".
 - "flex": CUDA only. torch's compiled flex_attention (Triton) with a block mask over the step
   keys concatenated along the sequence axis, KV_LEN = (k+1) T, built by the compiled
   create_block_mask from `ttt_mask_mod`: fused, and it skips the blocks the mask empties.
@@ -39,8 +52,10 @@ Why each path exists (`ttt_attention(impl=...)`):
   The reference implementation; the old GPU path.
 - "split": the causal (B, nh, T, T) scores and the k diagonal logits softmaxed jointly:
   quadratic memory. The old CPU path; kept as a second reference.
-- "auto": "flex" on CUDA when flex attention imports (fused kernels, linear memory), else
-  "chunked" (the only linear-memory path on CPU, and a portable fallback). If flex raises in
+- "auto": "flex" on CUDA when flex attention imports (fused kernels, linear memory); on CPU
+  "flash" where this torch has the kernel and q, k and v share a head dim, else "chunked"
+  (the portable fallback, and MLA's path: padding its 128-wide values to 192 made "flash"
+  slower than "chunked", 51 vs 65 tokens/s for the Kimi MLA draft's step at T = 1k). If flex raises in
   the forward (a GPU or Triton build it cannot compile for: flash-attn's build, for one, fails
   on the sm_120 RTX PRO 6000), "auto" warns once and uses "chunked" for the rest of the
   process. Flex has not yet run on a GPU in this project's tests (none was lent).
@@ -57,7 +72,7 @@ import torch.nn.functional as F
 
 from eagle3.errors import Eagle3Error
 
-IMPLS = ("auto", "chunked", "flex", "sdpa", "split")
+IMPLS = ("auto", "chunked", "flash", "flex", "sdpa", "split")
 # Query rows per chunk and step-0 keys per block of the "chunked" path. Measured on this
 # project's 2-core CPU, fp32, forward + backward: before key blocks (a chunk scored every key
 # below it at once), 9 heads x 64 (SmolLM2 draft), k = 3, T = 8k: 64 / 128 / 256 / 512 rows
@@ -74,6 +89,12 @@ KEY_BLOCK = 512
 
 log = logging.getLogger(__name__)
 _FLEX_FAILED: list[str] = []  # "auto" stops trying flex after its first failure in a process
+
+# torch's CPU flash-attention kernel and its backward (torch >= 2.3): the "flash" path
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
+)
 
 try:  # flex attention: torch >= 2.5; never a reason for this module to fail to import
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -98,9 +119,7 @@ def ttt_attention(
     segment_ids (B, T) int or None (one document per row).
     """
     if impl == "auto":
-        impl = (
-            "flex" if q.is_cuda and flex_attention is not None and not _FLEX_FAILED else "chunked"
-        )
+        impl = auto_impl(q.device, q.shape[-1], values[0].shape[-1])
         if impl == "flex":
             try:
                 return flex_ttt(q, keys, values, scale=scale, segment_ids=segment_ids)
@@ -109,6 +128,17 @@ def ttt_attention(
                 log.warning("flex attention failed on this GPU (%s); TTT attention falls back "
                             "to 'chunked' (exact, linear memory, slower)", err)  # fmt: skip
                 impl = "chunked"
+    if impl == "flash":
+        if q.is_cuda or _FLASH_CPU is None:
+            raise Eagle3Error(
+                "ttt_impl 'flash' is torch's CPU flash-attention kernel (torch >= 2.3, CPU "
+                "tensors); use 'auto' (flex on CUDA) or 'chunked'"
+            )
+        documents = _documents(segment_ids)
+        if documents is not None and q.shape[2] > 0:  # else "chunked" masks exactly
+            with torch.autocast(q.device.type, enabled=False):
+                return _FlashTTT.apply(q, documents, scale, *keys, *values)
+        impl = "chunked"
     if impl == "chunked":  # in the inputs' dtype: autocast would recast its matmuls
         with torch.autocast(q.device.type, enabled=False):
             return _ChunkedTTT.apply(q, segment_ids, scale, chunk_size, key_block, *keys, *values)
@@ -124,6 +154,15 @@ def ttt_attention(
     if impl == "split":
         return split_ttt(q, keys, values, scale=scale, segment_ids=segment_ids)
     raise Eagle3Error(f"ttt_impl {impl!r} is not one of {', '.join(IMPLS)}")
+
+
+def auto_impl(device: torch.device, dqk: int, dv: int) -> str:
+    """What impl "auto" runs on `device` for query/key head dim dqk and value head dim dv (the
+    module docstring says why)."""
+    if device.type == "cuda":
+        return "flex" if flex_attention is not None and not _FLEX_FAILED else "chunked"
+    flash = device.type == "cpu" and _FLASH_CPU is not None and dqk == dv
+    return "flash" if flash else "chunked"
 
 
 def ttt_mask(
@@ -242,6 +281,22 @@ def _diag_logits(qs, kd, a, b):
     """(B, nkv, rep, C, k) logits of rows [a, b) against their own position's keys of steps 1..k
     (kd (B, nkv, T, k, dqk)), in the accumulation dtype."""
     return (qs.unsqueeze(-2) * kd[:, :, None, a:b]).sum(-1).to(_acc_dtype(qs.dtype))
+
+
+def _diag_grads(qs, kd, vd, do, lse, D, a, b):
+    """Rows [a, b)'s gradients through their diagonal logits, given the joint softmax's LSE and
+    D = rowsum(dO * O) (both (B, nkv, rep, T)): qs the rows' scaled queries (B, nkv, rep, C,
+    dqk), do their dO (B, nkv, rep, C, dv), kd / vd (B, nkv, T, k, d) ->
+    (dq (B, nkv, rep, C, dqk), still to be multiplied by the scale; dkd (B, nkv, C, k, dqk);
+    dvd (B, nkv, C, k, dv)), the last two summed over the rep query heads of their KV head."""
+    pd = _diag_logits(qs, kd, a, b).sub_(lse[..., a:b, None]).exp_()  # (B, nkv, rep, C, k)
+    vdc, kdc = vd[:, :, None, a:b], kd[:, :, None, a:b]  # (B, nkv, 1, C, k, d)
+    dsd = (do.unsqueeze(-2) * vdc).sum(-1).to(pd.dtype)  # dP of the diagonal
+    dsd = dsd.sub_(D[..., a:b, None]).mul_(pd).to(qs.dtype)  # dS: the logits' gradient
+    dq = (dsd.unsqueeze(-1) * kdc).sum(-2)
+    dkd = (dsd.unsqueeze(-1) * qs.unsqueeze(-2)).sum(2)
+    dvd = (pd.to(qs.dtype).unsqueeze(-1) * do.unsqueeze(-2)).sum(2)
+    return dq, dkd, dvd
 
 
 class _ChunkedTTT(torch.autograd.Function):
@@ -366,13 +421,8 @@ class _ChunkedTTT(torch.autograd.Function):
                 _add_matmul(dk0[:, s:e], ds.transpose(1, 2), qr, term_buf)
             dqc = dqc.view(B, nkv, rep, C, dqk)
             if n > 1:
-                pd = _diag_logits(qs, kd, a, b).sub_(lse[..., a:b, None]).exp_()
-                vdc, kdc = vd[:, :, None, a:b], kd[:, :, None, a:b]  # (B, nkv, 1, C, k, d)
-                dsd = (do.unsqueeze(-2) * vdc).sum(-1).to(acc)  # dP of the diagonal
-                dsd = dsd.sub_(D[..., a:b, None]).mul_(pd).to(q.dtype)  # (B, nkv, rep, C, k)
-                dqc += (dsd.unsqueeze(-1) * kdc).sum(-2)
-                dkd[:, :, a:b] = (dsd.unsqueeze(-1) * qs.unsqueeze(-2)).sum(2)  # (B, nkv, C, k, d)
-                dvd[:, :, a:b] = (pd.to(q.dtype).unsqueeze(-1) * do.unsqueeze(-2)).sum(2)
+                dq_diag, dkd[:, :, a:b], dvd[:, :, a:b] = _diag_grads(qs, kd, vd, do, lse, D, a, b)
+                dqc += dq_diag
             dq[..., a:b, :] = dqc * scale
         dkeys = [dk0.view(keys[0].shape)]
         dvalues = [dv0.view(values[0].shape)]
@@ -381,6 +431,142 @@ class _ChunkedTTT(torch.autograd.Function):
             dvalues += list(dvd.unbind(-2))
         grads = [g.to(x.dtype) for g, x in zip(dkeys + dvalues, kv)]
         return (dq.view(B, nh, T, dqk), None, None, None, None, *grads)
+
+
+# -- "flash": torch's CPU flash-attention kernel + the diagonal merged by log-sum-exp ----------
+DIAG_ROWS = 256  # rows per pass over the diagonal logits: bounds their (rows, k, d) products
+
+
+def _documents(segment_ids: torch.Tensor | None) -> tuple | None:
+    """The documents of packed rows: per batch row a tuple of (start, end). () without
+    segment_ids (each row one document: one kernel call for the batch); None when a row's ids
+    are not contiguous runs (an id that returns; packing never makes one)."""
+    if segment_ids is None:
+        return ()
+    rows = []
+    for row in segment_ids.cpu():
+        starts = [0, *(torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()]
+        if torch.unique(row[starts]).numel() != len(starts):
+            return None
+        rows.append(tuple(zip(starts, [*starts[1:], row.numel()])))
+    return tuple(rows)
+
+
+def _over_documents(documents: tuple, batch: int, seq_len: int):
+    """(rows, start, end) of each kernel call: the whole batch once, or each document."""
+    if not documents:
+        return [(slice(0, batch), 0, seq_len)]
+    return [(slice(b, b + 1), s, e) for b, row in enumerate(documents) for s, e in row]
+
+
+def _padded(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x zero-padded on its last dim to `width` (the kernel takes one head dim for q, k, v)."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def _merge_diagonal(q, keys, values, out_c, lse_c, scale):
+    """The causal part's (out, lse) and the keys of steps 1..k at each row's own position ->
+    the joint softmax's (out (B, nh, T, dv), lse (B, nh, T)): lse = logaddexp(lse_c,
+    logsumexp(diag)), out = exp(lse_c - lse) out_c + sum_j exp(diag_j - lse) v_j."""
+    B, nh, T, dqk = q.shape
+    nkv, dv = keys[0].shape[1], values[0].shape[-1]
+    rep = nh // nkv
+    qg = q.view(B, nkv, rep, T, dqk)
+    kd, vd = _stack_diag(keys), _stack_diag(values)  # (B, nkv, T, k, d)
+    oc, lc = out_c.view(B, nkv, rep, T, dv), lse_c.view(B, nkv, rep, T)
+    out, lse = torch.empty_like(oc), torch.empty_like(lc)
+    for a in range(0, T, DIAG_ROWS):
+        b = min(a + DIAG_ROWS, T)
+        diag = _diag_logits(qg[..., a:b, :] * scale, kd, a, b)  # (B, nkv, rep, C, k)
+        lse[..., a:b] = torch.logaddexp(lc[..., a:b], diag.logsumexp(-1))
+        pd = diag.sub_(lse[..., a:b, None]).exp_()
+        causal = oc[..., a:b, :].to(pd.dtype) * (lc[..., a:b] - lse[..., a:b]).exp()[..., None]
+        out[..., a:b, :] = causal + (pd.unsqueeze(-1) * vd[:, :, None, a:b].to(pd.dtype)).sum(-2)
+    return out.view(B, nh, T, dv), lse.view(B, nh, T)
+
+
+class _FlashTTT(torch.autograd.Function):
+    """TTT attention through torch's CPU flash-attention kernel; see the module docstring.
+
+    apply(q, documents, scale, *keys, *values); documents as `_documents` returns them.
+    """
+
+    @staticmethod
+    def forward(ctx, q, documents, scale, *kv):
+        n = len(kv) // 2
+        keys, values = kv[:n], kv[n:]
+        B, nh, T, dqk = q.shape
+        dv = values[0].shape[-1]
+        width = max(dqk, dv)
+        qp, kp, vp = _padded(q, width), _padded(keys[0], width), _padded(values[0], width)
+        calls = _over_documents(documents, B, T)
+        if len(calls) == 1:
+            out, lse = _FLASH_CPU(qp, kp, vp, 0.0, True, scale=scale)
+        else:
+            out = q.new_empty(B, nh, T, width)
+            lse = q.new_empty(B, nh, T, dtype=_acc_dtype(q.dtype))
+            for rows, s, e in calls:
+                out[rows, :, s:e], lse[rows, :, s:e] = _FLASH_CPU(
+                    qp[rows, :, s:e], kp[rows, :, s:e], vp[rows, :, s:e], 0.0, True, scale=scale
+                )
+        out = out[..., :dv].contiguous()
+        if n > 1:
+            out, lse = _merge_diagonal(q, keys, values, out, lse, scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, out, lse, *kv)
+        ctx.documents, ctx.scale, ctx.n = documents, scale, n
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, out, lse, *kv = ctx.saved_tensors
+        documents, scale, n = ctx.documents, ctx.scale, ctx.n
+        keys, values = kv[:n], kv[n:]
+        B, nh, T, dqk = q.shape
+        nkv, dv = keys[0].shape[1], values[0].shape[-1]
+        width = max(dqk, dv)
+        dout = dout.contiguous()
+        # The kernel's backward with the joint softmax's output and LSE: its recomputed
+        # P = exp(S - lse) and D = rowsum(dO * O) are the joint ones, so its dQ, dK0, dV0 are
+        # the step-0 keys' share of the gradients.
+        qp, kp, vp = _padded(q, width), _padded(keys[0], width), _padded(values[0], width)
+        dop, outp = _padded(dout, width), _padded(out, width)
+        calls = _over_documents(documents, B, T)
+        if len(calls) == 1:
+            dq, dk0, dv0 = _FLASH_CPU_BACKWARD(dop, qp, kp, vp, outp, lse, 0.0, True, scale=scale)
+        else:
+            dq, dk0, dv0 = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
+            for rows, s, e in calls:
+                piece = (rows, slice(None), slice(s, e))
+                dq[piece], dk0[piece], dv0[piece] = _FLASH_CPU_BACKWARD(
+                    *(x[piece] for x in (dop, qp, kp, vp, outp)),
+                    lse[piece],
+                    0.0,
+                    True,
+                    scale=scale,
+                )
+        dq, dk0, dv0 = dq[..., :dqk], dk0[..., :dqk], dv0[..., :dv]
+        dkeys, dvalues = [dk0], [dv0]
+        if n > 1:  # the diagonal's share, in closed form
+            rep, acc = nh // nkv, _acc_dtype(q.dtype)
+            dq = dq.contiguous().view(B, nkv, rep, T, dqk)
+            qg, dog = q.view(B, nkv, rep, T, dqk), dout.view(B, nkv, rep, T, dv)
+            lse_g = lse.view(B, nkv, rep, T)
+            D = (dout.to(acc) * out.to(acc)).sum(-1).view(B, nkv, rep, T)
+            kd, vd = _stack_diag(keys), _stack_diag(values)  # (B, nkv, T, k, d)
+            dkd, dvd = torch.empty_like(kd), torch.empty_like(vd)
+            for a in range(0, T, DIAG_ROWS):
+                b = min(a + DIAG_ROWS, T)
+                qs = qg[..., a:b, :] * scale
+                dq_diag, dkd[:, :, a:b], dvd[:, :, a:b] = _diag_grads(
+                    qs, kd, vd, dog[..., a:b, :], lse_g, D, a, b
+                )
+                dq[..., a:b, :] += dq_diag * scale
+            dq = dq.view(B, nh, T, dqk)
+            dkeys += list(dkd.unbind(-2))
+            dvalues += list(dvd.unbind(-2))
+        grads = [g.to(x.dtype) for g, x in zip(dkeys + dvalues, kv)]
+        return (dq.to(q.dtype), None, None, *grads)
 
 
 # -- "flex": CUDA, compiled flex_attention ----------------------------------------------------

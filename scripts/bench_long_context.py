@@ -12,8 +12,8 @@ target's shapes, and the soft labels a random distribution over the draft vocab,
 the step (the recipe caches them across epochs): only the draft's work is measured.
 
 Paths: "old" is what Attention.attend_ttt ran before eagle3/ttt_attention.py ("split" on CPU,
-"sdpa" on GPU, both quadratic in T); "new" is ttt_impl "auto" ("chunked" on CPU, "flex" on
-CUDA). Drafts: "smollm2" is configs/train/smollm2-q4-cpu.yaml's (hidden 576, 9 heads x 64,
+"sdpa" on GPU, both quadratic in T); "new" is what ttt_impl "auto" runs ("flash" on CPU,
+"flex" on CUDA); a kernel's name (chunked, flash, ...) runs that kernel. Drafts: "smollm2" is configs/train/smollm2-q4-cpu.yaml's (hidden 576, 9 heads x 64,
 3 KV heads, ttt_steps 4, draft vocab 8000) sized from SmolLM2-135M's shape facts (no model
 file); "kimi-layout" has Kimi's draft head layout (56 heads x 128, 8 KV heads, ttt_steps 7) at
 hidden 1024, intermediate 2816, draft vocab 8000; "kimi-mla" the Kimi recipes' default MLA draft
@@ -67,7 +67,7 @@ from bench_train import (  # noqa: E402
 
 from eagle3.loss import ttt_loss  # noqa: E402
 from eagle3.model import DraftConfig, Eagle3Draft, TTTModel  # noqa: E402
-from eagle3.ttt_attention import CHUNK_SIZE, KEY_BLOCK  # noqa: E402
+from eagle3.ttt_attention import CHUNK_SIZE, IMPLS, KEY_BLOCK, auto_impl  # noqa: E402
 from train.config import load_config  # noqa: E402
 
 RECIPE = REPO / "configs/train/smollm2-q4-cpu.yaml"
@@ -78,6 +78,11 @@ OLD_IMPL = {"cpu": "split", "cuda": "sdpa"}
 WARMUP_TOKENS_CPU = 256
 STEP_WEIGHT, GRAD_CLIP = 0.8, 0.5  # the recipes' loss weight and clip
 GiB = 2**30
+
+
+def v_head_dim(cfg: DraftConfig) -> int:
+    """The draft's value head dim (MLA's v_head_dim; GQA's head_dim)."""
+    return cfg.v_head_dim if cfg.attention == "mla" else cfg.head_dim
 
 
 def draft_setup(name: str) -> tuple[DraftConfig, int]:
@@ -268,9 +273,12 @@ def sweep(args, device: torch.device, impls: dict[str, str]) -> list[dict]:
             for T in seq_lens:
                 if args.quick and path == "old" and T != 2048:
                     continue
-                point = {"draft": name, "path": path, "impl": impls[path], "seq_len": T}
-                point.update(ttt_steps=K, projected_gib=projected_gib(draft_cfg, K, T, impls[path]))
-                print(f"  {name} {path} ({impls[path]}) T={T}: ", end="", flush=True)
+                impl = impls[path]
+                if impl == "auto":  # the kernel auto picks for this draft's head dims
+                    impl = auto_impl(device, draft_cfg.head_dim, v_head_dim(draft_cfg))
+                point = {"draft": name, "path": path, "impl": impl, "seq_len": T}
+                point.update(ttt_steps=K, projected_gib=projected_gib(draft_cfg, K, T, impl))
+                print(f"  {name} {path} ({impl}) T={T}: ", end="", flush=True)
                 free = available_gib(device)
                 if point["projected_gib"] > 0.9 * free:
                     point["skipped"] = (
@@ -279,7 +287,7 @@ def sweep(args, device: torch.device, impls: dict[str, str]) -> list[dict]:
                     )
                     print(f"skipped: {point['skipped']}", flush=True)
                 else:
-                    spec = {"draft": name, "impl": impls[path], "seq_len": T, "steps": args.steps}
+                    spec = {"draft": name, "impl": impl, "seq_len": T, "steps": args.steps}
                     point.update(spawn_point({**spec, "device": args.device}))
                     print(point.get("error") or f"{point['s_per_step_all']} s", flush=True)
                     if "tokens_per_s" in point:
@@ -288,7 +296,7 @@ def sweep(args, device: torch.device, impls: dict[str, str]) -> list[dict]:
     return points
 
 
-def report(points: list[dict], impls: dict[str, str]) -> dict[str, list[str]]:
+def report(points: list[dict]) -> dict[str, list[str]]:
     """Print the table and the scaling ratios -> the ratio lines, per draft and path."""
     print(
         f"{'draft':12} {'path':13} {'T':>6} {'peak GiB':>9} {'tokens/s':>9} {'s/step':>8} "
@@ -314,7 +322,7 @@ def report(points: list[dict], impls: dict[str, str]) -> dict[str, list[str]]:
         ):
             if line:
                 ratios.setdefault("/".join(key), []).append(line)
-                print(f"{key[0]} {key[1]} ({impls[key[1]]}): {line}")
+                print(f"{key[0]} {key[1]} ({mine[0]['impl']}): {line}")
     return ratios
 
 
@@ -377,7 +385,11 @@ def main() -> None:
         help="steps per point after the warm-up: memory of the first, tokens/s of the fastest",
     )
     p.add_argument("--drafts", default="smollm2,kimi-layout", help="comma-separated")
-    p.add_argument("--paths", default="old,new", help="comma-separated: old, new")
+    p.add_argument(
+        "--paths",
+        default="old,new",
+        help="comma-separated: old, new (what ttt_impl auto runs here) or a kernel's name",
+    )
     p.add_argument("--seq-lens", help=f"comma-separated (default {','.join(map(str, SEQ_LENS))})")
     p.add_argument("--packing", type=Path, help="shard dir: padded vs packed training instead")
     p.add_argument("--pack-length", type=int, default=1024, help="packed row length, max_length")
@@ -400,6 +412,10 @@ def main() -> None:
 
     device = torch.device(args.device)
     impls = {"old": OLD_IMPL[device.type], "new": "auto"}
+    for path in args.paths.split(","):  # a kernel by name: --paths new,chunked
+        if path not in impls and path not in IMPLS[1:]:
+            p.error(f"--paths: {path!r} is not old, new or one of {', '.join(IMPLS[1:])}")
+        impls.setdefault(path, path)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     threads = torch.get_num_threads()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{threads} threads"
@@ -408,7 +424,7 @@ def main() -> None:
         f"{args.steps} step(s) per point after a warm-up"
     )
     points = sweep(args, device, impls)
-    ratios = report(points, impls)
+    ratios = report(points)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         summary = {

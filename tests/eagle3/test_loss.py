@@ -2,7 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3.loss import simulated_acceptance, ttt_loss, valid_counts
+from eagle3 import loss as loss_module
+from eagle3.loss import simulated_acceptance, soft_cross_entropy, ttt_loss, valid_counts
 
 
 def one_hot_probs(labels, vocab):
@@ -69,3 +70,30 @@ def test_step_weights_and_denominators():
 def test_simulated_acceptance():
     assert simulated_acceptance([1.0, 1.0]) == 3.0
     assert simulated_acceptance([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk_elements", [4 * 11, 2**21], ids=["4-row-chunks", "one-chunk"])
+def test_soft_cross_entropy_is_the_fused_cross_entropy_in_chunks(
+    dtype, chunk_elements, monkeypatch
+):
+    """Values, argmax and the logits' gradient equal F.cross_entropy over logits[:, :n] (soft
+    labels, one row of them all zero as unlabelled rows are), in chunks that do not divide n."""
+    monkeypatch.setitem(loss_module.CE_CHUNK_ELEMENTS, "cpu", chunk_elements)
+    torch.manual_seed(0)
+    B, T, n, V = 2, 13, 10, 11
+    logits = (torch.randn(B, T, V) * 4).to(dtype).requires_grad_()
+    probs = torch.randn(B, n, V).softmax(-1)
+    probs[1, 3] = 0
+    dce = torch.randn(B, n)
+    ce, top = soft_cross_entropy(logits, probs)
+    (grad,) = torch.autograd.grad((ce * dce).sum(), logits)
+    ref = logits.detach().float().requires_grad_()
+    want = F.cross_entropy(ref[:, :n].reshape(B * n, V), probs.reshape(B * n, V), reduction="none")
+    (want_grad,) = torch.autograd.grad((want.view(B, n) * dce).sum(), ref)
+    assert ce.dtype == torch.float32 and grad.dtype == dtype
+    assert torch.allclose(ce, want.view(B, n), atol=1e-5, rtol=1e-5)
+    assert torch.equal(top, logits[:, :n].argmax(-1))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: the gradient is stored in bf16
+    assert torch.allclose(grad.float(), want_grad, atol=tol, rtol=tol)
+    assert grad[:, n:].abs().sum() == 0 and grad[1, 3].abs().sum() == 0

@@ -103,7 +103,7 @@ def test_mla_draft_attention_equals_transformers_deepseek_v3(rope, q_lora, mla_c
 
 
 @pytest.mark.parametrize("rope", [None, YARN], ids=["plain", "yarn"])
-@pytest.mark.parametrize("impl", ["chunked", "sdpa", "split"])
+@pytest.mark.parametrize("impl", ["chunked", "flash", "sdpa", "split"])
 def test_mla_draft_ttt_step_equals_incremental_decoding(impl, rope, mla_config):
     """TTT step k at position t is what the drafter computes after k chained steps."""
     model = Eagle3Draft(mla_config(rope_scaling=rope)).eval()
@@ -115,12 +115,13 @@ def test_mla_draft_ttt_gradients_agree_across_kernels(mla_config):
     model = Eagle3Draft(mla_config(rope_scaling=YARN))
     input_ids, aux = torch.randint(0, 50, (2, 6)), torch.randn(2, 6, 96)
     grads = {}
-    for impl in ("chunked", "sdpa"):
+    for impl in ("chunked", "flash", "sdpa"):
         model.zero_grad()
         model.midlayer.self_attn.ttt_impl = impl
         sum(x.square().mean() for x in model.ttt_forward(input_ids, aux, 3)).backward()
         grads[impl] = model.midlayer.self_attn.kv_b_proj.weight.grad.clone()
-    assert torch.allclose(grads["sdpa"], grads["chunked"], atol=1e-5)
+    for impl in ("chunked", "flash"):
+        assert torch.allclose(grads["sdpa"], grads[impl], atol=1e-5)
 
 
 def test_mla_draft_checkpoint_is_vllms_layout_and_round_trips(mla_config, tmp_path):

@@ -1,16 +1,20 @@
 """eagle3/ttt_attention.py: every TTT attention kernel against one dense reference, forward and
-backward, with GQA, MLA-like head dims, packed rows and bf16; the chunked path's memory is linear."""
+backward, with GQA, MLA-like head dims, packed rows and bf16; the chunked and flash paths'
+memory is linear."""
 
 import warnings
 
 import pytest
 import torch
 
+from eagle3 import ttt_attention as ttt_module
 from eagle3.errors import Eagle3Error
 from eagle3.model import Eagle3Draft
 from eagle3.ttt_attention import (
     KEY_BLOCK,
+    _documents,
     _segment_bounds,
+    auto_impl,
     flex_ttt,
     ttt_attention,
     ttt_mask,
@@ -87,17 +91,24 @@ def check_against_reference(
     assert_close(got, want, rtol)
 
 
-# (nh, nkv, dqk, dv): GQA with MLA-like head dims (qk wider than v), and plain MHA
-LAYOUTS = {"gqa-dqk24-dv16": (4, 2, 24, 16), "mha-d16": (4, 4, 16, 16)}
+# (nh, nkv, dqk, dv): GQA with MLA-like head dims (qk wider than v), plain MHA, and values wider
+# than queries (the flash path pads whichever is narrower)
+LAYOUTS = {
+    "gqa-dqk24-dv16": (4, 2, 24, 16),
+    "mha-d16": (4, 4, 16, 16),
+    "gqa-dqk16-dv24": (4, 2, 16, 24),
+}
+LINEAR = ["chunked", "flash"]  # the exact linear-memory kernels that run on CPU
 
 
 @pytest.mark.parametrize("T", [1, 5, 16, 37])  # chunk_size 16: T < chunk, == chunk, not a multiple
 @pytest.mark.parametrize("steps", [0, 1, 2, 3])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_chunked_matches_dense_reference_outputs_and_gradients(T, steps, layout):
+@pytest.mark.parametrize("impl", LINEAR)
+def test_linear_kernels_match_dense_reference_outputs_and_gradients(impl, T, steps, layout):
     nh, nkv, dqk, dv = LAYOUTS[layout]
     leaves = inputs(nh=nh, nkv=nkv, T=T, dqk=dqk, dv=dv, steps=steps)
-    check_against_reference("chunked", leaves, steps, scale=dqk**-0.5)
+    check_against_reference(impl, leaves, steps, scale=dqk**-0.5)
 
 
 # (chunk_size, key_block): several key blocks per chunk, with chunk and block edges that do not
@@ -146,11 +157,20 @@ def test_packing_segment_bounds_skip_only_other_documents():
 
 
 @pytest.mark.parametrize("steps", [0, 2])
-def test_packing_non_contiguous_segments_stay_exact(steps):
+@pytest.mark.parametrize("impl", LINEAR)
+def test_packing_non_contiguous_segments_stay_exact(impl, steps):
     segment_ids = torch.randint(0, 3, (2, 37))  # ids returning within a row: no skipping
     check_against_reference(
-        "chunked", inputs(steps=steps), steps, 0.2, segment_ids, chunk_size=8, key_block=5
+        impl, inputs(steps=steps), steps, 0.2, segment_ids, chunk_size=8, key_block=5
     )
+
+
+def test_packing_documents_are_the_runs_of_one_id():
+    assert _documents(None) == ()
+    assert _documents(PACKED[None]) == (((0, 7), (7, 19), (19, 28), (28, 37)),)
+    two = _documents(torch.stack([PACKED, PACKED.flip(0)]))
+    assert two[1] == ((0, 9), (9, 18), (18, 30), (30, 37))
+    assert _documents(torch.tensor([[0, 0, 1, 1, 0, 0]])) is None  # an id that returns
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "split"])
@@ -159,7 +179,7 @@ def test_dense_references_match_the_dense_reference(impl, steps):
     check_against_reference(impl, inputs(steps=steps), steps, scale=0.2)
 
 
-@pytest.mark.parametrize("impl", ["chunked", "sdpa", "split"])
+@pytest.mark.parametrize("impl", ["chunked", "flash", "sdpa", "split"])
 @pytest.mark.parametrize("steps", [0, 1, 3])
 @pytest.mark.parametrize("chunk_size", [5, 16, 64])
 def test_packing_segments_match_the_segment_causal_reference(impl, steps, chunk_size):
@@ -193,14 +213,14 @@ def test_packing_segments_through_ttt_forward_agree_across_impls(tiny_config):
     ids, aux = torch.randint(0, 50, (2, 37)), torch.randn(2, 37, 96)
     segment_ids = torch.stack([PACKED, PACKED.flip(0)])
     results = {}
-    for impl in ("chunked", "sdpa", "split"):
+    for impl in ("chunked", "flash", "sdpa", "split"):
         model.zero_grad()
         model.midlayer.self_attn.ttt_impl = impl
         logits = model.ttt_forward(ids, aux, 3, segment_ids=segment_ids)
         sum(x.square().mean() for x in logits).backward()
         results[impl] = [*logits, model.midlayer.self_attn.k_proj.weight.grad.clone()]
-    assert_close(results["chunked"], results["sdpa"], 1e-5)
-    assert_close(results["split"], results["sdpa"], 1e-5)
+    for impl in ("chunked", "flash", "split"):
+        assert_close(results[impl], results["sdpa"], 1e-5)
     # one segment per row is no segments at all
     with torch.no_grad():
         plain = model.ttt_forward(ids, aux, 3)
@@ -209,11 +229,12 @@ def test_packing_segments_through_ttt_forward_agree_across_impls(tiny_config):
 
 
 @pytest.mark.parametrize("segments", [False, True], ids=["plain", "packing"])
-def test_chunked_bf16_matches_fp32_reference_at_bf16_tolerance(segments):
+@pytest.mark.parametrize("impl", LINEAR)
+def test_linear_kernels_bf16_match_fp32_reference_at_bf16_tolerance(impl, segments):
     steps = 3
     leaves = inputs(steps=steps, dtype=torch.bfloat16)
     check_against_reference(
-        "chunked",
+        impl,
         leaves,
         steps,
         scale=24**-0.5,
@@ -222,13 +243,14 @@ def test_chunked_bf16_matches_fp32_reference_at_bf16_tolerance(segments):
     )
 
 
-def test_chunked_gradcheck_float64():
+@pytest.mark.parametrize("impl", LINEAR)
+def test_linear_kernels_gradcheck_float64(impl):
     leaves = inputs(B=1, nh=2, nkv=1, T=6, dqk=3, dv=2, steps=2, dtype=torch.float64)
     segment_ids = torch.tensor([[0, 0, 0, 1, 1, 2]])
 
     def fn(q, *kv):
         return ttt_attention(
-            q, kv[:3], kv[3:], scale=0.7, impl="chunked", segment_ids=segment_ids, chunk_size=4
+            q, kv[:3], kv[3:], scale=0.7, impl=impl, segment_ids=segment_ids, chunk_size=4
         )
 
     assert torch.autograd.gradcheck(fn, leaves)
@@ -249,8 +271,9 @@ def saved_bytes(impl: str, T: int) -> int:
     return total
 
 
-def test_chunked_saved_memory_is_linear_in_sequence_length():
-    ratio = saved_bytes("chunked", 2048) / saved_bytes("chunked", 512)
+@pytest.mark.parametrize("impl", LINEAR)
+def test_linear_kernels_saved_memory_is_linear_in_sequence_length(impl):
+    ratio = saved_bytes(impl, 2048) / saved_bytes(impl, 512)
     assert 3.9 < ratio < 4.1  # 4x the tokens, 4x the memory
     # the measure can tell: split keeps the (T, T) scores (ratio 16, less its linear part)
     assert saved_bytes("split", 1024) / saved_bytes("split", 256) > 8
@@ -285,10 +308,24 @@ def test_flex_unfused_reference_forward_on_cpu_matches_chunked():
 def test_unknown_impl_and_flex_on_cpu_are_one_line_errors():
     q, *kv = inputs(steps=0)
     with pytest.raises(Eagle3Error, match="not one of"):
-        ttt_attention(q, kv[:1], kv[1:], scale=0.2, impl="flash")
+        ttt_attention(q, kv[:1], kv[1:], scale=0.2, impl="flash_attn")
     if not torch.cuda.is_available():
         with pytest.raises(Eagle3Error, match="needs a CUDA device"):
             ttt_attention(q, kv[:1], kv[1:], scale=0.2, impl="flex")
+
+
+def test_auto_runs_flash_on_cpu_and_chunked_for_mla_or_where_torch_lacks_the_kernel(monkeypatch):
+    cpu = torch.device("cpu")
+    assert auto_impl(cpu, 64, 64) == "flash"  # torch 2.13 has the kernel
+    assert auto_impl(cpu, 192, 128) == "chunked"  # MLA: padded values cost more than it gains
+    q, *kv = inputs(steps=2, dqk=16, dv=16)
+    flash = ttt_attention(q, kv[:3], kv[3:], scale=0.2, impl="flash")
+    monkeypatch.setattr(ttt_module, "_FLASH_CPU", None)  # an older torch
+    assert auto_impl(cpu, 64, 64) == "chunked"
+    chunked = ttt_attention(q, kv[:3], kv[3:], scale=0.2)
+    assert_close([chunked], [flash], 1e-5)
+    with pytest.raises(Eagle3Error, match="torch's CPU flash-attention kernel"):
+        ttt_attention(q, kv[:3], kv[3:], scale=0.2, impl="flash")
 
 
 @pytest.mark.gpu

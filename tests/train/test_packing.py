@@ -63,7 +63,7 @@ def test_packing_rows_carry_segments_and_restarting_positions():
     assert batch["attention_mask"][1].sum() == 3
 
 
-@pytest.mark.parametrize("impl", ["chunked", "split", "sdpa"])
+@pytest.mark.parametrize("impl", ["chunked", "flash", "split", "sdpa"])
 def test_packing_gives_the_padded_per_token_losses_and_gradients(impl, tiny_config):
     """One packed row vs its records padded one per row: every step's valid positions, their
     soft-label cross-entropies (matched token for token) and the parameter gradients agree."""
