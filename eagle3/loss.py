@@ -125,10 +125,10 @@ class _SoftCrossEntropy(torch.autograd.Function):
 
     apply(logits (B, T, V), probs (B, n, V), chunk) -> (ce float32 (B, n), argmax (B, n)).
     Saves the logits, the labels (both held by the caller anyway), the per-position LSE and
-    label mass; backward writes (softmax * sum(p) - p) * dce chunk by chunk into the logits'
-    gradient, zero past n. So no (B, n, V) log-softmax is kept for backward (one per TTT step:
-    1.5 GB for a 12k-token Kimi row with a 32k draft vocab), and no temporary of that size
-    exists at all.
+    label mass; backward writes (softmax * sum(p) - p) * dce chunk by chunk over the logits
+    themselves, zero past n, and returns them as their own gradient. So no (B, n, V)
+    log-softmax is kept for backward (one per TTT step: 1.5 GB for a 12k-token Kimi row with a
+    32k draft vocab), and no tensor of that size is made beyond the logits.
     """
 
     @staticmethod
@@ -146,15 +146,24 @@ class _SoftCrossEntropy(torch.autograd.Function):
                 ce[b, a:e] = -(p * (x - lse[b, a:e, None])).sum(-1)
                 top[b, a:e] = x.argmax(-1)
         ctx.save_for_backward(logits, probs, lse, mass)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.consumed = chunk, False
         ctx.mark_non_differentiable(top)
         return ce, top
 
     @staticmethod
     def backward(ctx, dce, _dtop):
+        if ctx.consumed:
+            raise RuntimeError(
+                "soft_cross_entropy's backward ran twice: its first backward wrote the gradient "
+                "over the logits (retain_graph is not supported)"
+            )
+        ctx.consumed = True
         logits, probs, lse, mass = ctx.saved_tensors
         B, n, _ = probs.shape
-        grad = torch.empty_like(logits)
+        # The gradient is written over the logits, chunk by chunk after each is read: they are
+        # dead by now (this loss is their only reader), and their pages are already mapped,
+        # where a fresh (B, T, V) gradient would be mmapped and page-faulted per TTT step.
+        grad = logits.detach()
         grad[:, n:] = 0  # positions past n carry no loss
         for b in range(B):
             for a in range(0, n, ctx.chunk):
@@ -171,7 +180,9 @@ def soft_cross_entropy(
     """Soft-label cross-entropy of logits (B, T, V) against probs (B, n, V) (n <= T: the first
     n positions) -> (ce float32 (B, n), the logits' argmax (B, n)). The same values as
     F.cross_entropy(logits[:, :n].float(), probs) row by row, in chunks of positions (see
-    CE_CHUNK_ELEMENTS)."""
+    CE_CHUNK_ELEMENTS). Backward overwrites `logits` with their gradient: read them before it,
+    as the trainer does. A second backward through the same graph, or a second loss over the
+    same logits, raises (autograd's in-place check) instead of using overwritten values."""
     per_chunk = CE_CHUNK_ELEMENTS.get(logits.device.type, CE_CHUNK_ELEMENTS["cuda"])
     chunk = max(1, per_chunk // max(probs.shape[-1], 1))
     return _SoftCrossEntropy.apply(logits, probs.detach(), chunk)
@@ -195,7 +206,8 @@ def ttt_loss(
     batches and ranks. `denominators`
     replaces the local valid-position counts (e.g. counts all-reduced over data-parallel
     ranks, divided by world size) so N ranks reproduce one rank with an N-times batch.
-    `segment_ids`: packed rows (step_targets).
+    `segment_ids`: packed rows (step_targets). After backward, `step_logits` hold their
+    gradients (soft_cross_entropy).
     """
     total = probs.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}

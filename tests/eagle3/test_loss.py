@@ -78,22 +78,41 @@ def test_soft_cross_entropy_is_the_fused_cross_entropy_in_chunks(
     dtype, chunk_elements, monkeypatch
 ):
     """Values, argmax and the logits' gradient equal F.cross_entropy over logits[:, :n] (soft
-    labels, one row of them all zero as unlabelled rows are), in chunks that do not divide n."""
+    labels, one row of them all zero as unlabelled rows are), in chunks that do not divide n;
+    backward leaves the gradient in the logits' own memory."""
     monkeypatch.setitem(loss_module.CE_CHUNK_ELEMENTS, "cpu", chunk_elements)
     torch.manual_seed(0)
     B, T, n, V = 2, 13, 10, 11
-    logits = (torch.randn(B, T, V) * 4).to(dtype).requires_grad_()
+    leaf = (torch.randn(B, T, V) * 4).to(dtype).requires_grad_()
     probs = torch.randn(B, n, V).softmax(-1)
     probs[1, 3] = 0
     dce = torch.randn(B, n)
-    ce, top = soft_cross_entropy(logits, probs)
-    (grad,) = torch.autograd.grad((ce * dce).sum(), logits)
-    ref = logits.detach().float().requires_grad_()
+    ref = leaf.detach().float().clone().requires_grad_()
     want = F.cross_entropy(ref[:, :n].reshape(B * n, V), probs.reshape(B * n, V), reduction="none")
     (want_grad,) = torch.autograd.grad((want.view(B, n) * dce).sum(), ref)
-    assert ce.dtype == torch.float32 and grad.dtype == dtype
+    logits = leaf * 1  # a model's logits: an intermediate, not a leaf
+    ce, top = soft_cross_entropy(logits, probs)
+    assert ce.dtype == torch.float32
     assert torch.allclose(ce, want.view(B, n), atol=1e-5, rtol=1e-5)
-    assert torch.equal(top, logits[:, :n].argmax(-1))
+    assert torch.equal(top, leaf[:, :n].argmax(-1))
+    (grad,) = torch.autograd.grad((ce * dce).sum(), leaf)
+    assert grad.dtype == dtype
     tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: the gradient is stored in bf16
     assert torch.allclose(grad.float(), want_grad, atol=tol, rtol=tol)
     assert grad[:, n:].abs().sum() == 0 and grad[1, 3].abs().sum() == 0
+    assert torch.equal(logits.detach(), grad)  # written over the dead logits, no new (T, V)
+
+
+def test_soft_cross_entropy_refuses_what_its_overwritten_logits_would_break():
+    """Its backward reuses the logits' memory: a second backward, or a second loss over the
+    same logits, is an error, never a gradient from overwritten values."""
+    probs = torch.randn(1, 4, 7).softmax(-1)
+    logits = torch.randn(1, 5, 7, requires_grad=True) * 1
+    ce, _ = soft_cross_entropy(logits, probs)
+    ce.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="ran twice"):
+        ce.sum().backward()
+    logits = torch.randn(1, 5, 7, requires_grad=True) * 1
+    (a, _), (b, _) = soft_cross_entropy(logits, probs), soft_cross_entropy(logits, probs)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (a.sum() + b.sum()).backward()
