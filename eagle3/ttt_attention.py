@@ -55,10 +55,10 @@ Why each path exists (`ttt_attention(impl=...)`):
 - "auto": "flex" on CUDA when flex attention imports (fused kernels, linear memory); on CPU
   "flash" where this torch has the kernel and q, k and v share a head dim, else "chunked"
   (the portable fallback, and MLA's path: padding its 128-wide values to 192 made "flash"
-  slower than "chunked", 51 vs 65 tokens/s for the Kimi MLA draft's step at T = 1k). If flex raises in
-  the forward (a GPU or Triton build it cannot compile for: flash-attn's build, for one, fails
-  on the sm_120 RTX PRO 6000), "auto" warns once and uses "chunked" for the rest of the
-  process. Flex has not yet run on a GPU in this project's tests (none was lent).
+  slower than "chunked", 51 vs 65 tokens/s for the Kimi MLA draft's step at T = 1k). If flex
+  raises in the forward (a GPU or Triton build it cannot compile for: flash-attn's build, for
+  one, fails on the sm_120 RTX PRO 6000), "auto" warns once and uses "chunked" for the rest
+  of the process. Flex has not yet run on a GPU in this project's tests (none was lent).
 """
 
 from __future__ import annotations
@@ -251,8 +251,8 @@ def _segment_bounds(segment_ids, T, chunk_size):
     seg = segment_ids.cpu()
     new = torch.ones_like(seg, dtype=torch.bool)  # (B, T): where a segment begins
     new[:, 1:] = seg[:, 1:] != seg[:, :-1]
-    if any(torch.unique(row[is_new]).numel() != int(is_new.sum()) for row, is_new in zip(seg, new)):
-        return [0] * len(starts), [T + 1] * len(starts)  # an id that returns: not contiguous
+    if _documents(seg) is None:  # an id that returns: not contiguous
+        return [0] * len(starts), [T + 1] * len(starts)
     first = torch.where(new, torch.arange(T), 0).cummax(-1).values  # (B, T): its segment's start
     lo = first[:, list(starts)].amin(0).tolist()  # the chunk's first row has the earliest start
     last = [min(a + chunk_size, T) - 1 for a in starts]
@@ -452,11 +452,19 @@ def _documents(segment_ids: torch.Tensor | None) -> tuple | None:
     return tuple(rows)
 
 
-def _over_documents(documents: tuple, batch: int, seq_len: int):
-    """(rows, start, end) of each kernel call: the whole batch once, or each document."""
+def _causal_by_document(op, documents, tensors, scale, make_outs):
+    """The flash kernel's causal call `op(*tensors, 0.0, True, scale=scale)`: once over whole
+    rows (documents == ()), else over each document's slice of every tensor (T is dim 2), the
+    results written into the tensors make_outs() returns -> the results."""
     if not documents:
-        return [(slice(0, batch), 0, seq_len)]
-    return [(slice(b, b + 1), s, e) for b, row in enumerate(documents) for s, e in row]
+        return op(*tensors, 0.0, True, scale=scale)
+    outs = make_outs()
+    for b, row in enumerate(documents):
+        for s, e in row:
+            piece = (slice(b, b + 1), slice(None), slice(s, e))
+            for out, got in zip(outs, op(*(x[piece] for x in tensors), 0.0, True, scale=scale)):
+                out[piece] = got
+    return outs
 
 
 def _padded(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -499,16 +507,16 @@ class _FlashTTT(torch.autograd.Function):
         dv = values[0].shape[-1]
         width = max(dqk, dv)
         qp, kp, vp = _padded(q, width), _padded(keys[0], width), _padded(values[0], width)
-        calls = _over_documents(documents, B, T)
-        if len(calls) == 1:
-            out, lse = _FLASH_CPU(qp, kp, vp, 0.0, True, scale=scale)
-        else:
-            out = q.new_empty(B, nh, T, width)
-            lse = q.new_empty(B, nh, T, dtype=_acc_dtype(q.dtype))
-            for rows, s, e in calls:
-                out[rows, :, s:e], lse[rows, :, s:e] = _FLASH_CPU(
-                    qp[rows, :, s:e], kp[rows, :, s:e], vp[rows, :, s:e], 0.0, True, scale=scale
-                )
+        out, lse = _causal_by_document(
+            _FLASH_CPU,
+            documents,
+            (qp, kp, vp),
+            scale,
+            lambda: (
+                q.new_empty(B, nh, T, width),
+                q.new_empty(B, nh, T, dtype=_acc_dtype(q.dtype)),
+            ),
+        )
         out = out[..., :dv].contiguous()
         if n > 1:
             out, lse = _merge_diagonal(q, keys, values, out, lse, scale)
@@ -531,20 +539,13 @@ class _FlashTTT(torch.autograd.Function):
         # the step-0 keys' share of the gradients.
         qp, kp, vp = _padded(q, width), _padded(keys[0], width), _padded(values[0], width)
         dop, outp = _padded(dout, width), _padded(out, width)
-        calls = _over_documents(documents, B, T)
-        if len(calls) == 1:
-            dq, dk0, dv0 = _FLASH_CPU_BACKWARD(dop, qp, kp, vp, outp, lse, 0.0, True, scale=scale)
-        else:
-            dq, dk0, dv0 = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
-            for rows, s, e in calls:
-                piece = (rows, slice(None), slice(s, e))
-                dq[piece], dk0[piece], dv0[piece] = _FLASH_CPU_BACKWARD(
-                    *(x[piece] for x in (dop, qp, kp, vp, outp)),
-                    lse[piece],
-                    0.0,
-                    True,
-                    scale=scale,
-                )
+        dq, dk0, dv0 = _causal_by_document(
+            _FLASH_CPU_BACKWARD,
+            documents,
+            (dop, qp, kp, vp, outp, lse),
+            scale,
+            lambda: tuple(torch.empty_like(x) for x in (qp, kp, vp)),
+        )
         dq, dk0, dv0 = dq[..., :dqk], dk0[..., :dqk], dv0[..., :dv]
         dkeys, dvalues = [dk0], [dv0]
         if n > 1:  # the diagonal's share, in closed form

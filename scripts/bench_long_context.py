@@ -12,8 +12,9 @@ target's shapes, and the soft labels a random distribution over the draft vocab,
 the step (the recipe caches them across epochs): only the draft's work is measured.
 
 Paths: "old" is what Attention.attend_ttt ran before eagle3/ttt_attention.py ("split" on CPU,
-"sdpa" on GPU, both quadratic in T); "new" is what ttt_impl "auto" runs ("flash" on CPU,
-"flex" on CUDA); a kernel's name (chunked, flash, ...) runs that kernel. Drafts: "smollm2" is configs/train/smollm2-q4-cpu.yaml's (hidden 576, 9 heads x 64,
+"sdpa" on GPU, both quadratic in T); "new" is what ttt_impl "auto" runs for the draft ("flash"
+on CPU, "chunked" for MLA, "flex" on CUDA); a kernel's name (chunked, flash, ...) runs that
+kernel. Drafts: "smollm2" is configs/train/smollm2-q4-cpu.yaml's (hidden 576, 9 heads x 64,
 3 KV heads, ttt_steps 4, draft vocab 8000) sized from SmolLM2-135M's shape facts (no model
 file); "kimi-layout" has Kimi's draft head layout (56 heads x 128, 8 KV heads, ttt_steps 7) at
 hidden 1024, intermediate 2816, draft vocab 8000; "kimi-mla" the Kimi recipes' default MLA draft
