@@ -7,13 +7,17 @@ the scheduler is stepped once per optimizer step whatever the number of processe
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
 
+from eagle3.compute import matmul_dtype
 from train.config import Config
+
+log = logging.getLogger(__name__)
 
 
 def make_accelerator(cfg: Config) -> tuple[Accelerator, torch.dtype]:
@@ -22,6 +26,13 @@ def make_accelerator(cfg: Config) -> tuple[Accelerator, torch.dtype]:
     mixed = cfg.train.mixed_precision
     if mixed == "auto":
         mixed = "bf16" if on_gpu else "no"
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed)
+    if not on_gpu and half is not None and matmul_dtype(half, "cpu") != half:
+        # autocast to a half type this CPU only emulates: 4-40x slower matmuls (eagle3.compute)
+        log.warning(
+            "train.mixed_precision=%s: this CPU has no native %s, training in fp32", mixed, mixed
+        )
+        mixed = "no"
     # accelerate launch with a DeepSpeed config (or ACCELERATE_USE_DEEPSPEED=true) asks for it;
     # on a CPU that needs cpu=False too (DeepSpeed's CPU accelerator, DS_ACCELERATOR=cpu, gloo)
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
