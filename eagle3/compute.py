@@ -120,3 +120,20 @@ def describe_peak(peak: float, dtype: torch.dtype = torch.float32) -> str:
     """'matmul peak 98.1 GFLOP/s float32 (AVX512, 2 threads)': the line benchmarks print."""
     kind = f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
     return f"matmul peak {peak / 1e9:,.1f} GFLOP/s {str(dtype).removeprefix('torch.')} ({kind})"
+
+
+def weight_flops_per_token(model: torch.nn.Module) -> float:
+    """2 x the weights of every linear layer (nn.Linear and datagen's PackedLinear): a forward's
+    matmul FLOPs per token, attention's score products left out (small at these lengths)."""
+    return 2.0 * sum(
+        m.weight.numel()
+        for m in model.modules()
+        if isinstance(getattr(m, "weight", None), torch.Tensor) and hasattr(m, "out_features")
+    )
+
+
+def peak_share(tokens_per_s: float, flops_per_token: float, peak: float) -> str:
+    """'12.3 GFLOP/s = 4.5% of the matmul peak': a stage's rate against this machine's own
+    yardstick, so that a slow CPU and a slow path can be told apart."""
+    achieved = tokens_per_s * flops_per_token
+    return f"{achieved / 1e9:,.1f} GFLOP/s = {100 * achieved / peak:.1f}% of the matmul peak"

@@ -87,3 +87,9 @@ def test_soft_labels_in_bf16_where_bf16_is_native(monkeypatch):
     logits = (last.reshape(-1, 16) @ head.T).float()  # bf16 product, as before
     want = logits[:, t2d.nonzero().squeeze(-1)].softmax(-1)
     assert torch.equal(got[0].reshape(want.shape), want)
+
+
+def test_weight_flops_count_linear_layers_only():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 6), torch.nn.ReLU())
+    assert compute.weight_flops_per_token(model) == 2 * 4 * 6
+    assert compute.peak_share(1e3, 1e6, 1e10).endswith("= 10.0% of the matmul peak")
