@@ -114,6 +114,7 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t0)
     med = {name: statistics.median(ts) for name, ts in times.items()}
+    peak = max(peak, matmul_peak(target.device))  # before and after: neighbours come and go
     print(
         f"target {target.name} on {target.device}, {torch.get_num_threads()} threads: "
         f"{len(items)} records, {tokens:,} tokens in {len(padded)} batches, "

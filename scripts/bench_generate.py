@@ -84,6 +84,7 @@ def main() -> None:
     turns = gen.generate(conversations)
     seconds = time.perf_counter() - t0
     load_after = os.getloadavg()[0]
+    peak = max(peak, matmul_peak(target.device))  # before and after: neighbours come and go
     generated = sum(t.completion_tokens for t in turns)
     prefill = sum(t.prompt_tokens for t in turns)
     stopped = sum(t.finish_reason == "stop" for t in turns)

@@ -110,6 +110,7 @@ def main() -> int:
                 s[0], s[1] = s[0] + len(res.tokens), s[1] + res.seconds
                 s[2], s[3] = s[2] + res.stats.steps, s[3] + res.stats.accepted_total
     plain_tps = plain_tokens / plain_s
+    peak = max(peak, matmul_peak(target.device))  # before and after: neighbours come and go
     print(
         f"target {target.name} on {target.device}, {len(prompts)} {args.bench} prompts, "
         f"{cfg.mode} (steps {cfg.steps}), plain {plain_tps:.1f} tok/s"
