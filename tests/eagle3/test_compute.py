@@ -93,3 +93,26 @@ def test_weight_flops_count_linear_layers_only():
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 6), torch.nn.ReLU())
     assert compute.weight_flops_per_token(model) == 2 * 4 * 6
     assert compute.peak_share(1e3, 1e6, 1e10).endswith("= 10.0% of the matmul peak")
+
+
+@pytest.mark.parametrize("cpu,want", [(AVX2, fp32), (AMX, bf16)])
+def test_an_in_process_target_computes_in_the_policys_dtype(cpu, want, tiny_llama_dir, monkeypatch):
+    """--model-dtype bfloat16 on a CPU that only emulates bf16 loads the target in float32
+    (capture, generate, evaluate and online training all load it here); kept where native."""
+    from eagle3.target import load_target
+
+    monkeypatch.setattr(compute, "cpu_facts", lambda: cpu)
+    assert load_target(tiny_llama_dir, dtype="bfloat16", device="cpu").model.dtype == want
+
+
+@pytest.mark.parametrize(
+    "asked,on_gpu,cpu,want",
+    [("bf16", False, AVX2, "no"), ("bf16", False, AMX, "bf16"), ("fp16", False, AVX512_BF16, "no"),
+     ("auto", False, AMX, "no"), ("auto", True, AVX2, "bf16"), ("bf16", True, AVX2, "bf16")],
+)  # fmt: skip
+def test_training_autocasts_only_to_a_native_half_type(asked, on_gpu, cpu, want, monkeypatch):
+    """train.mixed_precision=bf16 on a CPU without native bf16 trains in fp32."""
+    from train.distributed import mixed_precision
+
+    monkeypatch.setattr(compute, "cpu_facts", lambda: cpu)
+    assert mixed_precision(asked, on_gpu) == want
