@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 import yaml
 
+from eagle3.compute import matmul_dtype
 from eagle3.data.chat import end_of_turn_ids
 from eagle3.errors import Eagle3Error
 
@@ -582,7 +583,8 @@ def load_target(
     aux_layer_ids: list[int] | None = None,
 ) -> Target:
     """Load a target by registry name, HF model directory (or hub id), .gguf file, or a
-    directory holding exactly one .gguf. dtype defaults to fp32 on CPU and bf16 on CUDA;
+    directory holding exactly one .gguf. dtype defaults to fp32 on CPU and bf16 on CUDA (a
+    half type on a CPU without native support for it computes in fp32: eagle3.compute);
     `device_map` (e.g. "auto") is passed to from_pretrained for multi-GPU targets. A
     vision-language wrapper (Kimi-K2.5) loads whole; its aux ids index the text decoder's
     layers. Every load failure is a one-line Eagle3Error."""
@@ -594,6 +596,11 @@ def load_target(
     if dtype is None:
         on_cuda = device_map is not None or (device is not None and device.type == "cuda")
         dtype = torch.bfloat16 if on_cuda else torch.float32
+    elif device_map is None and matmul_dtype(dtype, device) != dtype:
+        # the weights are the arithmetic here: a half type this CPU only emulates runs 4-40x
+        # slower than float32 (eagle3.compute), so it computes in float32 and says so
+        log.warning("%s asked for; this CPU has no native %s: computing in float32", dtype, dtype)
+        dtype = matmul_dtype(dtype, device)
     if aux_layer_ids is None and t.spec is not None:
         aux_layer_ids = t.spec.get("aux_layer_ids")
     kwargs: dict[str, Any] = {"dtype": dtype}

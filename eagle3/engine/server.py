@@ -34,13 +34,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from eagle3.compute import cpu_has_amx
 from eagle3.engine.capture import PLUGIN_DIR
 from eagle3.engine.choice import (
     ServingChoice,
     attention_config_backend,
     check_draft_servable,
     choose_serving,
-    cpu_has_amx,
     flag_value,
     uses_mla,
 )

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from eagle3.checkpoint import vllm_aux_layer_ids
+from eagle3.compute import cpu_has_amx
 from eagle3.engine.capture import PLUGIN_DIR, capture_engine_args, read_hidden_states
-from eagle3.engine.choice import cpu_has_amx, flag_value
+from eagle3.engine.choice import flag_value
 from eagle3.engine.client import EngineClient
 from eagle3.engine.server import VLLMServer, vllm_server
 from eagle3.engine.venv import engine_is_cpu_build
