@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -67,6 +68,15 @@ from train.distributed import configure_deepspeed, make_accelerator, peer_lost
 from train.draft import build_draft
 from train.label_cache import make_label_cache
 from train.loading import TrainData, count_steps, fit_length, load_data, pack_rows
+from train.memory_plan import (
+    ATTENTION_PATHS,
+    check_fits,
+    detect_node,
+    launch_config_path,
+    read_launch_config,
+    read_zero,
+    recipe_plan,
+)
 from train.metrics import MetricsLog, MetricSums, peak_memory_gb
 from train.online_target import captured_ahead, report_engines, start_served
 from train.optim import make_optimizer
@@ -364,6 +374,21 @@ def train(cfg: Config) -> None:
         stop_target(run)  # on an error too: the engine holds GPUs (and dies with us anyway)
 
 
+def print_plan(cfg: Config, args: argparse.Namespace) -> None:
+    """--plan: the plan of this recipe on the node given or detected; exit 2 when it does not
+    fit. Under accelerate launch only the first process prints."""
+    node = detect_node(args.gpus, args.gpu_memory_gb)
+    ds_config = read_launch_config(args.accelerate_config or launch_config_path())
+    plan = recipe_plan(cfg, node, ds_config, args.attention_path)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"{cfg.data.mode} recipe, {node.gpus} ranks, DeepSpeed ZeRO-"
+            f"{read_zero(ds_config).stage}:\n{plan.table()}",
+            flush=True,
+        )
+    check_fits(plan, online=cfg.data.mode == "online")
+
+
 def main(argv: list[str] | None = None) -> int:
     """The CLI: exit 0, or one `error:` line and exit 2 for a config or data mistake, 69 when
     the engine fails (eagle3.errors)."""
@@ -372,10 +397,33 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", help="YAML recipe (configs/train/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. optim.lr=5e-5")
+    plan = parser.add_argument_group("memory plan (train/memory_plan.py)")
+    plan.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the memory plan per rank and exit (loads nothing)",
+    )
+    plan.add_argument("--gpus", type=int, help="ranks on the node (default: the visible GPUs)")
+    plan.add_argument("--gpu-memory-gb", type=float, help="one card's memory (default: detected)")
+    plan.add_argument(
+        "--accelerate-config",
+        help="the launch's accelerate YAML or DeepSpeed JSON (default: the launch's own, else "
+        "configs/accelerate/8gpu-zero2.yaml's DeepSpeed config)",
+    )
+    plan.add_argument(
+        "--attention-path",
+        default="flex",
+        choices=ATTENTION_PATHS,
+        help="the TTT attention the plan assumes (flex: what auto runs on CUDA)",
+    )
     args = parser.parse_args(argv)
 
     def run() -> int:
-        train(load_config(args.config, args.overrides))
+        cfg = load_config(args.config, args.overrides, check_paths=not args.plan)
+        if args.plan:
+            print_plan(cfg, args)
+            return 0
+        train(cfg)
         return 0
 
     return run_cli(run)

@@ -1,0 +1,178 @@
+"""train/memory_plan.py: the plan's per-token activation term against a CPU measurement, the
+refusal line, and `train_drafter.py --plan` (loads nothing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3.errors import Eagle3Error
+from eagle3.model import DraftConfig
+from train.config import load_config
+from train.memory_plan import (
+    GB,
+    Node,
+    activation_bytes_per_token,
+    check_fits,
+    fitting_length,
+    read_launch_config,
+    recipe_plan,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+KIMI = {r: REPO / f"configs/train/kimi-k2.5-{r}.yaml" for r in ("offline", "online")}
+ZERO2 = REPO / "configs/accelerate/8gpu-zero2.yaml"
+
+# Kimi's draft head layout (64 heads, MLA q_lora 1536 / kv_lora 512 / nope 128 / rope 64 /
+# v 128) at a small hidden size and vocab, three TTT steps: seconds on a CPU
+SMALL_KIMI_MLA = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    head_dim=192,
+    vocab_size=4000,
+    draft_vocab_size=1000,
+    target_hidden_size=256,
+    aux_layer_ids=[1, 2, 3],
+    attention="mla",
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+)
+TTT_STEPS = 3
+
+# one training step's peak RSS increase at T tokens, in a fresh interpreter (its own peak)
+MEASURE = """
+import json, sys
+from pathlib import Path
+import torch
+from eagle3.loss import ttt_loss
+from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
+torch.set_num_threads(1)
+spec = json.loads(sys.argv[1]); T = spec["T"]
+cfg = DraftConfig(**spec["cfg"]); torch.manual_seed(0)
+draft = Eagle3Draft(cfg); draft.midlayer.self_attn.ttt_impl = "chunked"
+model = TTTModel(draft, spec["K"])
+def rss(field):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+def step(n):
+    ids = torch.randint(0, cfg.vocab_size, (1, n))
+    aux = torch.randn(1, n, cfg.feature_size)
+    probs = torch.randn(1, n, cfg.draft_vocab_size).softmax(-1)
+    ones = torch.ones(1, n, dtype=torch.bool)
+    base = rss("VmRSS"); Path("/proc/self/clear_refs").write_text("5")
+    loss, _ = ttt_loss(model(ids, aux), probs, ones, ones.long(), 0.8)
+    loss.backward()
+    return rss("VmHWM") - base
+step(64)  # gradients allocated, kernels warm
+print("PEAK", step(T))
+"""
+
+
+def measured_peak(T: int) -> int:
+    spec = json.dumps({"T": T, "K": TTT_STEPS, "cfg": SMALL_KIMI_MLA})
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, spec], capture_output=True, text=True, env=env, check=True
+    ).stdout
+    return int(next(line for line in out.splitlines() if line.startswith("PEAK")).split()[1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux RSS")
+def test_activation_term_within_15_percent_of_cpu_slope():
+    """~25 s: the slope of a CPU step's peak between 512 and 1024 tokens (fixed costs cancel)
+    against the plan's fp32 activation bytes a token at Kimi's MLA head layout."""
+    slope = (measured_peak(1024) - measured_peak(512)) / 512
+    planned = activation_bytes_per_token(DraftConfig(**SMALL_KIMI_MLA), TTT_STEPS, bf16=False)
+    assert abs(planned / slope - 1) < 0.15, (planned / 2**20, slope / 2**20)
+
+
+def plan_of(recipe: str, gpu_gb: float, overrides=(), path="chunked"):
+    cfg = load_config(KIMI[recipe], list(overrides), check_paths=False)
+    return recipe_plan(cfg, Node(8, gpu_gb * GB), read_launch_config(ZERO2), path)
+
+
+@pytest.mark.parametrize("gpu_gb", [96, 141])
+def test_kimi_offline_recipe_fits_8_gpus(gpu_gb):
+    """<1 s: the default offline recipe fits 8 x 96 GB (and so 8 x 141 GB)."""
+    plan = plan_of("offline", gpu_gb)
+    assert plan.fits, plan.table()
+    assert {"activations", "soft labels", "ZeRO buckets", "CUDA context"} <= set(plan.parts)
+
+
+def test_over_the_card_refused_naming_what_fits():
+    """<1 s: 16k tokens on 96 GB cards: one line naming a max_length that fits."""
+    plan = plan_of("offline", 96, ["data.max_length=16384"])
+    with pytest.raises(Eagle3Error) as err:
+        check_fits(plan, online=False)
+    line = str(err.value)
+    assert "\n" not in line and f"data.max_length={fitting_length(plan)}" in line
+    shorter = plan_of("offline", 96, [f"data.max_length={fitting_length(plan)}"])
+    assert shorter.fits
+
+
+def test_online_on_96gb_planned_or_refused_with_alternative():
+    """<1 s: the online recipe on 8 x 96 GB fits as configured, or its refusal names offline
+    and the engine on another node."""
+    plan = plan_of("online", 96)
+    if not plan.fits:
+        with pytest.raises(Eagle3Error, match="another node.*offline"):
+            check_fits(plan, online=True)
+
+
+def test_plan_cli_loads_nothing_and_exits_0():
+    """~5 s: `train_drafter.py --plan` prints the table and returns without a training run."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train/train_drafter.py"),
+            "--config",
+            str(KIMI["offline"]),
+            "--plan",
+            "--gpus",
+            "8",
+            "--gpu-memory-gb",
+            "96",
+            "--accelerate-config",
+            str(ZERO2),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "memory plan per rank" in proc.stdout and "fits" in proc.stdout
+
+
+def test_plan_cli_refusal_is_one_line_exit_2():
+    """~5 s: a plan over the card: exit 2, one error line."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train/train_drafter.py"),
+            "--config",
+            str(KIMI["offline"]),
+            "data.max_length=32768",
+            "--plan",
+            "--gpus",
+            "8",
+            "--gpu-memory-gb",
+            "96",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "data.max_length=" in errors[0]
