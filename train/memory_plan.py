@@ -292,10 +292,15 @@ def read_zero(ds_config: dict | None) -> ZeroSetup:
         return ZeroSetup()
     zero = ds_config.get("zero_optimization", {})
     dtypes = ds_config.get("data_types", {})
+
+    def number(key: str) -> float:  # "auto" (or absent): DeepSpeed's default, 5e8
+        value = zero.get(key, 5e8)
+        return float(value) if not isinstance(value, str) or value != "auto" else 5e8
+
     return ZeroSetup(
         stage=int(zero.get("stage", 0)),
-        reduce_bucket=float(zero.get("reduce_bucket_size", 5e8)),
-        allgather_bucket=float(zero.get("allgather_bucket_size", 5e8)),
+        reduce_bucket=number("reduce_bucket_size"),
+        allgather_bucket=number("allgather_bucket_size"),
         overlap_comm=bool(zero.get("overlap_comm", False)),
         grad_accum_fp32=dtypes.get("grad_accum_dtype") == "fp32",
     )

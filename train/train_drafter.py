@@ -56,10 +56,11 @@ from accelerate.utils import set_seed
 from torch import nn
 
 from eagle3.cli import HelpFormatter, run_cli
-from eagle3.errors import RemoteError
+from eagle3.errors import Eagle3Error, RemoteError
 from eagle3.loss import ttt_loss, valid_counts
 from eagle3.model import TTTModel
 from eagle3.target import target_facts
+from eagle3.ttt_attention import auto_impl
 from train.batches import Labeller, val_batches
 from train.checkpointing import Checkpoints, export_extra, find_resume, load_checkpoint, read_best
 from train.config import Config, load_config
@@ -70,6 +71,7 @@ from train.label_cache import make_label_cache
 from train.loading import TrainData, count_steps, fit_length, load_data, pack_rows
 from train.memory_plan import (
     ATTENTION_PATHS,
+    Node,
     check_fits,
     detect_node,
     launch_config_path,
@@ -117,6 +119,7 @@ def setup(cfg: Config) -> Run:
     if cfg.data.packing:
         pack_rows(cfg, accelerator, data)
     draft = build_draft(cfg, facts, vocab, data)
+    check_memory(cfg, accelerator, draft.config)  # before the optimizer and batches take any
     total_steps = count_steps(cfg, data.lengths, world)
     label_cache = make_label_cache(cfg, data.lengths, world, total_steps)
     model = TTTModel(draft, cfg.model.ttt_steps)
@@ -207,6 +210,22 @@ def setup(cfg: Config) -> Run:
         total_steps=total_steps,
         start_step=start_step,
     )
+
+
+def check_memory(cfg: Config, accelerator: Accelerator, draft_cfg) -> None:
+    """On GPUs: print this launch's memory plan (train/memory_plan.py) and stop in one line
+    when it does not fit the card."""
+    if accelerator.device.type != "cuda":
+        return
+    plugin = accelerator.state.deepspeed_plugin
+    card = torch.cuda.get_device_properties(accelerator.device).total_memory
+    node = Node(accelerator.num_processes, card)
+    v = draft_cfg.v_head_dim if draft_cfg.attention == "mla" else draft_cfg.head_dim
+    path = auto_impl(accelerator.device, draft_cfg.head_dim, v)
+    plan = recipe_plan(cfg, node, plugin and plugin.deepspeed_config, path, draft_cfg)
+    if accelerator.is_main_process:
+        print(plan.table(), flush=True)
+    check_fits(plan, online=cfg.data.mode == "online")
 
 
 # -- the loop ---------------------------------------------------------------------------------------
@@ -303,30 +322,33 @@ def train_loop(run: Run) -> None:
         # this step's micro-batches; accelerate syncs gradients and really steps the optimizer
         # on the last one only (step and zero_grad are no-ops before it)
         epoch, micro = next(run.stream)
-        window = [run.labelled(batch) for batch in micro]
-        denominators = loss_denominators(run, window)
-        for mb in window:
-            with accelerator.accumulate(model):
-                step_logits = model(
-                    mb["input_ids"], mb["aux"], mb["segment_ids"], mb["position_ids"]
-                )
-                loss, m = ttt_loss(
-                    step_logits,
-                    mb["probs"],
-                    mb["in_vocab"],
-                    mb["loss_mask"],
-                    cfg.model.step_weight,
-                    denominators,
-                    mb["segment_ids"],
-                )
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    grad_norm = clip_gradients(run)
-                run.optimizer.step()
-                if accelerator.sync_gradients:
-                    run.scheduler.step()
-                run.optimizer.zero_grad(set_to_none=True)
-            sums.add(m, mb)
+        try:  # out of memory: one line naming the step, its lengths and what to change
+            window = [run.labelled(batch) for batch in micro]
+            denominators = loss_denominators(run, window)
+            for mb in window:
+                with accelerator.accumulate(model):
+                    step_logits = model(
+                        mb["input_ids"], mb["aux"], mb["segment_ids"], mb["position_ids"]
+                    )
+                    loss, m = ttt_loss(
+                        step_logits,
+                        mb["probs"],
+                        mb["in_vocab"],
+                        mb["loss_mask"],
+                        cfg.model.step_weight,
+                        denominators,
+                        mb["segment_ids"],
+                    )
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        grad_norm = clip_gradients(run)
+                    run.optimizer.step()
+                    if accelerator.sync_gradients:
+                        run.scheduler.step()
+                    run.optimizer.zero_grad(set_to_none=True)
+                sums.add(m, mb)
+        except torch.OutOfMemoryError as err:
+            raise out_of_memory(run, step + 1, micro) from err
         step += 1
         run.logger.advance()
 
@@ -335,6 +357,22 @@ def train_loop(run: Run) -> None:
             log_metrics(run, step, sums, now - t_last, lr, grad_norm, epoch)
             sums.zero_()
             t_last = now
+
+
+def out_of_memory(run: Run, step: int, micro: list[dict]) -> Eagle3Error:
+    """The one line a step that ran out of GPU memory stops with: the step, its micro-batches'
+    lengths, what to change, and how to resume (the checkpoints so far are kept)."""
+    cfg = run.cfg
+    longest = max(batch["input_ids"].shape[1] for batch in micro)
+    rows = max(batch["input_ids"].shape[0] for batch in micro)
+    shorter = max(256, longest * 3 // 4 // 256 * 256)
+    return Eagle3Error(
+        f"out of memory in step {step} (micro-batches of {rows} x up to {longest} tokens, "
+        f"data.max_length {cfg.data.max_length}): lower data.max_length (e.g. {shorter})"
+        + (" or data.batch_size" if cfg.data.batch_size > 1 else "")
+        + " and check with --plan, then start again with train.resume_from=latest (the "
+        "checkpoints so far are kept)"
+    )
 
 
 def cleanup(run: Run) -> None:
@@ -417,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the TTT attention the plan assumes (flex: what auto runs on CUDA)",
     )
     args = parser.parse_args(argv)
+
+    # lengths change every micro-batch: segments that grow keep fragmentation small (read by
+    # torch's CUDA allocator at its first allocation, after this)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
     def run() -> int:
         cfg = load_config(args.config, args.overrides, check_paths=not args.plan)

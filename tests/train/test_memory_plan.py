@@ -176,3 +176,45 @@ def test_plan_cli_refusal_is_one_line_exit_2():
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "data.max_length=" in errors[0]
+
+
+# the recipe with its step's forward made to run out of memory in optimizer step 4
+OOM_AT_STEP_4 = """
+import sys
+import torch
+import eagle3.model
+import train.train_drafter as recipe
+calls = {"n": 0}
+forward = eagle3.model.TTTModel.forward
+def failing(self, *args, **kwargs):
+    calls["n"] += 1
+    if calls["n"] == 4:  # grad_accum 1: the 4th forward is step 4's
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    return forward(self, *args, **kwargs)
+eagle3.model.TTTModel.forward = failing
+sys.exit(recipe.main(sys.argv[1:]))
+"""
+
+
+def test_out_of_memory_stops_in_one_line_and_resumes(tmp_path, helpers, tiny_llama_dir, shard_dir):
+    """~30 s: an out-of-memory in step 4 (injected): exit 2, one line naming the step, the
+    length and what to change; train.resume_from=latest then finishes from step-2."""
+    out = tmp_path / "run"
+    args = helpers.common_args(
+        tiny_llama_dir, out, **helpers.offline(shard_dir), **{"train.save_every": 2}
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", OOM_AT_STEP_4, *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=helpers.env(),
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr
+    assert "out of memory in step 4" in errors[0] and "data.max_length" in errors[0]
+    assert "train.resume_from=latest" in errors[0]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-0000002"]
+    resumed = helpers.run_cli([*args, "train.resume_from=latest"])
+    assert "resuming from" in resumed.stdout and (out / "final").is_dir()
