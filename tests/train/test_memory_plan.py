@@ -218,3 +218,16 @@ def test_out_of_memory_stops_in_one_line_and_resumes(tmp_path, helpers, tiny_lla
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-0000002"]
     resumed = helpers.run_cli([*args, "train.resume_from=latest"])
     assert "resuming from" in resumed.stdout and (out / "final").is_dir()
+
+
+def test_fp32_accum_in_the_zero2_config_as_deepspeed_reads_it():
+    """~3 s: configs/accelerate/ds_zero2.json asks DeepSpeed for fp32 gradient accumulation
+    under bf16 weights (its stage-2 optimizer then keeps an fp32 gradient partition), read by
+    DeepSpeed's own config class; the plan counts those gradients as fp32."""
+    deepspeed_config = pytest.importorskip("deepspeed.runtime.config")
+    ds = json.loads((REPO / "configs/accelerate/ds_zero2.json").read_text())
+    ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=4)
+    ds.update(train_batch_size=4, gradient_clipping=0.5, bf16={"enabled": True})
+    parsed = deepspeed_config.DeepSpeedConfig(ds)
+    assert (parsed.grad_accum_dtype, parsed.zero_optimization_stage) == ("fp32", 2)
+    assert "fp32 accumulation" in plan_of("offline", 96).notes["gradients"]
