@@ -417,7 +417,8 @@ def print_plan(cfg: Config, args: argparse.Namespace) -> None:
     fit. Under accelerate launch only the first process prints."""
     node = detect_node(args.gpus, args.gpu_memory_gb)
     ds_config = read_launch_config(args.accelerate_config or launch_config_path())
-    plan = recipe_plan(cfg, node, ds_config, args.attention_path)
+    path = args.attention_path or cfg.model.draft.ttt_attention
+    plan = recipe_plan(cfg, node, ds_config, "flex" if path == "auto" else path)
     if int(os.environ.get("RANK", "0")) == 0:
         print(
             f"{cfg.data.mode} recipe, {node.gpus} ranks, DeepSpeed ZeRO-"
@@ -450,9 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     plan.add_argument(
         "--attention-path",
-        default="flex",
         choices=ATTENTION_PATHS,
-        help="the TTT attention the plan assumes (flex: what auto runs on CUDA)",
+        help="the TTT attention the plan assumes (default: model.draft.ttt_attention; its "
+        "auto is flex on CUDA)",
     )
     args = parser.parse_args(argv)
 
