@@ -373,9 +373,7 @@ def recipe_plan(
         ttt_steps=cfg.model.ttt_steps,
         bf16=mixed in ("auto", "bf16"),  # auto: bf16 on a GPU, which is what is planned
         attention_path=attention_path,
-        # train_loop labels an optimizer step's micro-batches before the first forward (the
-        # loss denominators need every micro-batch's valid positions): all of them are held
-        labels_held=cfg.optim.grad_accum,
+        labels_held=1,  # train_loop makes each micro-batch's soft labels before its forward
         lm_head_chunk=cfg.data.lm_head_chunk,
         engine_fraction=engine_fraction(cfg.target.engine.args) if online_served else 0.0,
     )

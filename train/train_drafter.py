@@ -323,9 +323,12 @@ def train_loop(run: Run) -> None:
         # on the last one only (step and zero_grad are no-ops before it)
         epoch, micro = next(run.stream)
         try:  # out of memory: one line naming the step, its lengths and what to change
-            window = [run.labelled(batch) for batch in micro]
+            # every micro-batch's valid label positions first (the loss denominators), then
+            # each one's soft labels just before its forward: one (T, draft vocab) set at a time
+            window = [run.labelled(batch, probs=False) for batch in micro]
             denominators = loss_denominators(run, window)
             for mb in window:
+                run.labelled.soft_labels(mb)
                 with accelerator.accumulate(model):
                     step_logits = model(
                         mb["input_ids"], mb["aux"], mb["segment_ids"], mb["position_ids"]
@@ -347,6 +350,7 @@ def train_loop(run: Run) -> None:
                         run.scheduler.step()
                     run.optimizer.zero_grad(set_to_none=True)
                 sums.add(m, mb)
+                mb["probs"] = None  # freed before the next micro-batch's are made
         except torch.OutOfMemoryError as err:
             raise out_of_memory(run, step + 1, micro) from err
         step += 1
