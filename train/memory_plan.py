@@ -82,6 +82,7 @@ class RunShape:
     labels_held: int = 1  # micro-batches whose soft labels exist at once
     lm_head_chunk: int = 1024
     engine_fraction: float = 0.0  # online, served on these GPUs: the engine's share of a card
+    engine_weights_bytes: float = 0.0  # the served target's weights on each card (0: unknown)
 
 
 @dataclass
@@ -244,7 +245,11 @@ def plan_memory(
     p.notes["allocator headroom"] = f"{ALLOCATOR_HEADROOM:.0%} of the card (changing lengths)"
     if run.engine_fraction:
         p.parts["engine (vLLM)"] = run.engine_fraction * node.gpu_bytes
-        p.notes["engine (vLLM)"] = f"--gpu-memory-utilization {run.engine_fraction:g}"
+        p.notes["engine (vLLM)"] = f"--gpu-memory-utilization {run.engine_fraction:g}" + (
+            f" (the target's weights: ~{run.engine_weights_bytes / GB:.0f} GB a card)"
+            if run.engine_weights_bytes
+            else ""
+        )
     p.per_token_bytes = act_tok + label_tok * run.labels_held + hidden_tok * run.grad_accum
     return p
 
@@ -260,11 +265,33 @@ def fitting_length(plan: Plan) -> int:
     return int(room / (plan.per_token_bytes * run.batch_size)) // 256 * 256
 
 
+def engine_loads(plan: Plan) -> bool:
+    """Whether the engine's share of a card holds the target's weights, with 10% for its KV
+    cache and activations (unknown weights: assumed to)."""
+    run = plan.run
+    return run.engine_fraction * plan.card_bytes >= 1.1 * run.engine_weights_bytes
+
+
 def check_fits(plan: Plan, online: bool) -> None:
-    """Raise one line naming what would fit when the plan is over the card."""
+    """Raise one line naming what would fit when the plan is over the card, or when the
+    engine's share of it cannot hold the target's weights."""
+    run = plan.run
+    elsewhere = (
+        "serve the target from another node (target.engine) or train offline (data.mode=offline; "
+        "capture first: python -m datagen.capture)"
+    )
+    if run.engine_fraction and not engine_loads(plan):
+        need = 1.1 * run.engine_weights_bytes / plan.card_bytes
+        raise Eagle3Error(
+            f"the engine's share of a card ({run.engine_fraction * plan.card_bytes / GB:.0f} GB "
+            f"at --gpu-memory-utilization {run.engine_fraction:g}) cannot hold the target's "
+            f"~{run.engine_weights_bytes / GB:.0f} GB of weights a card plus its cache (it "
+            f"needs >= {need:.2f}, leaving {(1 - need) * plan.card_bytes / GB:.0f} GB for the "
+            f"drafter, which needs {(plan.total - plan.parts['engine (vLLM)']) / GB:.0f} GB): "
+            + elsewhere
+        )
     if plan.fits:
         return
-    run = plan.run
     over = (plan.total - plan.card_bytes) / GB
     options = []
     length = fitting_length(plan)
@@ -273,11 +300,7 @@ def check_fits(plan: Plan, online: bool) -> None:
     if run.batch_size > 1:
         options.append("data.batch_size=1")
     if online and run.engine_fraction:
-        engine_gb = plan.parts["engine (vLLM)"] / GB
-        options.append(
-            f"the engine on another node (frees {engine_gb:.0f} GB a card) or data.mode=offline "
-            "(capture first: python -m datagen.capture)"
-        )
+        options.append(elsewhere)
     raise Eagle3Error(
         f"the memory plan needs {plan.total / GB:.1f} GB a rank, {over:.1f} GB over the "
         f"{plan.card_bytes / GB:.0f} GB card (run --plan for the table): "
@@ -354,6 +377,18 @@ def target_shape(name: str):
     return target_facts(name)["hf_config"]
 
 
+def served_weights_gb(name: str) -> float:
+    """The registry's `served_weights_gb` of a target (what an engine loads), 0 if unknown."""
+    import yaml
+
+    from eagle3.target import TARGETS_DIR
+
+    entry = TARGETS_DIR / f"{name}.yaml"
+    if not entry.exists():
+        return 0.0
+    return float(yaml.safe_load(entry.read_text()).get("served_weights_gb") or 0.0)
+
+
 def recipe_plan(
     cfg, node: Node, ds_config: dict | None, attention_path: str, draft_cfg: DraftConfig = None
 ) -> Plan:
@@ -365,6 +400,7 @@ def recipe_plan(
         aux = cfg.target.aux_layer_ids or [1, 2, 3]  # their values cost nothing
         draft_cfg = draft_config(cfg, hf, min(cfg.model.draft_vocab_size, hf.vocab_size), aux)
     mixed = cfg.train.mixed_precision
+    tensor_parallel = cfg.target.engine.tensor_parallel_size or node.gpus
     online_served = cfg.data.mode == "online" and cfg.target.engine.kind == "vllm"
     run = RunShape(
         max_length=cfg.data.pack_length if cfg.data.packing else cfg.data.max_length,
@@ -376,6 +412,9 @@ def recipe_plan(
         labels_held=1,  # train_loop makes each micro-batch's soft labels before its forward
         lm_head_chunk=cfg.data.lm_head_chunk,
         engine_fraction=engine_fraction(cfg.target.engine.args) if online_served else 0.0,
+        engine_weights_bytes=served_weights_gb(cfg.target.name) * GB / tensor_parallel
+        if online_served
+        else 0.0,
     )
     return plan_memory(draft_cfg, run, read_zero(ds_config), node, draft_cfg.vocab_size)
 

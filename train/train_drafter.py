@@ -2,6 +2,12 @@
 
     accelerate launch train/train_drafter.py --config configs/train/smollm2-q4-cpu.yaml [key=value ...]
     python train/train_drafter.py --config configs/train/smollm2-q4-cpu.yaml train.max_steps=20
+    python train/train_drafter.py --config configs/train/kimi-k2.5-offline.yaml --plan \
+        --gpus 8 --gpu-memory-gb 96     # the memory plan per rank (train/memory_plan.py); loads nothing
+
+On GPUs the plan is printed at start too, and a launch it says cannot fit stops in one line
+(exit 2) naming what would; a step that still runs out of memory stops in one line naming the
+step, its lengths and what to change (resume with train.resume_from=latest).
 
 The recipe reads top to bottom: `setup` (config -> data -> draft vocab -> model/optimizer),
 `train_loop` (one visible loop), `cleanup` (the final export). One optimizer step =
@@ -31,9 +37,10 @@ and the engine captures the next step while the ranks train on this one.
 Beside the recipe in train/, in the order setup uses them: config.py (the YAML), distributed.py
 (the Accelerator), checkpointing.py (resume, save, export, the best score), loading.py (what a
 run trains on: shards, records, the target), vocab.py (the draft vocab), packing.py,
-draft.py (the drafter), label_cache.py, optim.py (AdamW and its schedule), data.py (sequences
-into step batches), online_target.py (the served target); then in the loop batches.py (a
-micro-batch on the device with its soft labels) and metrics.py (sums and logs).
+draft.py (the drafter), memory_plan.py (what each rank's GPU holds), label_cache.py, optim.py
+(AdamW and its schedule), data.py (sequences into step batches), online_target.py (the served
+target); then in the loop batches.py (a micro-batch on the device with its soft labels) and
+metrics.py (sums and logs).
 """
 
 from __future__ import annotations

@@ -121,13 +121,15 @@ def test_over_the_card_refused_naming_what_fits():
     assert shorter.fits
 
 
-def test_online_on_96gb_planned_or_refused_with_alternative():
-    """<1 s: the online recipe on 8 x 96 GB fits as configured, or its refusal names offline
-    and the engine on another node."""
-    plan = plan_of("online", 96)
-    if not plan.fits:
-        with pytest.raises(Eagle3Error, match="another node.*offline"):
-            check_fits(plan, online=True)
+def test_online_refused_on_96gb_cards_with_its_alternative_and_fits_h200():
+    """<1 s: online on 8 x 96 GB: the engine's share cannot hold Kimi's ~74 GB of weights a
+    card and what is left cannot hold the drafter: refused in one line naming the engine on
+    another node and offline training. On 8 x 141 GB the recipe as shipped fits."""
+    with pytest.raises(Eagle3Error, match="cannot hold the target's.*another node.*offline"):
+        check_fits(plan_of("online", 96), online=True)
+    h200 = plan_of("online", 141)
+    assert h200.fits and "engine (vLLM)" in h200.parts
+    check_fits(h200, online=True)
 
 
 def test_plan_cli_loads_nothing_and_exits_0():
