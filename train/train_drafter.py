@@ -358,7 +358,9 @@ def train_loop(run: Run) -> None:
                     run.optimizer.zero_grad(set_to_none=True)
                 sums.add(m, mb)
                 mb["probs"] = None  # freed before the next micro-batch's are made
-        except torch.OutOfMemoryError as err:
+        except RuntimeError as err:  # torch.OutOfMemoryError is one
+            if not is_out_of_memory(err):
+                raise
             raise out_of_memory(run, step + 1, micro) from err
         step += 1
         run.logger.advance()
@@ -368,6 +370,11 @@ def train_loop(run: Run) -> None:
             log_metrics(run, step, sums, now - t_last, lr, grad_norm, epoch)
             sums.zero_()
             t_last = now
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """A GPU out-of-memory, or the CPU allocator refused (RAM, or an address-space limit)."""
+    return isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err)
 
 
 def out_of_memory(run: Run, step: int, micro: list[dict]) -> Eagle3Error:

@@ -180,33 +180,44 @@ def test_plan_cli_refusal_is_one_line_exit_2():
     assert len(errors) == 1 and "data.max_length=" in errors[0]
 
 
-# the recipe with its step's forward made to run out of memory in optimizer step 4
+# the recipe with optimizer step 4's forward out of memory: a CUDA out-of-memory raised as
+# torch raises it ("cuda"), or the CPU allocator refusing a 1 GiB activation under an
+# address-space limit (resource.RLIMIT_AS) set just above what the process holds ("rlimit")
 OOM_AT_STEP_4 = """
-import sys
+import resource, sys
+from pathlib import Path
 import torch
 import eagle3.model
 import train.train_drafter as recipe
-calls = {"n": 0}
+how, calls = sys.argv.pop(1), {"n": 0}
 forward = eagle3.model.TTTModel.forward
 def failing(self, *args, **kwargs):
     calls["n"] += 1
     if calls["n"] == 4:  # grad_accum 1: the 4th forward is step 4's
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if how == "cuda":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        status = Path("/proc/self/status").read_text().splitlines()
+        vm = next(int(x.split()[1]) * 1024 for x in status if x.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + 2**27, resource.RLIM_INFINITY))
+        torch.empty(2**28)  # a long sequence's activations
     return forward(self, *args, **kwargs)
 eagle3.model.TTTModel.forward = failing
 sys.exit(recipe.main(sys.argv[1:]))
 """
 
 
-def test_out_of_memory_stops_in_one_line_and_resumes(tmp_path, helpers, tiny_llama_dir, shard_dir):
-    """~30 s: an out-of-memory in step 4 (injected): exit 2, one line naming the step, the
-    length and what to change; train.resume_from=latest then finishes from step-2."""
+@pytest.mark.parametrize("how", ["cuda", "rlimit"])
+def test_out_of_memory_stops_in_one_line_and_resumes(
+    tmp_path, helpers, tiny_llama_dir, shard_dir, how
+):
+    """~15 s each: out of memory in step 4: exit 2, one line naming the step, the length and
+    what to change; train.resume_from=latest then finishes from step-2."""
     out = tmp_path / "run"
     args = helpers.common_args(
         tiny_llama_dir, out, **helpers.offline(shard_dir), **{"train.save_every": 2}
     )
     proc = subprocess.run(
-        [sys.executable, "-c", OOM_AT_STEP_4, *args],
+        [sys.executable, "-c", OOM_AT_STEP_4, how, *args],
         capture_output=True,
         text=True,
         cwd=REPO,
