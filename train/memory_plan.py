@@ -137,20 +137,24 @@ def activation_terms(cfg: DraftConfig) -> dict[str, int]:
 
     The attention tensors are q, k, v, MLA's latents and kv_b's output, and the attention
     output; the MLP's gate, up, activation and product (+2 in flight); the residual/norm
-    tensors of width H and the draft-vocab logits. The coefficients (1.4 x the attention
-    tensors, 6 x intermediate, 14 x H, 2 x draft vocab) are fitted to two CPU measurements at
-    Kimi's MLA head layout: scripts/bench_long_context.py's kimi-mla draft (hidden 1024, 7 TTT
-    steps; 3.2% under its measured slope) and tests/train/test_memory_plan.py's (hidden 256,
-    3 steps; 1.8% over)."""
+    tensors of width H and the draft-vocab logits. The coefficients (1.7 x the attention
+    tensors, 6 x intermediate, 14 x H, 2 x draft vocab) are fitted to CPU measurements of the
+    peak's slope at Kimi's MLA head layout: tests/train/test_memory_plan.py's draft (hidden 256,
+    3 TTT steps; 1024 -> 2048 tokens: 1.17-1.20 MiB/token over four runs) +5% to +7%, and
+    scripts/bench_long_context.py's kimi-mla draft (hidden 1024, 7 steps; 512 -> 1024 tokens,
+    whose slope runs 5-10% low) +10%. At 2 TTT steps the count is 16-22% high (conservative).
+    The GQA count (q, rotated q and the output per query head, k and v expanded to them) is
+    not yet validated: -7% to +3% at hidden 256 and 3 steps, but -22% to -30% at hidden 512
+    and 2 steps; the Kimi recipes train MLA."""
     H, inter, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
     nh, hd = cfg.num_attention_heads, cfg.head_dim
     if cfg.attention == "mla":
         dv = cfg.v_head_dim
         latents = cfg.q_lora_rank + cfg.kv_lora_rank
         attention = 2 * nh * hd + 2 * nh * dv + latents + nh * (cfg.qk_nope_head_dim + dv)
-    else:
-        attention = (2 * nh + 2 * cfg.num_key_value_heads) * hd
-    return {"matmul": 7 * attention // 5 + 6 * inter, "fp32": 14 * H + 2 * Vd}
+    else:  # q, rotated q and the output per query head; k and v expanded to the query heads
+        attention = 5 * nh * hd + 2 * cfg.num_key_value_heads * hd
+    return {"matmul": 17 * attention // 10 + 6 * inter, "fp32": 14 * H + 2 * Vd}
 
 
 def activation_bytes_per_token(cfg: DraftConfig, ttt_steps: int, bf16: bool) -> float:

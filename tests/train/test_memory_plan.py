@@ -90,9 +90,10 @@ def measured_peak(T: int) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux RSS")
 def test_activation_term_within_15_percent_of_cpu_slope():
-    """~25 s: the slope of a CPU step's peak between 512 and 1024 tokens (fixed costs cancel)
-    against the plan's fp32 activation bytes a token at Kimi's MLA head layout."""
-    slope = (measured_peak(1024) - measured_peak(512)) / 512
+    """~35 s: the slope of a CPU step's peak between 1024 and 2048 tokens (fixed costs cancel;
+    below 1024 tokens the slope varies ~7% between runs, here ~2.5%) against the plan's fp32
+    activation bytes a token at Kimi's MLA head layout (measured: plan +5% to +7%)."""
+    slope = (measured_peak(2048) - measured_peak(1024)) / 1024
     planned = activation_bytes_per_token(DraftConfig(**SMALL_KIMI_MLA), TTT_STEPS, bf16=False)
     assert abs(planned / slope - 1) < 0.15, (planned / 2**20, slope / 2**20)
 
