@@ -100,7 +100,7 @@ from eagle3.engine.served_target import ServedTarget, describe_served_target
 from eagle3.engine.server import add_engine_args
 from eagle3.errors import Eagle3Error, RemoteError
 from eagle3.progress import Progress, count
-from eagle3.target import TargetModel, load_target
+from eagle3.target import ResolvedTarget, TargetModel, load_target, resolve
 
 log = logging.getLogger("datagen.capture")
 
@@ -270,17 +270,18 @@ def capture_items(
 # ----------------------------------------------------------------------------- target
 
 
-def load_capture_target(s: CaptureSettings, state) -> TargetModel:
-    """The target with a tokenizer and a chat template to render with: in-process on this
-    process's device, or (--engine) as vLLM will serve it, not started yet."""
+def load_capture_target(s: CaptureSettings, state, model: ResolvedTarget) -> TargetModel:
+    """The target (`model`: --target resolved once) with a tokenizer and a chat template to
+    render with: in-process on this process's device, or (--engine) as vLLM will serve it, not
+    started yet."""
     if s.engine or s.engine_urls:
         target = describe_served_target(
-            s.target, s.aux_layers, "--aux-layers", concurrency=s.engine_concurrency
+            model, s.aux_layers, "--aux-layers", concurrency=s.engine_concurrency
         )
         target.check_length(s.rendering.max_length, "--max-length")
     else:
         target = load_target(
-            s.target,
+            model,
             dtype=s.model_dtype,
             device=s.device or (None if s.device_map else str(state.device)),
             device_map=s.device_map,
@@ -315,7 +316,7 @@ def run_serve(s: CaptureSettings) -> int:
         raise KeyboardInterrupt  # SIGTERM stops it as Ctrl-C does: the engine goes with it
 
     signal.signal(signal.SIGTERM, interrupt)
-    target = load_capture_target(s, None)
+    target = load_capture_target(s, None, resolve(s.target))
     start_capture_engine(s, target)
     server = target.server
     host = socket.getfqdn() if s.host in ("0.0.0.0", "::") else s.host
@@ -646,10 +647,16 @@ def check_resumable(out: Path, settings: dict) -> None:
         check_meta(old, settings, out)
 
 
-def capture_meta(target: TargetModel, dtype: str, rendering: Rendering) -> dict:
-    """meta.json of this capture: the target's identity plus how the records were rendered."""
+def capture_meta(
+    target: TargetModel, dtype: str, rendering: Rendering, model: ResolvedTarget
+) -> dict:
+    """meta.json of this capture: the target's identity (its registry name where the registry
+    knows it, and the local directory it was read from: offline training reads the target's
+    embeddings and lm_head there when its recipe names the registry entry), plus how the
+    records were rendered."""
     return {
         **target_meta(target),
+        "target_dir": str(Path(model.hf_dir).resolve()) if model.is_local else None,
         "max_length": rendering.max_length,
         "dtype": dtype,
         "bytes_per_token": bytes_per_token(target.hidden_size, dtype),
@@ -745,8 +752,9 @@ def run(s: CaptureSettings) -> int:
             "drop accelerate launch and use --tensor-parallel-size, or start a capture server "
             "per node (--serve) and pass their URLs to one capture with --engine-url"
         )
-    target = load_capture_target(s, state)
-    meta = capture_meta(target, s.dtype, s.rendering)
+    model = resolve(s.target)
+    target = load_capture_target(s, state, model)
+    meta = capture_meta(target, s.dtype, s.rendering, model)
     check_resumable(out, meta)
 
     stats: Counter = Counter()

@@ -21,7 +21,7 @@ from datagen.render import Rendering, render_all
 from eagle3.data.records import read_records
 from eagle3.data.shards import DTYPES, bytes_per_token
 from eagle3.errors import Eagle3Error
-from eagle3.target import resolve, target_facts
+from eagle3.target import load_tokenizer, resolve, target_facts
 
 ESTIMATE_RATES = (1_000, 10_000, 50_000)  # tokens/s shown by --estimate when none is given
 TB_WARN = 1e12  # bytes beyond which --estimate recommends online training
@@ -85,9 +85,9 @@ def estimate_text(
 def target_dims(name: str) -> tuple[str, int]:
     """(display name, hidden size) without loading weights. A registry entry's hidden_size
     needs no config.json, so --estimate for a hub-only target (kimi-k2.5) downloads nothing."""
-    display, _, spec = resolve(name)
-    if spec and spec.get("hidden_size"):
-        return display, int(spec["hidden_size"])
+    target = resolve(name)
+    if target.spec and target.spec.get("hidden_size"):
+        return target.name, int(target.spec["hidden_size"])
     facts = target_facts(name)
     return facts["name"], int(facts["hidden_size"])
 
@@ -97,12 +97,7 @@ def count_record_tokens(records: list[dict], name: str, rendering: Rendering) ->
     tokenizer when it is at hand, else the records' usage counts (prompt + completion tokens
     of the last turn)."""
     try:
-        from transformers import AutoTokenizer
-
-        _, hf_dir, spec = resolve(name)
-        tokenizer = AutoTokenizer.from_pretrained(
-            hf_dir, trust_remote_code=bool(spec and spec.get("trust_remote_code"))
-        )
+        tokenizer = load_tokenizer(name)
         stats: Counter = Counter()
         items = render_all(records, tokenizer, rendering, stats)
         return sum(len(it.input_ids) for it in items), "rendered with the target's tokenizer"

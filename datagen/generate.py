@@ -24,6 +24,7 @@ and is in line with what peer frameworks regenerate at. Pass ``--temperature 0``
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -313,9 +314,10 @@ class Generator:
 
 
 class PackedLinear(torch.nn.Module):
-    """nn.Linear with its weight pre-packed for oneDNN (CPU, fp32): the same product, but
-    small-batch decode matmuls stop re-packing the weight on every call (1.4x on the
-    decoder's matmuls, 2.8x on the 49k-row lm_head at 32 rows, measured on 2 Zen 4 cores)."""
+    """nn.Linear with its weight pre-packed for oneDNN (CPU, fp32) for `rows_hint` rows: the
+    same product (to float32 rounding), without re-packing the weight on every call. Whether
+    that wins depends on the CPU, the shape and the rows, so pack_linear_weights measures it.
+    """
 
     def __init__(self, linear: torch.nn.Linear, rows_hint: int):
         super().__init__()
@@ -330,8 +332,49 @@ class PackedLinear(torch.nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+# Calls per side when timing one shape (after a warm-up call): the median of 5 is steady to a
+# few percent here; SmolLM2-135M has 5 shapes, timed at 32 rows in about 0.3 s.
+PACKING_REPS = 5
+
+
+def _median_seconds(layer: torch.nn.Module, x: torch.Tensor) -> float:
+    layer(x)  # warm-up: first-call allocations and oneDNN's primitive cache
+    times = []
+    for _ in range(PACKING_REPS):
+        start = time.perf_counter()
+        layer(x)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def packing_wins(linear: torch.nn.Linear, rows: int) -> bool:
+    """True when the oneDNN-packed product of `linear` is faster than nn.Linear's at `rows`
+    rows on this CPU, timed here (median of PACKING_REPS calls each, random inputs).
+
+    Measured rather than decided by capability, because the answer turns on shape and rows as
+    much as on the ISA. Packed / nn.Linear time per call, 2 threads (SmolLM2: 576 -> 1,536,
+    1,536 -> 576, the 576 -> 49,152 lm_head; packed for 32 rows):
+      Xeon with AMX (this project's): 1 row 1.60 / 1.67 / 0.92; 32 rows 0.80 / 0.64 / 0.78;
+        300 rows 0.96 / 0.93 / 0.40
+      the same Xeon as AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+        MKL_ENABLE_INSTRUCTIONS=AVX2): 1 row 1.96 / 2.27 / 1.24; 32 rows 1.06 / 1.06 / 0.72;
+        300 rows 0.92 / 0.97 / 0.57
+      a real AVX2 EPYC (issue 35, 576 -> 1,536): 1 row 6.8 (3,761 against 553 us);
+        32 rows 0.77; 300 rows 0.61
+      Zen 4 (earlier docstring): 1.4x faster on the decoder's matmuls, 2.8x on the lm_head at
+        32 rows
+    So packing loses at one row everywhere and wins on the lm_head at decode widths; the small
+    decoder matmuls go either way.
+    """
+    with torch.no_grad():
+        x = torch.randn(rows, linear.in_features)
+        packed = _median_seconds(PackedLinear(linear, rows), x)
+        return packed < _median_seconds(linear, x)
+
+
 def pack_linear_weights(model: torch.nn.Module, rows_hint: int) -> int:
-    """Swap the fp32 CPU nn.Linear layers of `model` for PackedLinear -> how many were packed.
+    """Swap the fp32 CPU nn.Linear layers of `model` for PackedLinear where packing wins at
+    `rows_hint` rows (packing_wins, timed once per distinct shape) -> how many were packed.
 
     A no-op on GPUs, for other dtypes, and where this torch build has no oneDNN linear.
     """
@@ -346,10 +389,18 @@ def pack_linear_weights(model: torch.nn.Module, rows_hint: int) -> int:
         and child.weight.device.type == "cpu"
         and child.weight.dtype == torch.float32
     ]
+    wins: dict[tuple, bool] = {}
+    packed = 0
     with torch.no_grad():
         for parent, name, child in swaps:
-            setattr(parent, name, PackedLinear(child, rows_hint))
-    return len(swaps)
+            shape = (child.in_features, child.out_features, child.bias is not None)
+            if shape not in wins:
+                wins[shape] = packing_wins(child, rows_hint)
+                log.debug("oneDNN packing %s at %d rows: %s", shape, rows_hint, wins[shape])
+            if wins[shape]:
+                setattr(parent, name, PackedLinear(child, rows_hint))
+                packed += 1
+    return packed
 
 
 def _sample(weights: torch.Tensor) -> torch.Tensor:

@@ -384,17 +384,24 @@ def run_inprocess(args, prompts: list[Prompt], store: ResultStore, stats: Stats)
 def run_engine(args, prompts: list[Prompt], store: ResultStore, stats: Stats) -> None:
     """--engine vllm: a managed server for --target, then the server path (ServerPool)."""
     from eagle3.engine.server import managed_engine
-    from eagle3.target import resolve
+    from eagle3.measure import context_of, engine_context
+    from eagle3.target import load_tokenizer, resolve
 
-    name, hf_dir, _ = resolve(args.target)
+    target = resolve(args.target)
     if args.chat_template is not None:
         raise Eagle3Error(
             "--chat-template is in-process only; with --engine pass "
             "--engine-arg=--chat-template=FILE to the server"
         )
-    served = args.model or name
-    with managed_engine(args, hf_dir, served_model_name=served) as server:
-        log.info("vLLM server for %s up in %.0f s, %s (log %s)", name, server.startup_seconds,
+    served = args.model or target.name
+    # the server is told the context these prompts and answers need, not the target's whole
+    max_model_len = engine_context(
+        load_tokenizer(target), [("prompts", prompts)], args.max_new_tokens, context_of(target)
+    )
+    with managed_engine(
+        args, target, served_model_name=served, max_model_len=max_model_len
+    ) as server:
+        log.info("vLLM server for %s up in %.0f s, %s (log %s)", target.name, server.startup_seconds,
                  server.serving.describe(), server.log_path)  # fmt: skip
         engine_args = argparse.Namespace(**{**vars(args), "base_url": [server.base_url],
                                             "model": served})  # fmt: skip

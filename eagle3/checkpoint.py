@@ -52,7 +52,7 @@ The MLA draft (DraftConfig.attention "mla") is the same directory for vLLM's
   with kv_a_proj_with_mqa and gate_proj with up_proj itself, maps d2t to draft_id_to_target_id
   and skips t2d, so the tensors are written unfused, under the names our model uses.
 SGLang (python/sglang/srt/models/deepseek_eagle3.py at the commits read) registers the same
-architecture and reads the same names and eagle_config ids; see README "Kimi-K2.5".
+architecture and reads the same names and eagle_config ids; see docs/kimi-runbook.md.
 """
 
 from __future__ import annotations

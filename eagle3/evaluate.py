@@ -47,6 +47,7 @@ from eagle3.engine.server import add_engine_args
 from eagle3.errors import Eagle3Error
 from eagle3.measure import (
     add_decode_args,
+    check_drafter,
     decode_config,
     decodes,
     drafter_name,
@@ -59,7 +60,14 @@ from eagle3.measure import (
 )
 from eagle3.progress import Progress, count
 from eagle3.report import engine_row, format_table, log_wandb, result_row
-from eagle3.target import load_target
+from eagle3.target import (
+    check_fits,
+    describe_target,
+    device_memory_bytes,
+    load_target,
+    resolve,
+    weight_file_bytes,
+)
 
 log = logging.getLogger("eagle3.evaluate")
 
@@ -113,7 +121,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = decode_config(args)
     benches = parse_benches(args.bench)
     specs = [s.strip() for item in args.draft for s in item.split(",") if s.strip()]
-    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    model = resolve(args.target)  # once: every loader below takes this value
+    if args.engine_only:  # every forward runs in the engine: its files, not its weights
+        target = describe_target(model)
+    else:
+        check_fits(model.name, weight_file_bytes(model), device_memory_bytes(args.device),
+                   args.device or "this machine", "measure it as an engine serves it: "
+                   "--engine vllm --engine-only (with --tensor-parallel-size N for N GPUs)")  # fmt: skip
+        target = load_target(model, device=args.device, dtype=args.dtype)
     if target.tokenizer is None:
         raise Eagle3Error(
             f"target {args.target} has no tokenizer; the benchmarks need its chat template"
@@ -125,14 +140,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             n += 1
             name = f"{drafter_name(spec)}#{n}"
         names[name] = spec
-    drafters = {name: load_drafter(spec, target, cfg) for name, spec in names.items()}
+    if args.engine_only:  # checked against the target, never loaded here
+        drafters = {}
+        for spec in engine_drafters(names).values():
+            check_drafter(spec, target)
+    else:
+        drafters = {name: load_drafter(spec, target, cfg) for name, spec in names.items()}
     if args.engine:  # what the engine would refuse, refused before the in-house decoding
         from eagle3.engine.server import check_servable
-        from eagle3.target import resolve
 
-        hf_dir = resolve(args.target)[1]
         for spec in engine_drafters(names).values():
-            check_servable(hf_dir, spec)
+            check_servable(model.hf_dir, spec)
     report: dict[str, Any] = {
         "target": target.name,
         "config": {**asdict(cfg), "seed": args.seed, "limit": args.limit},
@@ -165,7 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     progress.close()
     if args.engine:
         try:
-            measured = engine_runs(args, target, loaded, names, cfg)
+            measured = engine_runs(args, model, target, loaded, names, cfg)
         except Eagle3Error:
             if args.json and report["results"]:  # the in-house rows are not lost with it
                 write_json(args.json, report)

@@ -46,11 +46,14 @@ from eagle3.speculative import (
     SpeculativeDecoder,
     plain_generate,
 )
-from eagle3.target import eos_token_ids
+from eagle3.target import eos_token_ids, target_facts
 
 log = logging.getLogger(__name__)
 
 WARMUP_TOKENS = 8
+# tokens per turn beyond its answer: the answer's template around it, and an answer decoded to
+# text and tokenised again in the next turn's prompt, which can grow a little
+ANSWER_SLACK = 32
 TREE = "tree:"  # drafter spec prefix: the checkpoint after it drafts a dynamic tree
 
 
@@ -84,6 +87,12 @@ def decode_config(args: argparse.Namespace) -> DecodeConfig:
 
 
 # -- drafters -----------------------------------------------------------------------------------
+def context_of(model) -> int | None:
+    """The target's context (max_position_embeddings), read from its config; None: unknown."""
+    context = getattr(target_facts(model)["hf_config"], "max_position_embeddings", None)
+    return int(context) if context else None
+
+
 def drafter_name(spec: str) -> str:
     if spec.startswith(TREE):
         return f"{drafter_name(spec[len(TREE) :])} [tree]"
@@ -102,7 +111,9 @@ def check_compatible(cfg, raw: dict[str, Any], target, ckpt: str) -> None:
         problems.append(f"vocab {cfg.vocab_size} vs the target's {target.vocab_size}")
     if cfg.target_hidden_size != target.hidden_size:
         problems.append(f"target hidden size {cfg.target_hidden_size} vs {target.hidden_size}")
-    embed = tuple(target.embed_weight.shape)
+    # a Target's embedding matrix; a TargetFiles (no weights) has the config's sizes
+    weight = getattr(target, "embed_weight", None)
+    embed = tuple(weight.shape) if weight is not None else (target.vocab_size, target.hidden_size)
     if (cfg.vocab_size, cfg.hidden_size) != embed:
         problems.append(f"embedding shape {(cfg.vocab_size, cfg.hidden_size)} vs {embed}")
     # other aux ids than the target's default are fine (the decoder captures the drafter's
@@ -121,6 +132,19 @@ def check_compatible(cfg, raw: dict[str, Any], target, ckpt: str) -> None:
         )
 
 
+def check_drafter(spec: str, target) -> None:
+    """Refuse a checkpoint directory that is missing or made for another target (one line);
+    nothing is loaded but its config."""
+    from eagle3.checkpoint import load_config
+
+    if not Path(spec).is_dir():
+        raise Eagle3Error(
+            f"--draft {spec}: no such checkpoint directory (or use prompt-lookup / none)"
+        )
+    draft_cfg, raw = load_config(spec)
+    check_compatible(draft_cfg, raw, target, spec)
+
+
 def load_drafter(spec: str, target, cfg: DecodeConfig):
     """-> a Drafter (None for 'none'); `tree:DIR` drafts a tree of `cfg`'s tree shape."""
     if spec.startswith(TREE):
@@ -131,14 +155,9 @@ def load_drafter(spec: str, target, cfg: DecodeConfig):
         return None
     if spec == "prompt-lookup":
         return PromptLookupDrafter(num_tokens=cfg.max_depth)
-    from eagle3.checkpoint import load_config, load_draft
+    from eagle3.checkpoint import load_draft
 
-    if not Path(spec).is_dir():
-        raise Eagle3Error(
-            f"--draft {spec}: no such checkpoint directory (or use prompt-lookup / none)"
-        )
-    draft_cfg, raw = load_config(spec)
-    check_compatible(draft_cfg, raw, target, spec)
+    check_drafter(spec, target)
     draft = load_draft(spec)
     draft.set_embeddings(target.embed_weight.detach().cpu())
     dtype = target.model.dtype if target.device.type == "cuda" else torch.float32
@@ -360,6 +379,20 @@ def engine_plain_turns(
     return turns
 
 
+def engine_context(tokenizer, benches, max_new_tokens: int, context: int | None) -> int:
+    """The context an engine needs for these benchmarks: the longest prompt with every user
+    turn and an answer of max_new_tokens (+ slack for an answer re-tokenised in the next turn's
+    prompt) after each, at most the target's own context. vLLM's default is the target's
+    whole context (Kimi-K2.5: 262,144 tokens, more KV than a 96 GB card keeps after its
+    weights), so a server told nothing may not start at all."""
+    need = 0
+    for _, prompts in benches:
+        for prompt in prompts:
+            rendered = len(prompt_ids(tokenizer, prompt.messages))  # every turn, no answers
+            need = max(need, rendered + user_turns(prompt) * (max_new_tokens + ANSWER_SLACK))
+    return min(need, context) if context else need
+
+
 def engine_drafters(names: dict[str, str]) -> dict[str, str]:
     """The drafters an engine serves: checkpoints (vLLM has no token trees, and prompt-lookup
     and none are in-house only)."""
@@ -371,16 +404,17 @@ def engine_drafters(names: dict[str, str]) -> dict[str, str]:
 
 
 def engine_runs(
-    args, target, benches, names: dict[str, str], cfg: DecodeConfig
+    args, model, target, benches, names: dict[str, str], cfg: DecodeConfig
 ) -> list[EngineResult]:
     """Every checkpoint drafter on every benchmark, one request at a time and
     `args.engine_batch` at a time, next to plain vLLM run the same way; at most one server runs
-    at a time."""
+    at a time. `model`: the resolved target the servers serve; `target`: its tokenizer and
+    generation config (a Target or a TargetFiles). Every server is told the context the
+    benchmarks need (`engine_context`); --engine-arg=--max-model-len=N overrides it."""
     from eagle3.engine.server import managed_engine
-    from eagle3.target import resolve
 
-    hf_dir = resolve(args.target)[1]
     eos = sorted(eos_token_ids(target))
+    max_model_len = engine_context(target.tokenizer, benches, cfg.max_new_tokens, context_of(model))
     k, batch = cfg.max_depth, args.engine_batch
     drafters = engine_drafters(names)
     if not drafters:
@@ -397,7 +431,9 @@ def engine_runs(
     turns_all = decodes(benches, 0)
     progress = Progress("evaluate [vllm]", turns_all * (3 + 2 * len(drafters)), "requests")
     plain: dict[tuple[str, int], EngineRun] = {}
-    with managed_engine(args, hf_dir, served_model_name=target.name) as server:
+    with managed_engine(
+        args, model, served_model_name=target.name, max_model_len=max_model_len
+    ) as server:
         log.info("vLLM plain server up in %.0f s, %s (log %s)", server.startup_seconds,
                  server.serving.describe(), server.log_path)  # fmt: skip
         turns = engine_plain_turns(server, target, benches, cfg, eos, progress)
@@ -408,7 +444,12 @@ def engine_runs(
     results = []
     for name, spec in drafters.items():
         with managed_engine(
-            args, hf_dir, served_model_name=target.name, drafter=spec, num_speculative_tokens=k
+            args,
+            model,
+            served_model_name=target.name,
+            drafter=spec,
+            num_speculative_tokens=k,
+            max_model_len=max_model_len,
         ) as server:
             log.info("vLLM server with %s up in %.0f s, %s (log %s)", name,
                      server.startup_seconds, server.serving.describe(), server.log_path)  # fmt: skip

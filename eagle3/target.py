@@ -27,12 +27,14 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import yaml
 
+from eagle3.compute import matmul_dtype
 from eagle3.data.chat import end_of_turn_ids
 from eagle3.errors import Eagle3Error
 
@@ -169,24 +171,127 @@ def gguf_to_hf(gguf: Path) -> tuple[Path, Any, Any]:
     return out, model, tokenizer
 
 
-def resolve(name_or_path: str | os.PathLike) -> tuple[str, str, dict[str, Any] | None]:
-    """-> (display name, HF dir or hub id, registry spec or None). Converts GGUF if needed."""
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """A target resolved once per command: what every loader takes (each also takes the
+    string and resolves it itself, which is the same value).
+
+    name: the registry name when the registry knows the model (by name, or a local directory
+    whose config is that entry's model), else the directory name, GGUF stem or hub id; shards,
+    provenance, recipes and drafters carry this name. hf_dir: the local HF directory (or hub
+    id) the weights, config and tokenizer are read from. spec: the registry entry, or None.
+    """
+
+    name: str
+    hf_dir: str
+    spec: dict[str, Any] | None = None
+
+    @property
+    def is_local(self) -> bool:
+        """Files on this machine (False: a hub id, which needs the hub to read anything)."""
+        return Path(self.hf_dir).is_dir()
+
+    @property
+    def remote_code(self) -> bool:
+        """The model's own code is remote (the registry's trust_remote_code)."""
+        return bool(self.spec and self.spec.get("trust_remote_code"))
+
+    @property
+    def tokenizer_remote_code(self) -> bool:
+        """The tokenizer is remote code (Kimi-K2.5's tiktoken tokenizer): what tokenizer loads
+        and every engine serving this target (--trust-remote-code) must be told."""
+        return self.remote_code or bool(self.spec and self.spec.get("tokenizer_trust_remote_code"))
+
+
+# Registry facts that belong to one size of a model family: a directory with the entry's
+# architecture at other sizes (a miniature, a pruned variant) takes its own.
+_SIZE_FIELDS = {
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "vocab_size": "vocab_size",
+    "context_length": "max_position_embeddings",
+}
+# ... and the facts derived from the entry's sizes, which such a directory does not have
+_SIZED_FACTS = ("aux_layer_ids", "plan_shape", "served_weights_gb")
+
+
+def match_registry(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The registry entry (by architecture) for a HF directory's config.json, or None.
+
+    Entries loaded from a HF directory (`source.hf_path`) match a config that declares their
+    `architecture`. Where the config's sizes differ from the entry's, the entry's size-bound
+    facts (layers, hidden size, vocab, context) are the config's, and what derives from the
+    entry's sizes (aux layer ids, the memory plan's shape and served weights) is dropped: the
+    config's own depth gets the default aux layers. Pure: config dict in, spec out."""
+    architectures = set(config.get("architectures") or [])
+    text = config.get("text_config") or config
+    for name in registry_names():
+        spec = target_spec(name)
+        if "hf_path" not in spec["source"] or spec.get("architecture") not in architectures:
+            continue
+        own = {field: text.get(key) for field, key in _SIZE_FIELDS.items()}
+        if all(own[f] is None or own[f] == spec.get(f) for f in _SIZE_FIELDS):
+            return spec
+        log.info(
+            "%s at other sizes than the registry's %s (%s): its registry settings apply, its "
+            "own sizes and default aux layers", spec["architecture"], name,
+            ", ".join(f"{f} {own[f]}" for f in _SIZE_FIELDS if own[f] != spec.get(f)),
+        )  # fmt: skip
+        sized = {k: v for k, v in spec.items() if k not in _SIZED_FACTS}
+        sized.update({f: v for f, v in own.items() if v is not None})
+        return sized
+    return None
+
+
+def _config_json(path: Path) -> dict[str, Any]:
+    """A directory's config.json as a dict; {} when it is missing or unreadable (loading it
+    later says what is wrong, in its own words)."""
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def resolve(name_or_path: str | os.PathLike | ResolvedTarget) -> ResolvedTarget:
+    """A registry name, a local HF directory, a .gguf (or a directory holding one), or a hub
+    id -> ResolvedTarget; a ResolvedTarget comes back as it is. GGUF is converted (once, cached)."""
+    if isinstance(name_or_path, ResolvedTarget):
+        return name_or_path
     raw = str(name_or_path)
     path = Path(raw).expanduser()
     if path.exists():
         gguf = _find_gguf(path)
-        if gguf is None:
-            return path.name, str(path), None
-        return gguf.stem, str(gguf_to_hf(gguf)[0]), None
+        if gguf is not None:
+            return ResolvedTarget(gguf.stem, str(gguf_to_hf(gguf)[0]))
+        spec = match_registry(_config_json(path / "config.json"))
+        return ResolvedTarget(spec["name"] if spec else path.name, str(path), spec)
     if "/" not in raw and "\\" not in raw:
         spec = target_spec(raw)
         source = spec["source"]
         if "gguf_file" in source:
-            return spec["name"], str(gguf_to_hf(_packaged_gguf(source))[0]), spec
-        return spec["name"], source["hf_path"], spec
+            return ResolvedTarget(spec["name"], str(gguf_to_hf(_packaged_gguf(source))[0]), spec)
+        return ResolvedTarget(spec["name"], source["hf_path"], spec)
     if raw.startswith((".", "/", "~")) or raw.endswith(".gguf"):
         raise Eagle3Error(f"target path {raw} does not exist")
-    return raw, raw, None  # a hub id such as moonshotai/Kimi-K2.5
+    return ResolvedTarget(raw, raw)  # a hub id such as moonshotai/Kimi-K2.5
+
+
+def load_tokenizer(target: str | os.PathLike | ResolvedTarget):
+    """The target's tokenizer, with remote code exactly where its registry entry says
+    (Kimi-K2.5's tokenization_kimi.py over tiktoken). Errors are the caller's to word."""
+    from transformers import AutoTokenizer
+
+    t = resolve(target)
+    return AutoTokenizer.from_pretrained(t.hf_dir, trust_remote_code=t.tokenizer_remote_code)
+
+
+def load_hf_config(target: str | os.PathLike | ResolvedTarget):
+    """The target's transformers config (remote code where its registry entry says)."""
+    from transformers import AutoConfig
+
+    t = resolve(target)
+    return AutoConfig.from_pretrained(t.hf_dir, trust_remote_code=t.remote_code)
 
 
 # -- the target --------------------------------------------------------------------------------
@@ -391,7 +496,8 @@ def eos_token_ids(target) -> set[int]:
     generation_config EOS (either may be missing)."""
     tok = getattr(target, "tokenizer", None)
     ids = end_of_turn_ids(tok) if tok is not None else set()
-    gen = getattr(target.model, "generation_config", None)
+    model = getattr(target, "model", None)  # a TargetFiles has its generation_config itself
+    gen = getattr(model, "generation_config", None) or getattr(target, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
     if eos is not None:
         ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
@@ -472,7 +578,7 @@ def _load_model(name_or_path: str | os.PathLike, hf_dir: str, kwargs: dict[str, 
 
 
 def load_target(
-    name_or_path: str | os.PathLike,
+    name_or_path: str | os.PathLike | ResolvedTarget,
     *,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
@@ -480,13 +586,12 @@ def load_target(
     aux_layer_ids: list[int] | None = None,
 ) -> Target:
     """Load a target by registry name, HF model directory (or hub id), .gguf file, or a
-    directory holding exactly one .gguf. dtype defaults to fp32 on CPU and bf16 on CUDA;
+    directory holding exactly one .gguf. dtype defaults to fp32 on CPU and bf16 on CUDA (a
+    half type on a CPU without native support for it computes in fp32: eagle3.compute);
     `device_map` (e.g. "auto") is passed to from_pretrained for multi-GPU targets. A
     vision-language wrapper (Kimi-K2.5) loads whole; its aux ids index the text decoder's
     layers. Every load failure is a one-line Eagle3Error."""
-    from transformers import AutoTokenizer
-
-    name, hf_dir, spec = resolve(name_or_path)
+    t = resolve(name_or_path)
     if device_map is None:
         device = torch.device(device) if device is not None else _default_device()
     if isinstance(dtype, str):
@@ -494,26 +599,27 @@ def load_target(
     if dtype is None:
         on_cuda = device_map is not None or (device is not None and device.type == "cuda")
         dtype = torch.bfloat16 if on_cuda else torch.float32
-    if aux_layer_ids is None and spec is not None:
-        aux_layer_ids = spec.get("aux_layer_ids")
+    elif device_map is None and matmul_dtype(dtype, device) != dtype:
+        # the weights are the arithmetic here: a half type this CPU only emulates runs 4-40x
+        # slower than float32 (eagle3.compute), so it computes in float32 and says so
+        log.warning("%s asked for; this CPU has no native %s: computing in float32", dtype, dtype)
+        dtype = matmul_dtype(dtype, device)
+    if aux_layer_ids is None and t.spec is not None:
+        aux_layer_ids = t.spec.get("aux_layer_ids")
     kwargs: dict[str, Any] = {"dtype": dtype}
-    if spec is not None and spec.get("trust_remote_code"):
+    if t.remote_code:
         kwargs["trust_remote_code"] = True
     if device_map is not None:
         kwargs["device_map"] = device_map
-    model = _load_model(name_or_path, hf_dir, kwargs)
+    model = _load_model(t.hf_dir if name_or_path is t else name_or_path, t.hf_dir, kwargs)
     if device_map is None:
         model.to(device)
-    # Kimi-K2.5's model is native in transformers but its tiktoken tokenizer is remote code.
-    tokenizer_remote = bool(kwargs.get("trust_remote_code")) or bool(
-        spec and spec.get("tokenizer_trust_remote_code")
-    )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=tokenizer_remote)
+    try:  # Kimi-K2.5's model is native in transformers, its tiktoken tokenizer remote code
+        tokenizer = load_tokenizer(t)
     except (OSError, ValueError, TypeError, ImportError):
-        log.warning("no tokenizer found with target %s; Target.tokenizer is None", name)
+        log.warning("no tokenizer found with target %s; Target.tokenizer is None", t.name)
         tokenizer = None
-    return Target(model, tokenizer, name=name, aux_layer_ids=aux_layer_ids, spec=spec)
+    return Target(model, tokenizer, name=t.name, aux_layer_ids=aux_layer_ids, spec=t.spec)
 
 
 # -- single matrices without building the model ------------------------------------------------
@@ -548,8 +654,8 @@ def _weight_files(hf_dir: str) -> dict[str, str]:
         return {key: "model.safetensors" for key in f.keys()}
 
 
-def _read_tensor(name_or_path: str | os.PathLike, which: str) -> torch.Tensor:
-    _, hf_dir, _ = resolve(name_or_path)
+def _read_tensor(name_or_path: str | os.PathLike | ResolvedTarget, which: str) -> torch.Tensor:
+    hf_dir = resolve(name_or_path).hf_dir
     config_path = _hf_file(hf_dir, "config.json")
     config = json.loads(config_path.read_text()) if config_path else {}
     tied = config.get(
@@ -574,21 +680,23 @@ def _read_tensor(name_or_path: str | os.PathLike, which: str) -> torch.Tensor:
         return f.get_tensor(keys[0])
 
 
-def load_lm_head(name_or_path: str | os.PathLike) -> torch.Tensor:
+def load_lm_head(name_or_path: str | os.PathLike | ResolvedTarget) -> torch.Tensor:
     """The target's lm_head matrix [V, H] (the embeddings when tied), read alone from the
     safetensors (one shard for sharded checkpoints); the model is never built."""
     return _read_tensor(name_or_path, "lm_head")
 
 
-def load_embeddings(name_or_path: str | os.PathLike) -> torch.Tensor:
+def load_embeddings(name_or_path: str | os.PathLike | ResolvedTarget) -> torch.Tensor:
     """The target's input embeddings [V, H] (the drafter's frozen embed_tokens)."""
     return _read_tensor(name_or_path, "embed")
 
 
-def load_final_norm(name_or_path: str | os.PathLike) -> tuple[torch.Tensor, float]:
+def load_final_norm(
+    name_or_path: str | os.PathLike | ResolvedTarget,
+) -> tuple[torch.Tensor, float]:
     """The target's final RMSNorm (weight [H], eps), read alone from the safetensors: what
     turns a pre-norm last hidden state (vLLM's id num_hidden_layers) into lm_head's input."""
-    _, hf_dir, _ = resolve(name_or_path)
+    hf_dir = resolve(name_or_path).hf_dir
     weight_map = _weight_files(hf_dir)
     # the decoder's own norm, not a layer's (model.layers.N.*norm) nor an MTP/vision copy
     keys = sorted(
@@ -612,26 +720,99 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight.float() * h.to(x.dtype).float()
 
 
+# -- a target known from its files: no weights --------------------------------------------------
+@dataclass
+class TargetFiles:
+    """A target known from its config, tokenizer and generation config alone: what a command
+    that leaves every forward to an engine needs (`eagle3.evaluate --engine-only` of a 1T
+    target loads no weight). The names are Target's, for the code that reads both."""
+
+    name: str
+    tokenizer: Any
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    generation_config: Any = None
+    device: str = "engine"  # where the forwards run (reports print it)
+
+
+def describe_target(target: str | os.PathLike | ResolvedTarget) -> TargetFiles:
+    """The TargetFiles of a target: config.json, the tokenizer (remote code where its registry
+    entry says) and generation_config.json, read without a weight."""
+    from transformers import GenerationConfig
+
+    t = resolve(target)
+    facts = target_facts(t)
+    try:
+        generation = GenerationConfig.from_pretrained(t.hf_dir)
+    except OSError:  # no generation_config.json: the tokenizer's end-of-turn ids alone
+        generation = None
+    return TargetFiles(
+        name=t.name,
+        tokenizer=load_tokenizer(t),
+        vocab_size=int(facts["vocab_size"]),
+        hidden_size=int(facts["hidden_size"]),
+        num_layers=int(facts["num_layers"]),
+        generation_config=generation,
+    )
+
+
+def weight_file_bytes(target: str | os.PathLike | ResolvedTarget) -> int | None:
+    """Bytes of a local target's weight files (the index's total_size, else the safetensors'
+    sizes); None for a hub id or a directory without safetensors. A lower bound of what loading
+    the model takes: INT4 experts de-quantise at load and bf16 files load as fp32 on a CPU."""
+    t = resolve(target)
+    if not t.is_local:
+        return None
+    index = Path(t.hf_dir) / "model.safetensors.index.json"
+    if index.is_file():
+        total = (json.loads(index.read_text()).get("metadata") or {}).get("total_size")
+        if total:
+            return int(total)
+    files = list(Path(t.hf_dir).glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files) if files else None
+
+
+def device_memory_bytes(device: torch.device | str | None) -> int:
+    """Memory of the device a whole in-process target would sit on: a CUDA device's total
+    memory, else this machine's physical memory."""
+    device = torch.device(device) if device is not None else _default_device()
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(name: str, weights: int | None, memory: int, device: str, engine_hint: str) -> None:
+    """One-line Eagle3Error when a target's weight files alone exceed the device's memory
+    (before anything is loaded); `engine_hint` names the command that serves it instead."""
+    if weights is not None and weights > memory:
+        raise Eagle3Error(
+            f"target {name} has {weights / 1e9:,.0f} GB of weights and {device} "
+            f"{memory / 1e9:,.0f} GB: it cannot run in this process; {engine_hint}"
+        )
+
+
 # -- facts without weights ---------------------------------------------------------------------
-def target_facts(name_or_path: str | os.PathLike) -> dict[str, Any]:
+def target_facts(name_or_path: str | os.PathLike | ResolvedTarget) -> dict[str, Any]:
     """name, vocab_size, hidden_size, num_layers, aux_layer_ids (the registry's, or None) and
     the text hf_config of a target, read from its config.json alone (no weights are loaded)."""
-    from transformers import AutoConfig
-
-    display, hf_dir, spec = resolve(name_or_path)
+    t = resolve(name_or_path)
     try:
-        hf_config = AutoConfig.from_pretrained(
-            hf_dir, trust_remote_code=bool(spec and spec.get("trust_remote_code"))
-        )
+        hf_config = load_hf_config(t)
     except (OSError, ValueError) as err:
         first_line = f"cannot read the config of {name_or_path}: {err}".splitlines()[0]
+        if not t.is_local and t.spec is not None:  # a registry name on a node with no hub
+            first_line = (
+                f"cannot read target {t.name} from the hub ({t.hf_dir}); on a machine without "
+                f"the hub pass its local copy instead, e.g. --target /models/{Path(t.hf_dir).name}"
+            )
         raise Eagle3Error(first_line) from err
     text = getattr(hf_config, "text_config", None) or hf_config  # multimodal: the language model
     return {
-        "name": display,
+        "name": t.name,
         "hf_config": text,
         "vocab_size": text.vocab_size,
         "hidden_size": text.hidden_size,
         "num_layers": text.num_hidden_layers,
-        "aux_layer_ids": (spec or {}).get("aux_layer_ids"),
+        "aux_layer_ids": (t.spec or {}).get("aux_layer_ids"),
     }

@@ -12,6 +12,9 @@ time of each, so a noisy neighbour hurts all three alike):
                  conversion, copy to CPU and shard writing (safetensors, fsync) included
 
 Goal: capture within 15% of the bare forward (ratio capture / model(...) time <= 1.15).
+Capture's rate is also printed against this machine's fp32 matmul peak, measured in the run
+(eagle3.compute: tokens x 2 x the decoder's linear weights), so a slow CPU and a slow path can
+be told apart.
 
 `--engine vllm` then captures the same records through a managed vLLM server
 (`datagen.capture --engine vllm`'s path: token-id prompts, our connector, final norm here,
@@ -53,6 +56,7 @@ def main() -> None:
 
     from datagen.capture import batches, capture_items, pad
     from datagen.render import Item
+    from eagle3.compute import describe_peak, matmul_peak, peak_share, weight_flops_per_token
     from eagle3.data.chat import render_conversation
     from eagle3.data.prompts import load_prompts
     from eagle3.data.shards import ShardWriter, bytes_per_token, target_meta
@@ -101,6 +105,7 @@ def main() -> None:
             writer.close()
 
     paths = {"model(...)": full_forward, "decoder(...)": decoder_forward, "capture": capture}
+    peak = matmul_peak(target.device)
     full_forward()  # warm-up
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(args.repeats):
@@ -109,6 +114,7 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t0)
     med = {name: statistics.median(ts) for name, ts in times.items()}
+    peak = max(peak, matmul_peak(target.device))  # before and after: neighbours come and go
     print(
         f"target {target.name} on {target.device}, {torch.get_num_threads()} threads: "
         f"{len(items)} records, {tokens:,} tokens in {len(padded)} batches, "
@@ -116,6 +122,8 @@ def main() -> None:
     )
     for name, seconds in med.items():
         print(f"  {name:13s} {seconds:7.2f} s  {tokens / seconds:8,.0f} tok/s")
+    flops = weight_flops_per_token(target.model.get_decoder())
+    print(f"{describe_peak(peak)}; capture {peak_share(tokens / med['capture'], flops, peak)}")
     print(
         f"capture / model(...) time = {med['capture'] / med['model(...)']:.3f}   "
         f"capture / decoder(...) time = {med['capture'] / med['decoder(...)']:.3f}   (goal <= 1.15)"

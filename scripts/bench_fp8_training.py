@@ -47,7 +47,7 @@ from eagle3.data.prompts import PromptError, open_source, source_conversation  #
 from eagle3.data.shards import ShardDataset, ShardWriter, read_meta  # noqa: E402
 from eagle3.loss import simulated_acceptance, step_labels  # noqa: E402
 from eagle3.model import Eagle3Draft  # noqa: E402
-from eagle3.target import load_embeddings, load_lm_head, load_target  # noqa: E402
+from eagle3.target import load_embeddings, load_lm_head, load_target, resolve  # noqa: E402
 
 TARGET = "smollm2-135m-q4"
 CONFIG = ROOT / "configs/train/smollm2-q4-cpu.yaml"
@@ -122,7 +122,10 @@ def capture_dtypes(target, records: list[dict], dirs: dict[str, Path], max_lengt
     rendering = Rendering(max_length, "window")  # every record fits: one window each
     stats: Counter = Counter()
     items = render_all(records, target.tokenizer, rendering, stats)
-    writers = [ShardWriter(d, capture_meta(target, dt, rendering), dt) for dt, d in dirs.items()]
+    writers = [
+        ShardWriter(d, capture_meta(target, dt, rendering, resolve(TARGET)), dt)
+        for dt, d in dirs.items()
+    ]
     with torch.inference_mode():
         capture_items(target, items, Tee(writers), batch_tokens=8192)
     for w in writers:

@@ -8,7 +8,10 @@ over wall time, prefill included, as a run of `datagen.local` sees it, for the c
 batching generator and (unless --no-baseline) for transformers' `generate` over length-sorted
 batches of the same prompts, and their ratio. Goal on 2 CPU cores: >= 150 tok/s. The load
 average is printed too: other processes on the same cores slow it down a lot (CPU threads
-spin-wait on each other), so compare runs on a quiet machine.
+spin-wait on each other), so compare runs on a quiet machine. The rate is also printed
+against this machine's fp32 matmul peak, measured in the run (eagle3.compute: generated tokens
+x 2 x the target's linear weights, prefill not counted), so a slow CPU and a slow path can be
+told apart.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def main() -> None:
     args = p.parse_args()
 
     from datagen.generate import Generator
+    from eagle3.compute import describe_peak, matmul_peak, peak_share, weight_flops_per_token
     from eagle3.data.chat import next_turns
     from eagle3.data.prompts import load_prompts
     from eagle3.target import load_target
@@ -59,6 +63,8 @@ def main() -> None:
             pack_weights=pack_weights,
         )
 
+    peak = matmul_peak(target.device)
+    flops = weight_flops_per_token(target.model)
     prompts = load_prompts(args.source, limit=args.prompts)
     conversations = [next_turns(p, []) for p in prompts]  # up to the first user turn
     load_before = os.getloadavg()[0]
@@ -78,6 +84,7 @@ def main() -> None:
     turns = gen.generate(conversations)
     seconds = time.perf_counter() - t0
     load_after = os.getloadavg()[0]
+    peak = max(peak, matmul_peak(target.device))  # before and after: neighbours come and go
     generated = sum(t.completion_tokens for t in turns)
     prefill = sum(t.prompt_tokens for t in turns)
     stopped = sum(t.finish_reason == "stop" for t in turns)
@@ -90,6 +97,7 @@ def main() -> None:
         f"{generated:,} generated ({stopped} stopped at end-of-turn, max {args.max_new_tokens})"
     )
     print(f"wall {seconds:.1f} s -> {generated / seconds:,.1f} generated tok/s aggregate")
+    print(f"{describe_peak(peak)}; generation {peak_share(generated / seconds, flops, peak)}")
     if base is not None:
         print(
             f"transformers generate (length-sorted batches, unpacked weights), same prompts: "

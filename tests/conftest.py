@@ -166,7 +166,7 @@ def embedded_target_dir():
     from eagle3.target import resolve
 
     try:
-        return resolve(EMBEDDED)[1]
+        return resolve(EMBEDDED).hf_dir
     except Eagle3Error as err:
         pytest.skip(f"embedded target unavailable: {err}")
 

@@ -40,9 +40,9 @@ assert Path(eagle3.__file__).is_relative_to(venv), eagle3.__file__
 assert TARGETS_DIR.is_relative_to(venv) and "smollm2-135m-q4" in registry_names()
 assert (PLUGIN_DIR / f"{CAPTURE_MODULE}.py").is_file()
 assert default_engine_python() == venv.parent / ".venv-engine" / "bin" / "python"
-name, hf_dir, spec = resolve("smollm2-135m-q4")
-assert name == "smollm2-135m-q4" and spec["aux_layer_ids"] == [1, 14, 26]
-assert (Path(hf_dir) / "config.json").is_file()
+t = resolve("smollm2-135m-q4")
+assert t.name == "smollm2-135m-q4" and t.spec["aux_layer_ids"] == [1, 14, 26]
+assert (Path(t.hf_dir) / "config.json").is_file()
 print("wheel ok", eagle3.__file__)
 """
 

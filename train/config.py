@@ -180,7 +180,9 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100  # optimizer steps between validation passes (and one at the end)
     resume_from: str | None = None  # "latest" (newest in out_dir), a checkpoint dir, or None
-    mixed_precision: str = "auto"  # auto: bf16 on GPU, no (fp32) on CPU; or no/bf16/fp16
+    # auto: bf16 on GPU, no (fp32) on CPU; or no/bf16/fp16 (on a CPU that only emulates the
+    # half type: fp32, eagle3.compute)
+    mixed_precision: str = "auto"
     # done/total, rate, ETA (main process): a bar on a terminal, a line every 30 s in a log;
     # false: neither
     progress: bool = True

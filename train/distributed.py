@@ -7,21 +7,35 @@ the scheduler is stepped once per optimizer step whatever the number of processe
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
 
+from eagle3.compute import matmul_dtype
 from train.config import Config
+
+log = logging.getLogger(__name__)
+
+
+def mixed_precision(asked: str, on_gpu: bool) -> str:
+    """train.mixed_precision -> accelerate's: auto is bf16 on a GPU and no (fp32) on a CPU; a
+    half type on a CPU that only emulates it is no (4-40x slower matmuls: eagle3.compute)."""
+    if asked == "auto":
+        return "bf16" if on_gpu else "no"
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(asked)
+    if not on_gpu and half is not None and matmul_dtype(half, "cpu") != half:
+        log.warning("train.mixed_precision=%s: this CPU has no native %s: fp32", asked, asked)
+        return "no"
+    return asked
 
 
 def make_accelerator(cfg: Config) -> tuple[Accelerator, torch.dtype]:
     """The Accelerator of this launch and the dtype hidden states are fed in."""
     on_gpu = torch.cuda.is_available()
-    mixed = cfg.train.mixed_precision
-    if mixed == "auto":
-        mixed = "bf16" if on_gpu else "no"
+    mixed = mixed_precision(cfg.train.mixed_precision, on_gpu)
     # accelerate launch with a DeepSpeed config (or ACCELERATE_USE_DEEPSPEED=true) asks for it;
     # on a CPU that needs cpu=False too (DeepSpeed's CPU accelerator, DS_ACCELERATOR=cpu, gloo)
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"

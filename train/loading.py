@@ -14,19 +14,24 @@ data.max_length (`fit_length`) and, with data.packing, packed into rows (`pack_r
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from torch.utils.data import Dataset
 
+from eagle3.data.shards import read_meta
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.target import (
+    ResolvedTarget,
     TargetModel,
     default_aux_layers,
     load_embeddings,
     load_lm_head,
     load_target,
+    resolve,
 )
 from train.config import Config
 from train.data import (
@@ -44,6 +49,8 @@ from train.data import (
 from train.online_target import describe_target
 from train.packing import PackedDataset
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class TrainData:
@@ -60,8 +67,28 @@ class TrainData:
     val_lengths: list[int] | None = None
 
 
+def training_target(cfg: Config) -> ResolvedTarget:
+    """target.name resolved once for the whole run. Offline, a registry name that is only a
+    hub id here (kimi-k2.5 on a node without the hub) is read from the local directory its
+    shards were captured from (meta.json `target_dir`), when that directory is the same
+    registry target: the recipe names the target, the shards say where it lies."""
+    model = resolve(cfg.target.name)
+    if model.is_local or cfg.data.mode != "offline":
+        return model
+    for shard_dir in cfg.data.shard_dirs:
+        captured_from = (read_meta(Path(shard_dir)) or {}).get("target_dir")
+        if captured_from and Path(captured_from).is_dir():
+            captured = resolve(captured_from)
+            if captured.name == model.name:
+                log.info("target %s: read from %s, where %s was captured", model.name,
+                         captured.hf_dir, shard_dir)  # fmt: skip
+                return captured
+    return model
+
+
 def load_data(
     cfg: Config,
+    model: ResolvedTarget,
     facts: dict,
     accelerator: Accelerator,
     hidden_dtype: torch.dtype,
@@ -73,7 +100,7 @@ def load_data(
     if cfg.data.mode == "offline":
         parts, val_parts, aux_ids, provenance = read_shards(cfg, facts, hidden_dtype)
         target = None
-        lm_head, embed = load_lm_head(cfg.target.name), load_embeddings(cfg.target.name)
+        lm_head, embed = load_lm_head(model), load_embeddings(model)
     else:
         aux_ids = (
             cfg.target.aux_layer_ids
@@ -81,11 +108,11 @@ def load_data(
             or default_aux_layers(facts["num_layers"])
         )
         if cfg.target.engine.kind:  # served (started by setup): lm_head, embeddings read here
-            target = describe_target(cfg, aux_ids)
-            lm_head, embed = load_lm_head(cfg.target.name), load_embeddings(cfg.target.name)
+            target = describe_target(cfg, model, aux_ids)
+            lm_head, embed = load_lm_head(model), load_embeddings(model)
         else:
             target = load_target(
-                cfg.target.name,
+                model,
                 dtype=None if cfg.target.dtype == "auto" else cfg.target.dtype,
                 device=None if cfg.target.device_map else device,
                 device_map=cfg.target.device_map,

@@ -369,28 +369,18 @@ def target_shape(name: str):
     config.json (eagle3.target.target_facts: the config alone, never weights)."""
     from types import SimpleNamespace
 
-    from eagle3.target import TARGETS_DIR, target_facts
+    from eagle3.target import resolve, target_facts
 
-    entry = TARGETS_DIR / f"{name}.yaml"
-    if entry.exists():
-        import yaml
-
-        shape = yaml.safe_load(entry.read_text()).get("plan_shape")
-        if shape:
-            return SimpleNamespace(**shape)
-    return target_facts(name)["hf_config"]
+    target = resolve(name)  # a local Kimi-K2.5 directory is the registry's kimi-k2.5
+    shape = (target.spec or {}).get("plan_shape")
+    return SimpleNamespace(**shape) if shape else target_facts(target)["hf_config"]
 
 
 def served_weights_gb(name: str) -> float:
     """The registry's `served_weights_gb` of a target (what an engine loads), 0 if unknown."""
-    import yaml
+    from eagle3.target import resolve
 
-    from eagle3.target import TARGETS_DIR
-
-    entry = TARGETS_DIR / f"{name}.yaml"
-    if not entry.exists():
-        return 0.0
-    return float(yaml.safe_load(entry.read_text()).get("served_weights_gb") or 0.0)
+    return float((resolve(name).spec or {}).get("served_weights_gb") or 0.0)
 
 
 def recipe_plan(

@@ -25,6 +25,7 @@ from eagle3.engine.served_target import ServedTarget, describe_served_target
 from eagle3.engine.server import free_port
 from eagle3.engine.venv import INSTALL_HINT, engine_available
 from eagle3.errors import ConfigError, Eagle3Error, RemoteError
+from eagle3.target import ResolvedTarget
 from train.config import Config
 from train.distributed import node_rank, num_nodes
 
@@ -41,13 +42,13 @@ def engine_port(cfg: Config, accelerator: Accelerator) -> int:
     return int(os.environ["MASTER_PORT"]) + 1
 
 
-def describe_target(cfg: Config, aux_ids: list[int]) -> ServedTarget:
+def describe_target(cfg: Config, model: ResolvedTarget, aux_ids: list[int]) -> ServedTarget:
     """The served target as its files describe it (tokenizer, shapes, final norm), not started:
     every cheap check of the run happens before an engine spends minutes loading it."""
     if not engine_available():
         raise Eagle3Error(f"target.engine.kind=vllm needs the vLLM engine venv: {INSTALL_HINT}")
     served = describe_served_target(
-        cfg.target.name,
+        model,
         aux_ids,
         "target.aux_layer_ids",
         concurrency=cfg.target.engine.concurrency,

@@ -75,7 +75,14 @@ from train.data import collate, step_batches
 from train.distributed import configure_deepspeed, make_accelerator, peer_lost
 from train.draft import build_draft
 from train.label_cache import make_label_cache
-from train.loading import TrainData, count_steps, fit_length, load_data, pack_rows
+from train.loading import (
+    TrainData,
+    count_steps,
+    fit_length,
+    load_data,
+    pack_rows,
+    training_target,
+)
 from train.memory_plan import (
     ATTENTION_PATHS,
     Node,
@@ -119,8 +126,9 @@ def setup(cfg: Config) -> Run:
     out_dir = Path(cfg.train.out_dir)
     resume = find_resume(cfg, out_dir)
     set_seed(cfg.train.seed)
-    facts = target_facts(cfg.target.name)
-    data = load_data(cfg, facts, accelerator, hidden_dtype)
+    target = training_target(cfg)  # resolved once: every loader takes this value
+    facts = target_facts(target)
+    data = load_data(cfg, target, facts, accelerator, hidden_dtype)
     vocab = setup_vocab(cfg, accelerator, data.dataset, facts["vocab_size"], out_dir)
     fit_length(cfg, accelerator, data)  # after the vocab: it counts each record's tokens once
     if cfg.data.packing:

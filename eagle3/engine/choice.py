@@ -1,7 +1,7 @@
 """How a managed engine serves its target: the --dtype and --attention-backend it is given.
 
 A pure policy (`choose_serving`) over facts found here: the engine build (eagle3.engine.venv),
-the CPU's AMX tiles, the target's attention (MLA or not) and what the user's flags already say.
+the CPU's AMX tiles (eagle3.compute.cpu_has_amx), the target's attention (MLA or not) and what the user's flags already say.
 """
 
 from __future__ import annotations
@@ -95,24 +95,6 @@ def choose_serving(
             chosen, "CPU_MLA", f"{chosen} {why}, CPU_MLA: AMX_MLA takes bfloat16 weights only"
         )
     return ServingChoice(chosen, "CPU_MLA", f"{chosen} {why}, CPU_MLA: this CPU has no AMX")
-
-
-def cpu_has_amx() -> bool:
-    """True when this CPU can run AMX tiles: the test vLLM-CPU itself makes (torch's CPUID and
-    OS check), else the kernel's `amx_tile` flag in /proc/cpuinfo."""
-    import torch
-
-    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    if check is not None:
-        with contextlib.suppress(Exception):
-            return bool(check())
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return False
-    return any(
-        line.startswith("flags") and "amx_tile" in line.split() for line in text.splitlines()
-    )
 
 
 def uses_mla(model_dir: str | os.PathLike) -> bool:

@@ -47,9 +47,11 @@ from eagle3.engine.client import EngineClient
 from eagle3.engine.server import vllm_server
 from eagle3.errors import Eagle3Error, RemoteError
 from eagle3.target import (
+    ResolvedTarget,
     check_context,
     default_aux_layers,
     load_final_norm,
+    load_tokenizer,
     resolve,
     rms_norm,
     target_facts,
@@ -323,7 +325,7 @@ class ServedTarget:
 
 
 def describe_served_target(
-    name: str,
+    name: str | ResolvedTarget,
     aux_layer_ids: list[int] | None = None,
     what: str = "aux layer ids",
     *,
@@ -332,27 +334,21 @@ def describe_served_target(
     """A ServedTarget for registry name / HF dir `name`, read from its files (no weights but
     the final norm); aux ids default to the registry's, else [1, L//2 - 1, L - 4].
     `concurrency`: requests in flight (the engine batches them)."""
-    from transformers import AutoTokenizer
-
     from eagle3.checkpoint import check_aux_ids
 
-    display, hf_dir, spec = resolve(name)
-    facts = target_facts(name)
+    target = resolve(name)
+    facts = target_facts(target)
     layers = int(facts["num_layers"])
     aux = list(aux_layer_ids or facts["aux_layer_ids"] or default_aux_layers(layers))
     aux = check_aux_ids(aux, what)  # vLLM returns them in layer order
     if aux[-1] >= layers:
         raise Eagle3Error(f"{what} {aux}: the target has {layers} layers (ids 0..{layers - 1})")
     context = getattr(facts["hf_config"], "max_position_embeddings", None)
-    remote = bool(
-        spec and (spec.get("trust_remote_code") or spec.get("tokenizer_trust_remote_code"))
-    )
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=remote)
-    weight, eps = load_final_norm(name)
+    weight, eps = load_final_norm(target)
     return ServedTarget(
-        name=display,
-        hf_dir=str(hf_dir),
-        tokenizer=tokenizer,
+        name=target.name,
+        hf_dir=target.hf_dir,
+        tokenizer=load_tokenizer(target),
         vocab_size=int(facts["vocab_size"]),
         hidden_size=int(facts["hidden_size"]),
         num_layers=layers,

@@ -34,19 +34,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from eagle3.compute import cpu_has_amx
 from eagle3.engine.capture import PLUGIN_DIR
 from eagle3.engine.choice import (
     ServingChoice,
     attention_config_backend,
     check_draft_servable,
     choose_serving,
-    cpu_has_amx,
     flag_value,
     uses_mla,
 )
 from eagle3.engine.client import EngineClient
 from eagle3.engine.venv import engine_is_cpu_build, engine_python
 from eagle3.errors import Eagle3Error, RemoteError
+from eagle3.target import ResolvedTarget, resolve
 
 ENGINES = ("vllm",)  # what --engine and target.engine.kind accept
 
@@ -385,13 +386,20 @@ def _check_drafter(drafter: str | os.PathLike, *, cpu_build: bool, target_mla: b
         )
 
 
-def vllm_server(model_dir: str | os.PathLike, **kwargs: Any) -> VLLMServer:
+def vllm_server(model_dir: str | os.PathLike | ResolvedTarget, **kwargs: Any) -> VLLMServer:
     """A VLLMServer for HF dir `model_dir` (not started), serving with the dtype and attention
     backend `choose_serving` picks for this engine build, CPU and target (float32 on the CPU
     build, the backend that takes it for an MLA target, and for a drafter the target's backend;
-    vLLM's defaults on a GPU engine). The user's `--dtype` / `--attention-backend` in
-    extra_args (or dtype=) are checked, not overridden; the choice is `server.serving`."""
+    vLLM's defaults on a GPU engine), and with `--trust-remote-code` where the target's
+    registry entry needs remote code (Kimi-K2.5's tokenizer). The user's `--dtype` /
+    `--attention-backend` in extra_args (or dtype=) are checked, not overridden; the choice is
+    `server.serving`."""
+    target = resolve(model_dir)
+    model_dir = target.hf_dir
     extra = [str(a) for a in kwargs.get("extra_args", ())]
+    if target.tokenizer_remote_code and "--trust-remote-code" not in extra:
+        extra.append("--trust-remote-code")
+        kwargs["extra_args"] = extra
     user_dtype = flag_value(extra, "--dtype") or kwargs.get("dtype")
     user_backend = flag_value(extra, "--attention-backend") or attention_config_backend(extra)
     cpu_build = engine_is_cpu_build()

@@ -47,8 +47,8 @@ import torch
 
 from datagen.capture import main as capture_main
 from datagen.capture import parse_args, run
+from eagle3.compute import cpu_has_amx
 from eagle3.engine.capture import hidden_dir_prefix
-from eagle3.engine.choice import cpu_has_amx
 from eagle3.errors import Eagle3Error
 from eagle3.target import default_aux_layers
 

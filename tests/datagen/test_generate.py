@@ -121,10 +121,11 @@ def test_buckets_bound_padding():
         assert width * len(part) <= 1.1 * sum(lengths[j] for j in part)
 
 
-def test_packed_linear_computes_the_same_product():
+def test_packed_linear_computes_the_same_product(monkeypatch):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
     x = torch.randn(3, 5, 24)
+    monkeypatch.setattr(G, "packing_wins", lambda linear, rows: True)
     with torch.no_grad():
         want = model(x)
         packed = G.pack_linear_weights(model, rows_hint=4)
@@ -133,6 +134,27 @@ def test_packed_linear_computes_the_same_product():
         pytest.skip("this torch build has no oneDNN linear")
     assert packed == 2 and isinstance(model[0], G.PackedLinear)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_packing_only_where_it_wins(monkeypatch):
+    """Each distinct shape is timed once (packing_wins) and packed only where that won; the
+    real timing runs too (its answer is the CPU's, so only its type is checked)."""
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        pytest.skip("this torch build has no oneDNN linear")
+    assert isinstance(G.packing_wins(torch.nn.Linear(24, 40), rows=4), bool)
+    asked = []
+
+    def wins(linear, rows):
+        asked.append((linear.in_features, linear.out_features, rows))
+        return linear.out_features == 40
+
+    monkeypatch.setattr(G, "packing_wins", wins)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(24, 40), torch.nn.Linear(40, 8), torch.nn.Linear(24, 40)
+    )
+    assert G.pack_linear_weights(model, rows_hint=4) == 2
+    assert asked == [(24, 40, 4), (40, 8, 4)]  # the repeated shape is not timed again
+    assert [type(m).__name__ for m in model] == ["PackedLinear", "Linear", "PackedLinear"]
 
 
 def test_decoding_logs_no_cache_deprecation(tiny_model, transformers_warnings):

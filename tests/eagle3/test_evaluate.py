@@ -284,6 +284,67 @@ def test_engine_only_needs_the_engine(chat_target_dir, prompts_file, capsys):
     assert err == "error: --engine-only needs --engine vllm (it keeps only the engine's rows)"
 
 
+def test_engine_only_loads_no_weight_and_tells_the_engine_its_context(
+    chat_target_dir, prompts_file, tmp_path, monkeypatch
+):
+    """--engine-only (a 1T target): the tokenizer, config and generation config, never the
+    weights; the drafter is checked against the config; every server gets --max-model-len
+    from the prompts and the new tokens. (~1 s: the engine is a stand-in recording its calls.)"""
+    import eagle3.evaluate as evaluate
+    import eagle3.measure as measure
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("--engine-only loaded the target's weights")
+
+    monkeypatch.setattr(evaluate, "load_target", no_weights)
+    monkeypatch.setattr(evaluate, "load_drafter", no_weights)
+    import eagle3.engine.server as server
+
+    monkeypatch.setattr(server, "check_servable", lambda *a: None)
+    started = []
+
+    class Engine:  # what managed_engine returns, recorded instead of started
+        startup_seconds, log_path, serving = 0.0, None, argparse.Namespace(describe=str)
+
+        def __init__(self, args, model, **kwargs):
+            started.append((model, kwargs))
+
+        def __enter__(self):
+            raise RuntimeError("recorded")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(server, "managed_engine", Engine)
+    ckpt = make_ckpt(chat_target_dir, tmp_path / "exp" / "final")
+    argv = ["--target", str(chat_target_dir), "--draft", str(ckpt), "--bench", str(prompts_file),
+            "--engine", "vllm", "--engine-only", "--max-new-tokens", "20"]  # fmt: skip
+    with pytest.raises(RuntimeError, match="recorded"):
+        evaluate.run(evaluate.build_parser().parse_args(argv))
+    ((model, kwargs),) = started
+    assert model.hf_dir == str(chat_target_dir) and kwargs["served_model_name"] == model.name
+    from eagle3.data.prompts import load_prompts
+    from eagle3.target import load_tokenizer
+
+    tok, prompts = load_tokenizer(chat_target_dir), load_prompts(str(prompts_file))
+    longest = max(len(measure.prompt_ids(tok, p.messages)) + measure.user_turns(p) * (20 + 32)
+                  for p in prompts)  # fmt: skip
+    assert kwargs["max_model_len"] == longest
+
+
+def test_a_target_that_cannot_fit_is_refused_before_loading(
+    chat_target_dir, prompts_file, monkeypatch, capsys
+):
+    import eagle3.evaluate as evaluate
+
+    monkeypatch.setattr(evaluate, "device_memory_bytes", lambda device: 1000)
+    argv = ["--target", str(chat_target_dir), "--draft", "prompt-lookup",
+            "--bench", str(prompts_file), "--device", "cpu"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "GB of weights and cpu 0 GB" in err and "--engine vllm --engine-only" in err
+
+
 def test_one_run_measures_a_checkpoint_as_chain_and_tree_with_rows_per_turn(
     chat_target_dir, prompts_file, tmp_path, monkeypatch, capsys
 ):
@@ -292,7 +353,7 @@ def test_one_run_measures_a_checkpoint_as_chain_and_tree_with_rows_per_turn(
     at T=0; the two-turn prompt adds rows per turn; vLLM is never asked to serve the tree."""
     from eagle3.measure import engine_runs
     from eagle3.speculative import DecodeConfig, EagleDrafter
-    from eagle3.target import load_target
+    from eagle3.target import load_target, resolve
 
     ckpt = make_ckpt(chat_target_dir, tmp_path / "exp" / "final")
     proposed: list[tuple[str, object]] = []
@@ -332,7 +393,8 @@ def test_one_run_measures_a_checkpoint_as_chain_and_tree_with_rows_per_turn(
     target = load_target(chat_target_dir, device="cpu")
     args = argparse.Namespace(target=str(chat_target_dir), engine_batch=8)
     tree_only = {"exp/final [tree]": f"tree:{ckpt}"}
-    assert engine_runs(args, target, [], tree_only, DecodeConfig()) == []
+    model = resolve(chat_target_dir)
+    assert engine_runs(args, model, target, [], tree_only, DecodeConfig()) == []
     argv[argv.index(f"tree:{ckpt}")] = "tree:prompt-lookup"
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from eagle3 import target as target_mod
 from eagle3.errors import Eagle3Error
-from eagle3.target import load_target
+from eagle3.target import load_target, resolve
 
 REPO = Path(__file__).resolve().parents[2]
 MISSING = {  # what the miniature needs -> the skip reason when it is not installed
@@ -102,6 +102,15 @@ def test_miniature_has_kimis_config_and_files(kimi_dirs):
 
 
 @pytest.mark.slow
+def test_the_miniature_directory_is_the_registry_target(kimi_dirs):
+    """Laid out like the download, the miniature resolves to kimi-k2.5 (its trust flags and chat
+    rules) at its own sizes: shards and recipes then name the same target."""
+    for path in kimi_dirs:
+        t = resolve(path)
+        assert (t.name, t.hf_dir, t.tokenizer_remote_code) == ("kimi-k2.5", str(path), True)
+        assert t.spec["num_layers"] == 8 and "aux_layer_ids" not in t.spec
+
+
 def test_tensor_names_are_kimis(kimi_dirs):
     names = set(_tensors(kimi_dirs[1]))
     prefixes = ("language_model.model.", "vision_tower.", "mm_projector.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 
 import pytest
@@ -13,14 +14,18 @@ from eagle3 import target as target_mod
 from eagle3.errors import Eagle3Error
 from eagle3.target import (
     Target,
+    check_fits,
     default_aux_layers,
     gguf_to_hf,
     load_embeddings,
     load_lm_head,
     load_target,
+    match_registry,
     registry_names,
     resolve,
+    target_facts,
     target_spec,
+    weight_file_bytes,
 )
 
 TINY = ["tiny_llama_target", "tiny_deepseek_target"]
@@ -255,8 +260,70 @@ def test_smollm2_loads_and_captures_a_real_prompt(smollm2_target):
 @pytest.mark.slow
 def test_smollm2_by_path_and_dir_share_the_cache(smollm2_target):
     gguf = _smollm2_gguf()
-    hf_dir = resolve("smollm2-135m-q4")[1]
-    assert resolve(gguf)[1] == hf_dir and resolve(gguf.parent)[1] == hf_dir
+    hf_dir = resolve("smollm2-135m-q4").hf_dir
+    assert resolve(gguf).hf_dir == hf_dir and resolve(gguf.parent).hf_dir == hf_dir
     lm_head = load_lm_head("smollm2-135m-q4")
     assert torch.equal(lm_head, smollm2_target.lm_head_weight)
     assert torch.equal(load_embeddings(gguf), lm_head)  # tied embeddings
+
+
+# -- a local directory is its registry target (~0.1 s: config dicts and files only) -------------
+KIMI_CONFIG = {
+    "architectures": ["KimiK25ForConditionalGeneration"],
+    "model_type": "kimi_k25",
+    "text_config": {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840,
+                    "max_position_embeddings": 262144},
+}  # fmt: skip
+
+
+def test_a_directory_with_kimis_config_is_the_registry_target(tmp_path):
+    """/models/Kimi-K2.5 is kimi-k2.5 (its name, trust flags, aux ids), read from that path."""
+    local = tmp_path / "Kimi-K2.5"
+    local.mkdir()
+    (local / "config.json").write_text(json.dumps(KIMI_CONFIG))
+    t = resolve(local)
+    assert (t.name, t.hf_dir, t.is_local) == ("kimi-k2.5", str(local), True)
+    assert t.spec == target_spec("kimi-k2.5") and t.spec["aux_layer_ids"] == [1, 29, 57]
+    assert t.tokenizer_remote_code and not t.remote_code  # tiktoken tokenizer, native model
+    assert resolve(t) is t  # resolved once, passed on as it is
+
+
+def test_kimis_architecture_at_other_sizes_keeps_the_registry_name_and_its_own_sizes():
+    small = json.loads(json.dumps(KIMI_CONFIG))
+    small["text_config"].update(num_hidden_layers=8, hidden_size=64, vocab_size=1000)
+    spec = match_registry(small)
+    assert spec["name"] == "kimi-k2.5" and spec["tokenizer_trust_remote_code"]
+    assert (spec["num_layers"], spec["hidden_size"], spec["vocab_size"]) == (8, 64, 1000)
+    assert "aux_layer_ids" not in spec  # [1, 29, 57] would not exist: the default for 8 layers
+
+
+def test_an_unknown_architecture_stays_a_plain_directory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    t = resolve(tmp_path)
+    assert (t.name, t.spec, t.tokenizer_remote_code) == (tmp_path.name, None, False)
+    assert match_registry({}) is None
+    (tmp_path / "config.json").write_text("{not json")  # loading it says what is wrong, later
+    assert resolve(tmp_path).spec is None
+
+
+def test_a_registry_name_without_the_hub_names_the_local_copy(monkeypatch):
+    from transformers import AutoConfig
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", offline)
+    with pytest.raises(Eagle3Error) as err:
+        target_facts("kimi-k2.5")
+    assert "--target /models/Kimi-K2.5" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_target_larger_than_the_device_is_refused_before_loading(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(KIMI_CONFIG))
+    index = {"metadata": {"total_size": 595_000_000_000}, "weight_map": {}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert weight_file_bytes(tmp_path) == 595_000_000_000
+    assert weight_file_bytes("kimi-k2.5") is None  # a hub id: nothing to measure here
+    with pytest.raises(Eagle3Error, match=r"595 GB of weights and cuda:0 96 GB.*--engine-only"):
+        check_fits("kimi-k2.5", 595_000_000_000, 96_000_000_000, "cuda:0", "use --engine-only")
+    check_fits("smollm2", 540_000_000, 24_000_000_000, "cpu", "unused")  # fits: no error

@@ -26,3 +26,25 @@ def test_steps_are_max_steps_or_epochs_over_the_data():
 def test_too_few_sequences_after_the_validation_split_name_it():
     with pytest.raises(Eagle3Error, match="after holding out data.val_fraction=0.2"):
         count_steps(config("data.val_fraction=0.2"), [5, 5, 5], world=1)
+
+
+def test_a_registry_target_is_read_where_its_shards_were_captured(tmp_path):
+    """`target: kimi-k2.5` on a node without the hub: the shards' meta.json names the local
+    directory they were captured from (a kimi-k2.5 directory), and training reads it there; a
+    directory of another model is not taken for it. (~0.1 s, files only.)"""
+    import json
+
+    from train.loading import training_target
+
+    local, shards = tmp_path / "Kimi-K2.5", tmp_path / "shards"
+    local.mkdir()
+    shards.mkdir()
+    kimi = {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": {}}
+    (local / "config.json").write_text(json.dumps(kimi))
+    (shards / "meta.json").write_text(json.dumps({"target": "kimi-k2.5", "target_dir": str(local)}))
+    recipe = "configs/train/kimi-k2.5-offline.yaml"
+    cfg = load_config(recipe, [f"data.shard_dirs=[{shards}]"])
+    model = training_target(cfg)
+    assert (model.name, model.hf_dir) == ("kimi-k2.5", str(local))
+    (local / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert training_target(cfg).hf_dir == "moonshotai/Kimi-K2.5"  # not Kimi: the hub id stays

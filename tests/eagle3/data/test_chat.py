@@ -234,7 +234,7 @@ def test_smollm2_tokenizer(tmp_path):
 
     from eagle3.target import resolve
 
-    tok = AutoTokenizer.from_pretrained(resolve("smollm2-135m-q4")[1])
+    tok = AutoTokenizer.from_pretrained(resolve("smollm2-135m-q4").hf_dir)
     messages = [
         {"role": "user", "content": "Hi! What is 2+3?"},
         {"role": "assistant", "content": "2 + 3 = 5."},

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eagle3.engine.choice import choose_serving, cpu_has_amx, flag_value, uses_mla
+from eagle3.engine.choice import choose_serving, flag_value, uses_mla
 from eagle3.errors import Eagle3Error
 
 # (cpu_build, amx, mla, dtype asked, backend asked) -> (dtype, backend served): both kinds of
@@ -52,15 +52,6 @@ def test_serving_choice_refuses_what_the_engine_would_refuse_in_one_line(asked, 
             cpu_build=cpu_build, amx=amx, mla=mla, dtype=dtype, attention_backend=backend
         )
     assert "\n" not in str(excinfo.value) and fix in str(excinfo.value), str(excinfo.value)
-
-
-def test_amx_detection_agrees_with_the_kernel_flags():
-    """cpu_has_amx (torch's CPUID + OS check, as vLLM-CPU makes it) says what /proc/cpuinfo
-    says on this machine, whichever kind it is."""
-    flags = {
-        flag for line in open("/proc/cpuinfo") if line.startswith("flags") for flag in line.split()
-    }
-    assert cpu_has_amx() == ("amx_tile" in flags)
 
 
 def test_flag_values_and_mla_configs(tmp_path):

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from eagle3.checkpoint import vllm_aux_layer_ids
+from eagle3.compute import cpu_has_amx
 from eagle3.engine.capture import PLUGIN_DIR, capture_engine_args, read_hidden_states
-from eagle3.engine.choice import cpu_has_amx, flag_value
+from eagle3.engine.choice import flag_value
 from eagle3.engine.client import EngineClient
 from eagle3.engine.server import VLLMServer, vllm_server
 from eagle3.engine.venv import engine_is_cpu_build
@@ -287,3 +288,21 @@ def test_connector_hidden_states_match_hf_capture(servers, hf_target):
     rel = (normed - last[0]).abs().max().item() / last[0].abs().max().item()
     print(f"[vllm capture] final norm(id {NUM_LAYERS}) vs HF last hidden: rel {rel:.3g}")
     assert rel < CAPTURE_RTOL
+
+
+def test_a_target_with_a_remote_code_tokenizer_is_served_with_trust_remote_code(tmp_path):
+    """Kimi-K2.5's tokenizer is remote code (tiktoken): vLLM must be told, or it refuses to load
+    it; a target whose registry entry needs none is served without it. (~0.1 s, not started.)"""
+    kimi = tmp_path / "Kimi-K2.5"
+    kimi.mkdir()
+    config = {"architectures": ["KimiK25ForConditionalGeneration"], "kv_lora_rank": 512}
+    (kimi / "config.json").write_text(json.dumps(config))
+    server = vllm_server(kimi, max_model_len=4096)
+    assert server.args.count("--trust-remote-code") == 1
+    assert flag_value(server.args, "--max-model-len") == "4096"
+    server = vllm_server(kimi, extra_args=["--trust-remote-code"])  # said once, not twice
+    assert server.args.count("--trust-remote-code") == 1
+    plain = tmp_path / "llama"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert "--trust-remote-code" not in vllm_server(plain).args

