@@ -76,7 +76,8 @@ def target_probs(
     t2d: torch.Tensor,
     chunk_size: int = 512,
     rows: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_probs: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Soft labels from the target's final hidden states, one chunk of rows at a time.
 
     last_hidden (B, T, H), lm_head_weight (V, H), t2d bool (V,) ->
@@ -90,6 +91,9 @@ def target_probs(
     are the same bits whatever batch it came in (BLAS picks other kernels for other shapes:
     on MKL a 7-row product differs from a 512-row one in the last bit). That keeps a resumed
     run and the label cache (train/label_cache.py) exact.
+
+    with_probs=False: in_vocab alone (probs None), the same bits, no (B, T, Vd) tensor: what the
+    trainer needs of every micro-batch of a step before the first one's forward.
 
     The product runs in the hidden states' dtype, or in float32 on a CPU that would only
     emulate it (eagle3.compute.matmul_dtype: bf16 labels without avx512_bf16 / AMX ran 3.7x
@@ -105,7 +109,9 @@ def target_probs(
         index = torch.arange(B * T, device=flat.device)
     else:
         index = rows.to(flat.device).reshape(B * T).nonzero().squeeze(-1)
-    probs = torch.zeros(B * T, draft_ids.numel(), dtype=torch.float32, device=flat.device)
+    probs = None
+    if with_probs:
+        probs = torch.zeros(B * T, draft_ids.numel(), dtype=torch.float32, device=flat.device)
     in_vocab = torch.zeros(B * T, dtype=torch.bool, device=flat.device)
     chunk = flat.new_zeros(chunk_size, H)
     for start in range(0, index.numel(), chunk_size):
@@ -114,8 +120,9 @@ def target_probs(
         chunk[at.numel() :] = 0
         logits = (chunk @ weight.T)[: at.numel()].float()  # (rows, V)
         in_vocab[at] = t2d[logits.argmax(-1)]
-        probs[at] = logits[:, draft_ids].softmax(-1)
-    return probs.view(B, T, -1), in_vocab.view(B, T)
+        if with_probs:
+            probs[at] = logits[:, draft_ids].softmax(-1)
+    return (probs.view(B, T, -1) if with_probs else None), in_vocab.view(B, T)
 
 
 # Elements of a chunk of soft cross-entropy rows: on CPU 8 MiB of float32, so a chunk's

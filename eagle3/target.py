@@ -211,6 +211,8 @@ _SIZE_FIELDS = {
     "vocab_size": "vocab_size",
     "context_length": "max_position_embeddings",
 }
+# ... and the facts derived from the entry's sizes, which such a directory does not have
+_SIZED_FACTS = ("aux_layer_ids", "plan_shape", "served_weights_gb")
 
 
 def match_registry(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -218,8 +220,9 @@ def match_registry(config: dict[str, Any]) -> dict[str, Any] | None:
 
     Entries loaded from a HF directory (`source.hf_path`) match a config that declares their
     `architecture`. Where the config's sizes differ from the entry's, the entry's size-bound
-    facts (layers, hidden size, vocab, context) are the config's and its aux layer ids are
-    dropped (the default for the config's own depth applies). Pure: config dict in, spec out."""
+    facts (layers, hidden size, vocab, context) are the config's, and what derives from the
+    entry's sizes (aux layer ids, the memory plan's shape and served weights) is dropped: the
+    config's own depth gets the default aux layers. Pure: config dict in, spec out."""
     architectures = set(config.get("architectures") or [])
     text = config.get("text_config") or config
     for name in registry_names():
@@ -234,7 +237,7 @@ def match_registry(config: dict[str, Any]) -> dict[str, Any] | None:
             "own sizes and default aux layers", spec["architecture"], name,
             ", ".join(f"{f} {own[f]}" for f in _SIZE_FIELDS if own[f] != spec.get(f)),
         )  # fmt: skip
-        sized = {k: v for k, v in spec.items() if k != "aux_layer_ids"}
+        sized = {k: v for k, v in spec.items() if k not in _SIZED_FACTS}
         sized.update({f: v for f, v in own.items() if v is not None})
         return sized
     return None

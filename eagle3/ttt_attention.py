@@ -56,9 +56,12 @@ Why each path exists (`ttt_attention(impl=...)`):
   "flash" where this torch has the kernel and q, k and v share a head dim, else "chunked"
   (the portable fallback, and MLA's path: padding its 128-wide values to 192 made "flash"
   slower than "chunked", 51 vs 65 tokens/s for the Kimi MLA draft's step at T = 1k). If flex
-  raises in the forward (a GPU or Triton build it cannot compile for: flash-attn's build, for
-  one, fails on the sm_120 RTX PRO 6000), "auto" warns once and uses "chunked" for the rest
-  of the process. Flex has not yet run on a GPU in this project's tests (none was lent).
+  fails its self-test (forward and backward on random tensors of the real heads, dims and
+  dtype, once per shape: a torch whose forward fits the GPU's shared memory but whose backward
+  does not is caught before training), or raises in a forward later, "auto" logs one line
+  naming why and uses "chunked". flex_kernel_options gives the small-shared-memory GPUs
+  (sm_86/89/120: 101,376 B a block) single-stage 32-row tiles at MLA's head dims. Flex has not
+  yet run on a GPU in this project's tests (none was lent).
 """
 
 from __future__ import annotations
@@ -120,6 +123,8 @@ def ttt_attention(
     """
     if impl == "auto":
         impl = auto_impl(q.device, q.shape[-1], values[0].shape[-1])
+        if impl == "flex" and flex_verdict(q, keys, values, scale) is not None:
+            impl = "chunked"  # flex failed its self-test at these shapes (logged once)
         if impl == "flex":
             try:
                 return flex_ttt(q, keys, values, scale=scale, segment_ids=segment_ids)
@@ -592,8 +597,92 @@ def ttt_mask_mod(seq_len: int, segment_ids: torch.Tensor | None = None, device=N
 @functools.cache
 def _compiled_flex():
     """(flex_attention, create_block_mask), compiled once: the unfused flex materialises the
-    scores and an uncompiled create_block_mask the dense (T, (k+1)T) mask."""
-    return torch.compile(flex_attention), torch.compile(create_block_mask)
+    scores and an uncompiled create_block_mask the dense (T, (k+1)T) mask. dynamic=True: one
+    graph serves every sequence length (each new length would otherwise be a recompile, and
+    past torch's recompile limit flex runs unfused, with the whole score matrix)."""
+    return (
+        torch.compile(flex_attention, dynamic=True),
+        torch.compile(create_block_mask, dynamic=True),
+    )
+
+
+# Shared memory per thread block (bytes) of the GPUs whose default flex tiles overflow it at
+# head dims over 128: sm_86 / sm_89 (RTX 30/40) and sm_120 / sm_121 (RTX PRO 6000 Blackwell,
+# RTX 50). MLA's q/k of 192 are padded to 256; torch's sm_120 table has no 256 entry for bf16
+# that fits (its forward needs ~144 KiB, its backward 114,688 B: pytorch issues 180278, 198224).
+SMALL_SMEM_GPUS = {(8, 6): 101_376, (8, 9): 101_376, (12, 0): 101_376, (12, 1): 101_376}
+# Tiles that fit 101,376 B at head dims 256 / 128 in bf16: one pipeline stage, 32-row blocks
+# (forward: q 32 x 256 + k 32 x 256 + v 32 x 128, 2 B each, ~40 KiB; backward's four tiles of
+# 16-32 rows likewise), at some speed cost against a two-stage pipeline.
+SMALL_SMEM_FLEX_OPTIONS = {
+    "fwd_BLOCK_M": 32,
+    "fwd_BLOCK_N": 32,
+    "fwd_num_stages": 1,
+    "fwd_num_warps": 4,
+    "bwd_BLOCK_M1": 16,
+    "bwd_BLOCK_N1": 32,
+    "bwd_BLOCK_M2": 32,
+    "bwd_BLOCK_N2": 16,
+    "bwd_num_stages": 1,
+    "bwd_num_warps": 4,
+}
+
+
+def flex_kernel_options(capability: tuple[int, int], dqk: int, dv: int) -> dict:
+    """flex_attention kernel_options for a GPU's compute capability and the head dims: torch's
+    own choice ({}) where its tiles fit, small single-stage tiles on the small-shared-memory
+    GPUs at head dims over 128."""
+    if tuple(capability) in SMALL_SMEM_GPUS and max(dqk, dv) > 128:
+        return dict(SMALL_SMEM_FLEX_OPTIONS)
+    return {}
+
+
+# -- choosing flex: a forward + backward self-test at the real shapes, once per shape ----------
+_FLEX_VERDICTS: dict[tuple, str | None] = {}  # shape key -> None (flex works) or why not
+SELF_TEST_TOKENS = 256  # tiles and shared memory depend on heads and dims, not on T
+
+
+def flex_self_test(q, keys, values, scale) -> str | None:
+    """Run flex forward and backward on random tensors of q/keys/values' heads, dims and dtype
+    -> None if both ran, else why not ("forward: ..." or "backward: ...")."""
+    B, nh, _, dqk = q.shape
+    T, steps = min(q.shape[2], SELF_TEST_TOKENS), len(keys)
+    like = dict(device=q.device, dtype=q.dtype)
+
+    def leaf(*shape):
+        return torch.randn(*shape, **like).requires_grad_()
+
+    tq = leaf(1, nh, T, dqk)
+    tk = [leaf(1, keys[0].shape[1], T, dqk) for _ in range(steps)]
+    tv = [leaf(1, values[0].shape[1], T, values[0].shape[-1]) for _ in range(steps)]
+    try:
+        out = flex_ttt(tq, tk, tv, scale=scale)
+    except Exception as err:  # noqa: BLE001 - any compile or launch failure means: not flex
+        return f"forward: {_first_line(err)}"
+    try:
+        out.float().sum().backward()
+    except Exception as err:  # noqa: BLE001
+        return f"backward: {_first_line(err)}"
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
+
+
+def flex_verdict(q, keys, values, scale, self_test=None) -> str | None:
+    """Whether flex serves these shapes (None) or why not, self-tested once per (heads, dims,
+    dtype, steps); a failure is logged in one line naming why and the path used instead."""
+    key = (q.shape[1], keys[0].shape[1], q.shape[-1], values[0].shape[-1], q.dtype, len(keys))
+    if key not in _FLEX_VERDICTS:
+        with torch.enable_grad():
+            why = (self_test or flex_self_test)(q, keys, values, scale)
+        _FLEX_VERDICTS[key] = why
+        if why is not None:
+            log.warning("TTT attention: flex failed its self-test at heads %s/%s, dims %s/%s, "
+                        "%s (%s); using 'chunked' (exact, linear memory, slower)", *key[:5], why)  # fmt: skip
+    return _FLEX_VERDICTS[key]
 
 
 @functools.lru_cache(maxsize=16)
@@ -622,4 +711,17 @@ def flex_ttt(q, keys, values, *, scale, segment_ids=None, compile: bool = True):
         mask_mod = ttt_mask_mod(T, segment_ids, q.device)
         batch = None if segment_ids is None else B
         block_mask = build(mask_mod, batch, None, T, (steps + 1) * T, device=q.device)
-    return attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != nh)
+    options = {}
+    if q.is_cuda:  # tiles that fit this GPU's shared memory at these head dims
+        options = flex_kernel_options(
+            torch.cuda.get_device_capability(q.device), q.shape[-1], v.shape[-1]
+        )
+    return attend(
+        q,
+        k,
+        v,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=k.shape[1] != nh,
+        kernel_options=options or None,
+    )

@@ -30,8 +30,8 @@ import torch
 from eagle3.compute import describe_peak, matmul_peak
 from eagle3.loss import target_probs, ttt_loss
 from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
-from eagle3.target import target_facts
 from train.config import load_config
+from train.memory_plan import target_shape
 from train.metrics import peak_memory_gb
 
 
@@ -81,19 +81,11 @@ def shape_facts(spec: str) -> dict:
 
 
 def recipe_draft_config(cfg, facts: dict, draft_vocab: int, aux_ids: list[int]) -> DraftConfig:
-    """The recipe's draft shape (model.draft; nulls derived from the target's config)."""
-    shape = cfg.model.draft
-    return DraftConfig.from_target_config(
-        facts["hf_config"],
-        draft_vocab,
-        aux_ids,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim,
-        intermediate_size=shape.intermediate_size,
-        rope_theta=shape.rope.theta,
-        rope_scaling=shape.rope.scaling,
-    )
+    """The recipe's draft shape, by the recipe's own builder (train/draft.py: model.draft,
+    attention and MLA dims included; nulls derived from the target's config)."""
+    from train.draft import draft_config
+
+    return draft_config(cfg, facts["hf_config"], draft_vocab, aux_ids)
 
 
 def sync(device: torch.device) -> None:
@@ -122,11 +114,11 @@ def main() -> None:
     B = args.batch_size or cfg.data.batch_size
     K = cfg.model.ttt_steps
 
-    facts = (
-        target_facts(cfg.target.name)
-        if args.target_shape is None
-        else shape_facts(args.target_shape)
-    )
+    if args.target_shape is not None:
+        facts = shape_facts(args.target_shape)
+    else:  # a registry target's plan_shape (Kimi: no download), else its config.json
+        hf = target_shape(cfg.target.name)
+        facts = {"hf_config": hf, "vocab_size": hf.vocab_size, "aux_layer_ids": None}
     aux_ids = cfg.target.aux_layer_ids or facts["aux_layer_ids"] or [1, 2, 3]
     vocab_size = facts["vocab_size"]
     dv = min(cfg.model.draft_vocab_size, vocab_size)

@@ -24,6 +24,7 @@ from eagle3.errors import Eagle3Error
 from eagle3.model import ATTENTIONS, FEATURES, MLA_FIELDS
 from eagle3.rope import rope_scaling_for_engines
 
+TTT_ATTENTIONS = ("auto", "chunked", "flash", "flex")  # eagle3/ttt_attention.py kernels
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")  # names eagle3.checkpoint.save_draft(dtype=) takes
 
 
@@ -121,6 +122,9 @@ class DraftShapeConfig:
     # gqa: Llama's grouped-query attention (LlamaForCausalLMEagle3); mla: DeepSeek-V3's latent
     # attention (vLLM's Eagle3DeepseekV3ForCausalLM), for MLA targets such as Kimi-K2.5
     attention: str = "gqa"
+    # the TTT attention kernel (eagle3/ttt_attention.py): auto = flex on CUDA after a forward +
+    # backward self-test (else chunked), flash or chunked on CPU; or chunked / flash / flex
+    ttt_attention: str = "auto"
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None  # gqa only
     head_dim: int | None = None  # gqa only
@@ -348,6 +352,11 @@ def _check_engine(cfg: Config, need: Callable[[bool, str], None]) -> None:
 
 
 def _check_draft_shape(shape: DraftShapeConfig, need: Callable[[bool, str], None]) -> None:
+    need(
+        shape.ttt_attention in TTT_ATTENTIONS,
+        f"model.draft.ttt_attention must be one of {', '.join(TTT_ATTENTIONS)}, got "
+        f"{shape.ttt_attention!r}",
+    )
     need(
         shape.attention in ATTENTIONS,
         f"model.draft.attention must be one of {', '.join(ATTENTIONS)}, got {shape.attention!r}",

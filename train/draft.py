@@ -31,6 +31,13 @@ def draft_config(cfg: Config, hf_config, draft_vocab_size: int, aux_ids: list[in
 
 
 def build_draft(cfg: Config, facts: dict, vocab: DraftVocab, data: TrainData) -> Eagle3Draft:
+    """A fresh drafter (or model.init_from's) with the TTT attention of model.draft.ttt_attention."""
+    draft = _build_draft(cfg, facts, vocab, data)
+    draft.midlayer.self_attn.ttt_impl = cfg.model.draft.ttt_attention  # an instance attribute
+    return draft
+
+
+def _build_draft(cfg: Config, facts: dict, vocab: DraftVocab, data: TrainData) -> Eagle3Draft:
     """A fresh drafter on the target's frozen embeddings, or the one of model.init_from."""
     draft_cfg = draft_config(cfg, facts["hf_config"], vocab.size, data.aux_layer_ids)
     if cfg.model.init_from is None:

@@ -2,6 +2,12 @@
 
     accelerate launch train/train_drafter.py --config configs/train/smollm2-q4-cpu.yaml [key=value ...]
     python train/train_drafter.py --config configs/train/smollm2-q4-cpu.yaml train.max_steps=20
+    python train/train_drafter.py --config configs/train/kimi-k2.5-offline.yaml --plan \
+        --gpus 8 --gpu-memory-gb 96     # the memory plan per rank (train/memory_plan.py); loads nothing
+
+On GPUs the plan is printed at start too, and a launch it says cannot fit stops in one line
+(exit 2) naming what would; a step that still runs out of memory stops in one line naming the
+step, its lengths and what to change (resume with train.resume_from=latest).
 
 The recipe reads top to bottom: `setup` (config -> data -> draft vocab -> model/optimizer),
 `train_loop` (one visible loop), `cleanup` (the final export). One optimizer step =
@@ -31,15 +37,17 @@ and the engine captures the next step while the ranks train on this one.
 Beside the recipe in train/, in the order setup uses them: config.py (the YAML), distributed.py
 (the Accelerator), checkpointing.py (resume, save, export, the best score), loading.py (what a
 run trains on: shards, records, the target), vocab.py (the draft vocab), packing.py,
-draft.py (the drafter), label_cache.py, optim.py (AdamW and its schedule), data.py (sequences
-into step batches), online_target.py (the served target); then in the loop batches.py (a
-micro-batch on the device with its soft labels) and metrics.py (sums and logs).
+draft.py (the drafter), memory_plan.py (what each rank's GPU holds), label_cache.py, optim.py
+(AdamW and its schedule), data.py (sequences into step batches), online_target.py (the served
+target); then in the loop batches.py (a micro-batch on the device with its soft labels) and
+metrics.py (sums and logs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -55,10 +63,11 @@ from accelerate.utils import set_seed
 from torch import nn
 
 from eagle3.cli import HelpFormatter, run_cli
-from eagle3.errors import RemoteError
+from eagle3.errors import Eagle3Error, RemoteError
 from eagle3.loss import ttt_loss, valid_counts
 from eagle3.model import TTTModel
 from eagle3.target import target_facts
+from eagle3.ttt_attention import auto_impl
 from train.batches import Labeller, val_batches
 from train.checkpointing import Checkpoints, export_extra, find_resume, load_checkpoint, read_best
 from train.config import Config, load_config
@@ -73,6 +82,16 @@ from train.loading import (
     load_data,
     pack_rows,
     training_target,
+)
+from train.memory_plan import (
+    ATTENTION_PATHS,
+    Node,
+    check_fits,
+    detect_node,
+    launch_config_path,
+    read_launch_config,
+    read_zero,
+    recipe_plan,
 )
 from train.metrics import MetricsLog, MetricSums, peak_memory_gb
 from train.online_target import captured_ahead, report_engines, start_served
@@ -107,14 +126,15 @@ def setup(cfg: Config) -> Run:
     out_dir = Path(cfg.train.out_dir)
     resume = find_resume(cfg, out_dir)
     set_seed(cfg.train.seed)
-    model = training_target(cfg)  # resolved once: every loader takes this value
-    facts = target_facts(model)
-    data = load_data(cfg, model, facts, accelerator, hidden_dtype)
+    target = training_target(cfg)  # resolved once: every loader takes this value
+    facts = target_facts(target)
+    data = load_data(cfg, target, facts, accelerator, hidden_dtype)
     vocab = setup_vocab(cfg, accelerator, data.dataset, facts["vocab_size"], out_dir)
     fit_length(cfg, accelerator, data)  # after the vocab: it counts each record's tokens once
     if cfg.data.packing:
         pack_rows(cfg, accelerator, data)
     draft = build_draft(cfg, facts, vocab, data)
+    check_memory(cfg, accelerator, draft.config)  # before the optimizer and batches take any
     total_steps = count_steps(cfg, data.lengths, world)
     label_cache = make_label_cache(cfg, data.lengths, world, total_steps)
     model = TTTModel(draft, cfg.model.ttt_steps)
@@ -205,6 +225,22 @@ def setup(cfg: Config) -> Run:
         total_steps=total_steps,
         start_step=start_step,
     )
+
+
+def check_memory(cfg: Config, accelerator: Accelerator, draft_cfg) -> None:
+    """On GPUs: print this launch's memory plan (train/memory_plan.py) and stop in one line
+    when it does not fit the card."""
+    if accelerator.device.type != "cuda":
+        return
+    plugin = accelerator.state.deepspeed_plugin
+    card = torch.cuda.get_device_properties(accelerator.device).total_memory
+    node = Node(accelerator.num_processes, card)
+    v = draft_cfg.v_head_dim if draft_cfg.attention == "mla" else draft_cfg.head_dim
+    path = auto_impl(accelerator.device, draft_cfg.head_dim, v)
+    plan = recipe_plan(cfg, node, plugin and plugin.deepspeed_config, path, draft_cfg)
+    if accelerator.is_main_process:
+        print(plan.table(), flush=True)
+    check_fits(plan, online=cfg.data.mode == "online")
 
 
 # -- the loop ---------------------------------------------------------------------------------------
@@ -301,30 +337,39 @@ def train_loop(run: Run) -> None:
         # this step's micro-batches; accelerate syncs gradients and really steps the optimizer
         # on the last one only (step and zero_grad are no-ops before it)
         epoch, micro = next(run.stream)
-        window = [run.labelled(batch) for batch in micro]
-        denominators = loss_denominators(run, window)
-        for mb in window:
-            with accelerator.accumulate(model):
-                step_logits = model(
-                    mb["input_ids"], mb["aux"], mb["segment_ids"], mb["position_ids"]
-                )
-                loss, m = ttt_loss(
-                    step_logits,
-                    mb["probs"],
-                    mb["in_vocab"],
-                    mb["loss_mask"],
-                    cfg.model.step_weight,
-                    denominators,
-                    mb["segment_ids"],
-                )
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    grad_norm = clip_gradients(run)
-                run.optimizer.step()
-                if accelerator.sync_gradients:
-                    run.scheduler.step()
-                run.optimizer.zero_grad(set_to_none=True)
-            sums.add(m, mb)
+        try:  # out of memory: one line naming the step, its lengths and what to change
+            # every micro-batch's valid label positions first (the loss denominators), then
+            # each one's soft labels just before its forward: one (T, draft vocab) set at a time
+            window = [run.labelled(batch, probs=False) for batch in micro]
+            denominators = loss_denominators(run, window)
+            for mb in window:
+                run.labelled.soft_labels(mb)
+                with accelerator.accumulate(model):
+                    step_logits = model(
+                        mb["input_ids"], mb["aux"], mb["segment_ids"], mb["position_ids"]
+                    )
+                    loss, m = ttt_loss(
+                        step_logits,
+                        mb["probs"],
+                        mb["in_vocab"],
+                        mb["loss_mask"],
+                        cfg.model.step_weight,
+                        denominators,
+                        mb["segment_ids"],
+                    )
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        grad_norm = clip_gradients(run)
+                    run.optimizer.step()
+                    if accelerator.sync_gradients:
+                        run.scheduler.step()
+                    run.optimizer.zero_grad(set_to_none=True)
+                sums.add(m, mb)
+                mb["probs"] = None  # freed before the next micro-batch's are made
+        except RuntimeError as err:  # torch.OutOfMemoryError is one
+            if not is_out_of_memory(err):
+                raise
+            raise out_of_memory(run, step + 1, micro) from err
         step += 1
         run.logger.advance()
 
@@ -333,6 +378,27 @@ def train_loop(run: Run) -> None:
             log_metrics(run, step, sums, now - t_last, lr, grad_norm, epoch)
             sums.zero_()
             t_last = now
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """A GPU out-of-memory, or the CPU allocator refused (RAM, or an address-space limit)."""
+    return isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err)
+
+
+def out_of_memory(run: Run, step: int, micro: list[dict]) -> Eagle3Error:
+    """The one line a step that ran out of GPU memory stops with: the step, its micro-batches'
+    lengths, what to change, and how to resume (the checkpoints so far are kept)."""
+    cfg = run.cfg
+    longest = max(batch["input_ids"].shape[1] for batch in micro)
+    rows = max(batch["input_ids"].shape[0] for batch in micro)
+    shorter = max(256, longest * 3 // 4 // 256 * 256)
+    return Eagle3Error(
+        f"out of memory in step {step} (micro-batches of {rows} x up to {longest} tokens, "
+        f"data.max_length {cfg.data.max_length}): lower data.max_length (e.g. {shorter})"
+        + (" or data.batch_size" if cfg.data.batch_size > 1 else "")
+        + " and check with --plan, then start again with train.resume_from=latest (the "
+        "checkpoints so far are kept)"
+    )
 
 
 def cleanup(run: Run) -> None:
@@ -372,6 +438,22 @@ def train(cfg: Config) -> None:
         stop_target(run)  # on an error too: the engine holds GPUs (and dies with us anyway)
 
 
+def print_plan(cfg: Config, args: argparse.Namespace) -> None:
+    """--plan: the plan of this recipe on the node given or detected; exit 2 when it does not
+    fit. Under accelerate launch only the first process prints."""
+    node = detect_node(args.gpus, args.gpu_memory_gb)
+    ds_config = read_launch_config(args.accelerate_config or launch_config_path())
+    path = args.attention_path or cfg.model.draft.ttt_attention
+    plan = recipe_plan(cfg, node, ds_config, "flex" if path == "auto" else path)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"{cfg.data.mode} recipe, {node.gpus} ranks, DeepSpeed ZeRO-"
+            f"{read_zero(ds_config).stage}:\n{plan.table()}",
+            flush=True,
+        )
+    check_fits(plan, online=cfg.data.mode == "online")
+
+
 def main(argv: list[str] | None = None) -> int:
     """The CLI: exit 0, or one `error:` line and exit 2 for a config or data mistake, 69 when
     the engine fails (eagle3.errors)."""
@@ -380,10 +462,37 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", help="YAML recipe (configs/train/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. optim.lr=5e-5")
+    plan = parser.add_argument_group("memory plan (train/memory_plan.py)")
+    plan.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the memory plan per rank and exit (loads nothing)",
+    )
+    plan.add_argument("--gpus", type=int, help="ranks on the node (default: the visible GPUs)")
+    plan.add_argument("--gpu-memory-gb", type=float, help="one card's memory (default: detected)")
+    plan.add_argument(
+        "--accelerate-config",
+        help="the launch's accelerate YAML or DeepSpeed JSON (default: the launch's own, else "
+        "configs/accelerate/8gpu-zero2.yaml's DeepSpeed config)",
+    )
+    plan.add_argument(
+        "--attention-path",
+        choices=ATTENTION_PATHS,
+        help="the TTT attention the plan assumes (default: model.draft.ttt_attention; its "
+        "auto is flex on CUDA)",
+    )
     args = parser.parse_args(argv)
 
+    # lengths change every micro-batch: segments that grow keep fragmentation small (read by
+    # torch's CUDA allocator at its first allocation, after this)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
     def run() -> int:
-        train(load_config(args.config, args.overrides))
+        cfg = load_config(args.config, args.overrides, check_paths=not args.plan)
+        if args.plan:
+            print_plan(cfg, args)
+            return 0
+        train(cfg)
         return 0
 
     return run_cli(run)

@@ -67,3 +67,16 @@ def test_every_rank_runs_as_many_validation_forwards_and_counts_each_record_once
     assert ranks[1] == [([0, 2], True), ([1, 3], False)]  # a repeat whose numbers are dropped
     counted = [i for batches in ranks for b, counts in batches if counts for i in b]
     assert sorted(counted) == list(range(5))
+
+
+def test_soft_labels_per_micro_batch_are_the_labels_made_up_front():
+    """<1 s: the trainer's two passes (valid positions of every micro-batch, then each one's
+    probabilities just before its forward) give the one-pass labels bit for bit, with and
+    without the label cache."""
+    for cache in (None, LabelCache(2**20)):
+        make = labeller(cache=cache)
+        up_front = labeller()(stored_batch())
+        first = make(stored_batch(), probs=False)
+        assert first["probs"] is None and first["in_vocab"].equal(up_front["in_vocab"])
+        make.soft_labels(first)
+        assert first["probs"].equal(up_front["probs"]) and first["last"] is None

@@ -1,0 +1,441 @@
+"""The memory plan of one rank, before anything is loaded: what every part of a training step
+holds on each GPU, from the recipe, the DeepSpeed config and the node, and whether it fits.
+
+    python train/train_drafter.py --config configs/train/kimi-k2.5-offline.yaml --plan \
+        --gpus 8 --gpu-memory-gb 96
+
+`plan_memory` is a pure function of numbers (no torch device, no weights): the draft's parameter
+counts (from its DraftConfig, counted on torch's meta device), the run's lengths and batch, the
+ZeRO stage and buckets, and the card. `check_fits` turns a plan over the card into one line that
+names what would fit. What each term assumes:
+
+- weights: every parameter of the draft (the frozen target embeddings included) in the weight
+  dtype: bf16 under DeepSpeed's bf16 (it casts the module), fp32 otherwise (autocast).
+- master + Adam: fp32 master weights, Adam's m and v (12 B a trainable parameter), sharded over
+  the ranks by ZeRO 1/2/3; without DeepSpeed, Adam's m and v (8 B) on every rank.
+- gradients: ZeRO-2 keeps this rank's partition in the accumulation dtype (fp32 with
+  `data_types.grad_accum_dtype: fp32`) plus the reduce buckets (two with overlap_comm) and the
+  all-gather bucket, each bucket_size elements in bf16; without DeepSpeed, full fp32 gradients.
+- activations: saved for backward by the TTT unroll, per token per TTT step, counted per tensor
+  class (ACTIVATION_TERMS). On a GPU under bf16 autocast the matmul outputs are bf16 and the
+  hidden-size and loss terms fp32; on a CPU everything is fp32 (which is what
+  tests/train/test_memory_plan.py measures: the fp32 count within 15% of the CPU peak's slope).
+  The `flex` path also keeps every TTT step's concatenated keys and values.
+- soft labels: fp32 probabilities over the draft vocab and a bool per token, for the
+  micro-batches held at once (`labels_held`), plus one lm_head chunk's fp32 logits in flight.
+- hidden-state batches: the micro-batches' aux (3 x target hidden) and last hidden states, bf16.
+- target lm_head: the (vocab, target hidden) matrix the soft labels are made with, on the device.
+- CUDA context: the context, cuBLAS workspaces and NCCL's buffers (CONTEXT_GB, a measured
+  H100-class figure; the GPU check script measures it on the node).
+- engine: online with a served target on the same GPUs, vLLM's --gpu-memory-utilization share.
+- headroom: ALLOCATOR_HEADROOM of the card for fragmentation (lengths change every micro-batch;
+  expandable_segments keeps this small).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eagle3.errors import Eagle3Error
+from eagle3.model import DraftConfig
+
+GB = 1e9
+CONTEXT_GB = 2.0  # CUDA context + cuBLAS workspace + NCCL buffers per rank
+ALLOCATOR_HEADROOM = 0.05  # of the card: fragmentation across changing lengths
+VLLM_DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization when the recipe gives none
+TILE_ROWS, TILE_KEYS = 128, 512  # the chunked TTT kernel's tile (eagle3/ttt_attention.py)
+ATTENTION_PATHS = ("chunked", "flash", "flex")
+
+
+@dataclass
+class Node:
+    """The GPUs one rank sees: how many ranks share the work and one card's memory."""
+
+    gpus: int
+    gpu_bytes: float
+
+
+@dataclass
+class ZeroSetup:
+    """What the DeepSpeed config says (stage 0: no DeepSpeed, plain data parallel)."""
+
+    stage: int = 0
+    reduce_bucket: float = 5e8  # elements
+    allgather_bucket: float = 5e8
+    overlap_comm: bool = False
+    grad_accum_fp32: bool = False
+
+
+@dataclass
+class RunShape:
+    """The recipe's numbers a step's memory depends on."""
+
+    max_length: int
+    batch_size: int
+    grad_accum: int
+    ttt_steps: int
+    bf16: bool  # weights bf16 under DeepSpeed, activations under autocast
+    attention_path: str = "chunked"
+    labels_held: int = 1  # micro-batches whose soft labels exist at once
+    lm_head_chunk: int = 1024
+    engine_fraction: float = 0.0  # online, served on these GPUs: the engine's share of a card
+    engine_weights_bytes: float = 0.0  # the served target's weights on each card (0: unknown)
+
+
+@dataclass
+class Plan:
+    """Bytes per rank by part (insertion order is the printed order)."""
+
+    parts: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+    card_bytes: float = 0.0
+    per_token_bytes: float = 0.0  # everything that grows with max_length x batch_size
+    run: RunShape | None = None
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.card_bytes
+
+    def table(self) -> str:
+        """The plan as a table: one part a line, GB and how it was counted."""
+        lines = [f"memory plan per rank ({self.card_bytes / GB:.0f} GB card):"]
+        for name, value in self.parts.items():
+            lines.append(f"  {name:<22} {value / GB:7.2f} GB  {self.notes.get(name, '')}")
+        verdict = "fits" if self.fits else "does NOT fit"
+        lines.append(
+            f"  {'total':<22} {self.total / GB:7.2f} GB  {verdict}; "
+            f"{(self.card_bytes - self.total) / GB:+.2f} GB left"
+        )
+        return "\n".join(lines)
+
+
+# -- the parts --------------------------------------------------------------------------------
+def parameter_counts(draft_cfg: DraftConfig) -> tuple[int, int]:
+    """(trainable, frozen) parameters of the draft, counted on the meta device (no memory)."""
+    import torch
+
+    from eagle3.model import Eagle3Draft
+
+    with torch.device("meta"):
+        draft = Eagle3Draft(draft_cfg)
+    trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in draft.parameters() if not p.requires_grad)
+    return trainable, frozen
+
+
+def activation_terms(cfg: DraftConfig) -> dict[str, int]:
+    """Elements saved for backward per token per TTT step, by class: "matmul" (linear outputs
+    and attention tensors: bf16 under autocast) and "fp32" (the residual stream, norms and the
+    loss's logits: fp32 either way).
+
+    The attention tensors are q, k, v, MLA's latents and kv_b's output, and the attention
+    output; the MLP's gate, up, activation and product (+2 in flight); the residual/norm
+    tensors of width H and the draft-vocab logits. The coefficients (1.7 x the attention
+    tensors, 6 x intermediate, 14 x H, 2 x draft vocab) are fitted to CPU measurements of the
+    peak's slope at Kimi's MLA head layout: tests/train/test_memory_plan.py's draft (hidden 256,
+    3 TTT steps; 1024 -> 2048 tokens: 1.17-1.20 MiB/token over four runs) +5% to +7%, and
+    scripts/bench_long_context.py's kimi-mla draft (hidden 1024, 7 steps; 512 -> 1024 tokens,
+    whose slope runs 5-10% low) +10%. At 2 TTT steps the count is 16-22% high (conservative).
+    The GQA count (q, rotated q and the output per query head, k and v expanded to them) is
+    not yet validated: -7% to +3% at hidden 256 and 3 steps, but -22% to -30% at hidden 512
+    and 2 steps; the Kimi recipes train MLA."""
+    H, inter, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
+    nh, hd = cfg.num_attention_heads, cfg.head_dim
+    if cfg.attention == "mla":
+        dv = cfg.v_head_dim
+        latents = cfg.q_lora_rank + cfg.kv_lora_rank
+        attention = 2 * nh * hd + 2 * nh * dv + latents + nh * (cfg.qk_nope_head_dim + dv)
+    else:  # q, rotated q and the output per query head; k and v expanded to the query heads
+        attention = 5 * nh * hd + 2 * cfg.num_key_value_heads * hd
+    return {"matmul": 17 * attention // 10 + 6 * inter, "fp32": 14 * H + 2 * Vd}
+
+
+def activation_bytes_per_token(cfg: DraftConfig, ttt_steps: int, bf16: bool) -> float:
+    """Activation bytes per token of one micro-batch row (all TTT steps, saved for backward)."""
+    terms = activation_terms(cfg)
+    return ttt_steps * (terms["matmul"] * (2 if bf16 else 4) + terms["fp32"] * 4)
+
+
+def flex_kv_bytes_per_token(cfg: DraftConfig, ttt_steps: int, bf16: bool) -> float:
+    """flex attends over every earlier TTT step's keys and values concatenated: step k keeps
+    (k + 1) blocks of them for backward."""
+    v = cfg.v_head_dim if cfg.attention == "mla" else cfg.head_dim
+    kv_heads = cfg.num_attention_heads if cfg.attention == "mla" else cfg.num_key_value_heads
+    blocks = ttt_steps * (ttt_steps + 1) // 2
+    return blocks * kv_heads * (cfg.head_dim + v) * (2 if bf16 else 4)
+
+
+def plan_memory(
+    draft_cfg: DraftConfig, run: RunShape, zero: ZeroSetup, node: Node, lm_head_rows: int
+) -> Plan:
+    """Bytes of every part on one rank (see the module docstring for what each assumes)."""
+    if run.attention_path not in ATTENTION_PATHS:
+        raise Eagle3Error(f"attention path {run.attention_path!r} is not one of {ATTENTION_PATHS}")
+    trainable, frozen = parameter_counts(draft_cfg)
+    deepspeed = zero.stage > 0
+    weight_b = 2 if (deepspeed and run.bf16) else 4
+    shards = node.gpus if deepspeed else 1
+    tokens = run.max_length * run.batch_size  # one micro-batch row set
+    Ht = draft_cfg.target_hidden_size
+    p = Plan(card_bytes=node.gpu_bytes, run=run)
+
+    p.parts["draft weights"] = (trainable + frozen) * weight_b
+    p.notes["draft weights"] = (
+        f"{trainable / 1e6:.0f}M trainable + {frozen / 1e6:.0f}M frozen embeddings, "
+        f"{'bf16' if weight_b == 2 else 'fp32'}"
+    )
+    opt_b = 12 if (deepspeed and run.bf16) else 8
+    p.parts["master + Adam"] = trainable * opt_b / shards
+    p.notes["master + Adam"] = (
+        f"{opt_b} B/param{' (fp32 master, m, v)' if opt_b == 12 else ' (m, v)'}"
+        + (f" / {shards} ranks (ZeRO-{zero.stage})" if deepspeed else "")
+    )
+    if deepspeed:
+        grad_b = 4 if zero.grad_accum_fp32 or not run.bf16 else 2
+        grads = trainable * grad_b / (shards if zero.stage >= 2 else 1)
+        buckets = zero.reduce_bucket * 2 * (2 if zero.overlap_comm else 1)
+        buckets += zero.allgather_bucket * 2
+        p.parts["gradients"] = grads
+        p.notes["gradients"] = f"{'fp32' if grad_b == 4 else 'bf16'} accumulation" + (
+            f", / {shards} ranks" if zero.stage >= 2 else ""
+        )
+        p.parts["ZeRO buckets"] = buckets
+        p.notes["ZeRO buckets"] = (
+            f"reduce {zero.reduce_bucket:.0e}{' x 2 (overlap_comm)' if zero.overlap_comm else ''}"
+            f" + allgather {zero.allgather_bucket:.0e} elements, bf16"
+        )
+    else:
+        p.parts["gradients"] = trainable * 4
+        p.notes["gradients"] = "fp32, every rank"
+
+    act_tok = activation_bytes_per_token(draft_cfg, run.ttt_steps, run.bf16)
+    acts = act_tok * tokens
+    note = f"{act_tok / 2**20:.2f} MiB/token x {tokens} tokens"
+    if run.attention_path == "flex":
+        flex_tok = flex_kv_bytes_per_token(draft_cfg, run.ttt_steps, run.bf16)
+        acts += flex_tok * tokens
+        act_tok += flex_tok
+        note += f" + flex's concatenated K/V {flex_tok / 2**20:.2f} MiB/token"
+    else:  # one tile's fp32 scores, probabilities and gradient
+        acts += 3 * 4 * draft_cfg.num_attention_heads * TILE_ROWS * TILE_KEYS
+    p.parts["activations"] = acts
+    p.notes["activations"] = f"{note} ({run.attention_path})"
+
+    label_tok = 4 * draft_cfg.draft_vocab_size + 1
+    p.parts["soft labels"] = label_tok * tokens * run.labels_held + (
+        4 * run.lm_head_chunk * lm_head_rows * 2  # a chunk's logits and its softmax
+    )
+    p.notes["soft labels"] = (
+        f"{label_tok / 1024:.0f} KiB/token x {tokens} tokens x {run.labels_held} micro-batch(es)"
+        f" + lm_head chunk {run.lm_head_chunk} rows"
+    )
+    hidden_tok = 4 * Ht * 2
+    p.parts["hidden-state batches"] = hidden_tok * tokens * run.grad_accum
+    p.notes["hidden-state batches"] = (
+        f"{hidden_tok / 1024:.0f} KiB/token x {tokens} tokens x {run.grad_accum} micro-batches, bf16"
+    )
+    p.parts["target lm_head"] = lm_head_rows * Ht * 2
+    p.notes["target lm_head"] = f"{lm_head_rows} x {Ht}, bf16 (soft labels)"
+    p.parts["CUDA context"] = CONTEXT_GB * GB
+    p.notes["CUDA context"] = "context, cuBLAS, NCCL"
+    p.parts["allocator headroom"] = ALLOCATOR_HEADROOM * node.gpu_bytes
+    p.notes["allocator headroom"] = f"{ALLOCATOR_HEADROOM:.0%} of the card (changing lengths)"
+    if run.engine_fraction:
+        p.parts["engine (vLLM)"] = run.engine_fraction * node.gpu_bytes
+        p.notes["engine (vLLM)"] = f"--gpu-memory-utilization {run.engine_fraction:g}" + (
+            f" (the target's weights: ~{run.engine_weights_bytes / GB:.0f} GB a card)"
+            if run.engine_weights_bytes
+            else ""
+        )
+    p.per_token_bytes = act_tok + label_tok * run.labels_held + hidden_tok * run.grad_accum
+    return p
+
+
+# -- what would fit ---------------------------------------------------------------------------
+def fitting_length(plan: Plan) -> int:
+    """The longest max_length (a multiple of 256) that fits this plan's card, 0 if none."""
+    run = plan.run
+    fixed = plan.total - plan.per_token_bytes * run.max_length * run.batch_size
+    room = plan.card_bytes - fixed
+    if room <= 0:
+        return 0
+    return int(room / (plan.per_token_bytes * run.batch_size)) // 256 * 256
+
+
+def engine_loads(plan: Plan) -> bool:
+    """Whether the engine's share of a card holds the target's weights, with 10% for its KV
+    cache and activations (unknown weights: assumed to)."""
+    run = plan.run
+    return run.engine_fraction * plan.card_bytes >= 1.1 * run.engine_weights_bytes
+
+
+def check_fits(plan: Plan, online: bool) -> None:
+    """Raise one line naming what would fit when the plan is over the card, or when the
+    engine's share of it cannot hold the target's weights."""
+    run = plan.run
+    elsewhere = (
+        "serve the target from another node (target.engine) or train offline (data.mode=offline; "
+        "capture first: python -m datagen.capture)"
+    )
+    if run.engine_fraction and not engine_loads(plan):
+        need = 1.1 * run.engine_weights_bytes / plan.card_bytes
+        raise Eagle3Error(
+            f"the engine's share of a card ({run.engine_fraction * plan.card_bytes / GB:.0f} GB "
+            f"at --gpu-memory-utilization {run.engine_fraction:g}) cannot hold the target's "
+            f"~{run.engine_weights_bytes / GB:.0f} GB of weights a card plus its cache (it "
+            f"needs >= {need:.2f}, leaving {(1 - need) * plan.card_bytes / GB:.0f} GB for the "
+            f"drafter, which needs {(plan.total - plan.parts['engine (vLLM)']) / GB:.0f} GB): "
+            + elsewhere
+        )
+    if plan.fits:
+        return
+    over = (plan.total - plan.card_bytes) / GB
+    options = []
+    length = fitting_length(plan)
+    if length >= 512:
+        options.append(f"data.max_length={length}")
+    if run.batch_size > 1:
+        options.append("data.batch_size=1")
+    if online and run.engine_fraction:
+        options.append(elsewhere)
+    raise Eagle3Error(
+        f"the memory plan needs {plan.total / GB:.1f} GB a rank, {over:.1f} GB over the "
+        f"{plan.card_bytes / GB:.0f} GB card (run --plan for the table): "
+        + ("; or ".join(options) if options else "use cards with more memory")
+    )
+
+
+# -- reading the launch -----------------------------------------------------------------------
+def read_zero(ds_config: dict | None) -> ZeroSetup:
+    """The ZeroSetup of a DeepSpeed config dict (None: no DeepSpeed)."""
+    if not ds_config:
+        return ZeroSetup()
+    zero = ds_config.get("zero_optimization", {})
+    dtypes = ds_config.get("data_types", {})
+
+    def number(key: str) -> float:  # "auto" (or absent): DeepSpeed's default, 5e8
+        value = zero.get(key, 5e8)
+        return float(value) if not isinstance(value, str) or value != "auto" else 5e8
+
+    return ZeroSetup(
+        stage=int(zero.get("stage", 0)),
+        reduce_bucket=number("reduce_bucket_size"),
+        allgather_bucket=number("allgather_bucket_size"),
+        overlap_comm=bool(zero.get("overlap_comm", False)),
+        grad_accum_fp32=dtypes.get("grad_accum_dtype") == "fp32",
+    )
+
+
+def read_launch_config(path: str | Path | None) -> dict | None:
+    """The DeepSpeed config dict an accelerate launch config (or a DeepSpeed JSON) names."""
+    import yaml
+
+    if path is None:
+        return None
+    path = Path(path)
+    if not path.exists():
+        raise Eagle3Error(f"--accelerate-config {path} does not exist")
+    if path.suffix == ".json":
+        return json.loads(path.read_text())
+    launch = yaml.safe_load(path.read_text()) or {}
+    ds = (launch.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if not ds:
+        return None
+    ds_path = Path(ds)
+    if not ds_path.is_absolute() and not ds_path.exists():
+        ds_path = path.parent.parent.parent / ds  # configs/accelerate/x.yaml -> repo root
+    return json.loads(ds_path.read_text())
+
+
+def engine_fraction(engine_args: list[str]) -> float:
+    """vLLM's --gpu-memory-utilization among the engine args (its default when absent)."""
+    for i, arg in enumerate(engine_args):
+        if arg.startswith("--gpu-memory-utilization"):
+            value = arg.split("=", 1)[1] if "=" in arg else engine_args[i + 1]
+            return float(value)
+    return VLLM_DEFAULT_UTILIZATION
+
+
+# -- the plan of a recipe ---------------------------------------------------------------------
+def target_shape(name: str):
+    """The target's text config: the registry's `plan_shape` (no download), else its
+    config.json (eagle3.target.target_facts: the config alone, never weights)."""
+    from types import SimpleNamespace
+
+    from eagle3.target import resolve, target_facts
+
+    target = resolve(name)  # a local Kimi-K2.5 directory is the registry's kimi-k2.5
+    shape = (target.spec or {}).get("plan_shape")
+    return SimpleNamespace(**shape) if shape else target_facts(target)["hf_config"]
+
+
+def served_weights_gb(name: str) -> float:
+    """The registry's `served_weights_gb` of a target (what an engine loads), 0 if unknown."""
+    from eagle3.target import resolve
+
+    return float((resolve(name).spec or {}).get("served_weights_gb") or 0.0)
+
+
+def recipe_plan(
+    cfg, node: Node, ds_config: dict | None, attention_path: str, draft_cfg: DraftConfig = None
+) -> Plan:
+    """The plan of a recipe (train/config.py's Config) on `node` under a DeepSpeed config."""
+    from train.draft import draft_config
+
+    if draft_cfg is None:
+        hf = target_shape(cfg.target.name)
+        aux = cfg.target.aux_layer_ids or [1, 2, 3]  # their values cost nothing
+        draft_cfg = draft_config(cfg, hf, min(cfg.model.draft_vocab_size, hf.vocab_size), aux)
+    mixed = cfg.train.mixed_precision
+    tensor_parallel = cfg.target.engine.tensor_parallel_size or node.gpus
+    online_served = cfg.data.mode == "online" and cfg.target.engine.kind == "vllm"
+    run = RunShape(
+        max_length=cfg.data.pack_length if cfg.data.packing else cfg.data.max_length,
+        batch_size=cfg.data.batch_size,
+        grad_accum=cfg.optim.grad_accum,
+        ttt_steps=cfg.model.ttt_steps,
+        bf16=mixed in ("auto", "bf16"),  # auto: bf16 on a GPU, which is what is planned
+        attention_path=attention_path,
+        labels_held=1,  # train_loop makes each micro-batch's soft labels before its forward
+        lm_head_chunk=cfg.data.lm_head_chunk,
+        engine_fraction=engine_fraction(cfg.target.engine.args) if online_served else 0.0,
+        engine_weights_bytes=served_weights_gb(cfg.target.name) * GB / tensor_parallel
+        if online_served
+        else 0.0,
+    )
+    return plan_memory(draft_cfg, run, read_zero(ds_config), node, draft_cfg.vocab_size)
+
+
+def launch_config_path() -> str:
+    """The DeepSpeed config of this launch: accelerate launch's (it exports the file's path),
+    else the 8-GPU ZeRO-2 one the Kimi recipes are launched with."""
+    launched = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if launched:
+        return launched
+    return str(Path(__file__).resolve().parents[1] / "configs/accelerate/ds_zero2.json")
+
+
+def detect_node(gpus: int | None, gpu_memory_gb: float | None) -> Node:
+    """The node from --gpus / --gpu-memory-gb, else from the visible GPUs (one line if none)."""
+    import torch
+
+    if gpus is None or gpu_memory_gb is None:
+        if not torch.cuda.is_available():
+            raise Eagle3Error(
+                "no GPU visible to detect the node: give --gpus N --gpu-memory-gb GB "
+                "(e.g. --gpus 8 --gpu-memory-gb 96 for 8 RTX PRO 6000)"
+            )
+        if gpus is None:
+            gpus = int(os.environ.get("WORLD_SIZE", torch.cuda.device_count()))
+        if gpu_memory_gb is None:
+            gpu_memory_gb = torch.cuda.get_device_properties(0).total_memory / GB
+    if gpus < 1 or gpu_memory_gb <= 0:
+        raise Eagle3Error(f"--gpus {gpus} and --gpu-memory-gb {gpu_memory_gb} must be positive")
+    return Node(gpus, gpu_memory_gb * GB)
