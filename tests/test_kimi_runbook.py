@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.train.test_kimi_recipe import PROMPTS  # eight short questions
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,16 +52,6 @@ EXPECTED = [
     "accelerate launch",
     "python -m eagle3.evaluate",
     "vllm serve",
-]
-PROMPTS = [
-    "What is the capital of France?",
-    "Add 17 and 25.",
-    "Name three primary colours.",
-    "Write a haiku about rain.",
-    "Why is the sky blue?",
-    "Convert 3 km to metres.",
-    "Give a synonym for happy.",
-    "What does CPU stand for?",
 ]
 
 

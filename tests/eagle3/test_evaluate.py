@@ -399,3 +399,30 @@ def test_one_run_measures_a_checkpoint_as_chain_and_tree_with_rows_per_turn(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == "error: --draft tree:prompt-lookup: tree: takes a checkpoint directory"
+
+
+def test_engine_context_is_the_longest_conversation_at_most_the_targets():
+    """Pure (~0.01 s): every user turn of the longest prompt plus an answer of max_new_tokens
+    (and slack) per turn, capped at the target's context."""
+    from eagle3.data.prompts import Prompt
+    from eagle3.measure import ANSWER_SLACK, engine_context
+
+    class Chars:  # a tokenizer of one token per character; its template joins the contents
+        chat_template = "contents"
+
+        def apply_chat_template(self, messages, **kwargs):
+            return "".join(m["content"] for m in messages)
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": list(range(len(text)))}
+
+        def encode(self, text, add_special_tokens=False):
+            return list(range(len(text)))
+
+    one = Prompt(id="a", dataset="x", messages=[{"role": "user", "content": "x" * 10}])
+    two = Prompt(id="b", dataset="x", messages=[{"role": "user", "content": "y" * 4},
+                                                {"role": "user", "content": "z" * 4}])  # fmt: skip
+    benches = [("x", [one, two])]
+    per_turn = 100 + ANSWER_SLACK
+    assert engine_context(Chars(), benches, 100, None) == 8 + 2 * per_turn
+    assert engine_context(Chars(), benches, 100, 200) == 200
