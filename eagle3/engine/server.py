@@ -107,6 +107,12 @@ def _stop_all() -> None:
         server.stop()
 
 
+
+def without_expandable_segments(conf: str) -> str:
+    """An allocator setting (`key:value,key:value`) less its expandable_segments."""
+    keep = [item for item in conf.split(",") if not item.strip().startswith("expandable_segments")]
+    return ",".join(keep)
+
 class VLLMServer(EngineClient):
     """A vLLM OpenAI server this process starts and stops (see the module docstring).
 
@@ -214,6 +220,13 @@ class VLLMServer(EngineClient):
         )
         env.pop("VIRTUAL_ENV", None)
         env["PYTHONUNBUFFERED"] = "1"
+        # the trainer's expandable segments (train_drafter sets them for itself) are refused by
+        # vLLM beside a KV connector, which the hidden-state capture is
+        for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+            if name in env:
+                env[name] = without_expandable_segments(env[name])
+                if not env[name]:
+                    del env[name]
         env.update(self.extra_env)
         return env
 

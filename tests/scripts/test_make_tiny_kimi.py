@@ -67,3 +67,15 @@ def test_the_chat_template_is_kimis_shape(tokenizer_dir):
     assert text.endswith(
         "<|im_user|>user<|im_middle|>Hi<|im_end|><|im_assistant|>assistant<|im_middle|><think>"
     )
+
+
+def test_every_id_of_the_padded_vocabulary_decodes(tokenizer_dir):
+    """A random model samples any id below its vocab size: Kimi's reserved tokens fill the
+    padding, so decoding never meets an id without a token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=True)
+    assert len(tok) % 64 == 0
+    ids = list(range(len(tok)))
+    assert tok.convert_ids_to_tokens(ids)[-1] == f"<|reserved_token_{len(tok) - 1}|>"
+    assert tok.decode(ids, skip_special_tokens=True)  # no id without a token

@@ -245,10 +245,12 @@ TAU_RTOL = 0.03  # vLLM's tau vs the in-house decoder's, T = 0, the same prompts
 @pytest.fixture(scope="module")
 def mla_drafter(kimi) -> Path:
     """The Kimi offline recipe's default MLA draft trained on the miniature's own answers to
-    PROMPTS until it accepts them (60 steps over the 8, lr 2e-3: ~40 s here)."""
+    PROMPTS until it accepts them (60 steps of one batch of all its answers, lr 2e-3: ~40 s
+    here). All: a random model may end an answer at its first token, which capture skips."""
     out = kimi["root"] / "mla"
+    kept = json.loads((kimi["shards"] / "meta.json").read_text())["num_records"]
     run(*offline_args(kimi, out, "train.max_steps=60", "train.epochs=1000", "optim.lr=2e-3",
-                      "optim.warmup_steps=3", "data.batch_size=8", "data.val_fraction=0",
+                      "optim.warmup_steps=3", f"data.batch_size={kept}", "data.val_fraction=0",
                       "train.save_every=1000", "model.ttt_steps=3", "optim.grad_accum=1"))  # fmt: skip
     return out / "final"
 

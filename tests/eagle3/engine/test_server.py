@@ -306,3 +306,17 @@ def test_a_target_with_a_remote_code_tokenizer_is_served_with_trust_remote_code(
     plain.mkdir()
     (plain / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     assert "--trust-remote-code" not in vllm_server(plain).args
+
+
+def test_the_engine_does_not_inherit_the_trainers_expandable_segments(monkeypatch, tmp_path):
+    """train_drafter sets expandable segments for itself; vLLM refuses them beside the capture's
+    KV connector, so the online recipe's engine would not start. Other allocator settings stay.
+    (~0.1 s, not started.)"""
+    plain = tmp_path / "llama"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:512")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    env = vllm_server(plain).environment()
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    assert "PYTORCH_ALLOC_CONF" not in env
