@@ -107,11 +107,11 @@ def _stop_all() -> None:
         server.stop()
 
 
-
 def without_expandable_segments(conf: str) -> str:
     """An allocator setting (`key:value,key:value`) less its expandable_segments."""
     keep = [item for item in conf.split(",") if not item.strip().startswith("expandable_segments")]
     return ",".join(keep)
+
 
 class VLLMServer(EngineClient):
     """A vLLM OpenAI server this process starts and stops (see the module docstring).
