@@ -69,7 +69,7 @@ def estimate_text(
         )
     rates = [rate] if rate else ESTIMATE_RATES
     hours = ", ".join(f"{tokens / r / 3600:,.2f} h at {r:,.0f} tok/s" for r in rates)
-    lines.append(f"  time: {hours} (measure yours with scripts/bench_capture.py)")
+    lines.append(f"  time: {hours} (measure yours with benchmarks/bench_capture.py)")
     size = bytes_per_token(hidden, dtype) * tokens
     if free is not None:
         lines.append(f"  free space at --out: {human_bytes(free)}")

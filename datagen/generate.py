@@ -6,7 +6,7 @@ decode together, a row leaves at its end-of-turn token or ``max_new_tokens`` and
 prompts take the free slots, prefilled in buckets of similar length so little is padding. On
 a CPU this and oneDNN-packed linear weights (:class:`PackedLinear`) make it about 2x
 transformers' ``generate`` over length-sorted batches (the fallback for sliding-window or
-hybrid caches; ``scripts/bench_generate.py`` measures both in one run). A reasoning target (Kimi-K2.5: the generation prompt opens ``<think>``)
+hybrid caches; ``benchmarks/bench_generate.py`` measures both in one run). A reasoning target (Kimi-K2.5: the generation prompt opens ``<think>``)
 writes ``reasoning</think>answer``; the text before the think-closing tag becomes the turn's
 ``reasoning``, the rest its ``content``, as OpenRouter and SGLang return them.
 

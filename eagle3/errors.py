@@ -1,7 +1,7 @@
 """User-facing errors: one line that says what is wrong and what to do, and whose fault it is.
 
 Every CLI prints an Eagle3Error as ``error: <message>`` on stderr, without a traceback, and exits
-with the error's ``exit_code`` (the table is in the README, "Exit codes"):
+with the error's ``exit_code`` (the table is in docs/formats.md, "Exit codes"):
 
     2   Eagle3Error / ConfigError   bad input or configuration: fix it, run the same command again
     69  RemoteError                 a remote service or the engine failed (HTTP, OpenRouter

@@ -35,16 +35,12 @@ import importlib.util
 import json
 import re
 import shutil
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 TOKENIZER_CODE = Path(__file__).with_name("tokenization_kimi.py")  # copied into the miniature
 GROUP_SIZE = 32

@@ -47,14 +47,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3.cli import HelpFormatter, run_cli
+from eagle3.config import merge, parse_overrides, read_yaml
+from eagle3.errors import Eagle3Error
+from eagle3.report import format_table, speedup_note
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout as well
-
-from eagle3.cli import HelpFormatter, run_cli  # noqa: E402
-from eagle3.config import merge, parse_overrides, read_yaml  # noqa: E402
-from eagle3.errors import Eagle3Error  # noqa: E402
-from eagle3.report import format_table, speedup_note  # noqa: E402
-
 TRAIN_RECIPE = REPO / "configs" / "train" / "smollm2-q4-cpu.yaml"
 MANIFEST = "manifest.json"
 ABLATION = ("model.feature=last", "model.ttt_steps=1")  # EAGLE-2-style: last hidden, no TTT

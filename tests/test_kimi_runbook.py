@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from datagen.openrouter import fake_server
 from tests.train.test_kimi_recipe import PROMPTS  # eight short questions
 
 pytestmark = pytest.mark.slow
@@ -98,8 +99,9 @@ def node(tmp_path_factory, engine):
     maker = _load(REPO / "scripts" / "make_tiny_kimi.py")
     model = root / "models" / "Kimi-K2.5"
     maker.make_tiny_kimi(root / "int4", seed=5, dequantized=model)
-    fake = _load(REPO / "scripts" / "fake_openrouter.py")
-    server = fake.FakeServerThread(fake.FakeConfig(completion_tokens=(24, 48), api_key="sk-fake"))
+    server = fake_server.FakeServerThread(
+        fake_server.FakeConfig(completion_tokens=(24, 48), api_key="sk-fake")
+    )
     url = server.start()
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))

@@ -141,7 +141,7 @@ def activation_terms(cfg: DraftConfig) -> dict[str, int]:
     tensors, 6 x intermediate, 14 x H, 2 x draft vocab) are fitted to CPU measurements of the
     peak's slope at Kimi's MLA head layout: tests/train/test_memory_plan.py's draft (hidden 256,
     3 TTT steps; 1024 -> 2048 tokens: 1.17-1.20 MiB/token over four runs) +5% to +7%, and
-    scripts/bench_long_context.py's kimi-mla draft (hidden 1024, 7 steps; 512 -> 1024 tokens,
+    benchmarks/bench_long_context.py's kimi-mla draft (hidden 1024, 7 steps; 512 -> 1024 tokens,
     whose slope runs 5-10% low) +10%. At 2 TTT steps the count is 16-22% high (conservative).
     The GQA count (q, rotated q and the output per query head, k and v expanded to them) is
     not yet validated: -7% to +3% at hidden 256 and 3 steps, but -22% to -30% at hidden 512

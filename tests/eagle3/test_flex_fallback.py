@@ -2,7 +2,8 @@
 before "auto" picks it, the fallback to "chunked" when either direction fails (one log line
 naming why), kernel options per compute capability, and one compiled graph over many lengths.
 On CPU (flex has no CPU backward in torch 2.13) flex itself is replaced by stand-ins that fail
-where a GPU build would; the real kernels run in scripts/gpu_check.py and the gpu-marked tests.
+where a GPU build would; the real kernels run in benchmarks/gpu_check.py and the gpu-marked
+tests.
 """
 
 from __future__ import annotations

@@ -15,14 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+import quickstart
+
+from eagle3.data.decontaminate import BenchmarkIndex
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-
-import quickstart  # noqa: E402
-
-from eagle3.data.decontaminate import BenchmarkIndex  # noqa: E402
-
 GSM8K_TEST = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
@@ -62,7 +59,7 @@ def test_quickstart_training_prompts_miss_its_benchmarks(scale, tmp_path, capsys
 
 @pytest.mark.parametrize("scale", ["default", "large"])
 def test_quickstart_offpolicy_conversations_miss_its_benchmarks(scale, tmp_path, capsys):
-    # --offpolicy 2000: the most the README suggests
+    # --offpolicy 2000: as many conversations as --scale large regenerates
     """The off-policy stage trains on ShareGPT's own answers too: its selected conversations,
     answers included, share no 13-word run with MT-bench, HumanEval or GSM8K test."""
     from datagen import offpolicy
@@ -149,7 +146,7 @@ def test_quickstart_table_splits_turns_and_says_what_the_speedups_mean(tmp_path)
 @pytest.mark.slow
 def test_quickstart_tiny_killed_then_resumed(tmp_path):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
         tiny_run(run_dir),
         cwd=REPO,

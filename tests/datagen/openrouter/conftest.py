@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "scripts"))
+from datagen.openrouter import fake_server
 
-import fake_openrouter  # noqa: E402
+ROOT = Path(__file__).resolve().parents[3]
 
 # Fast settings for tests: tiny backoff, small answers.
 TEST_CONFIG = """\
@@ -39,9 +38,9 @@ def fake():
     """``fake(**FakeConfig fields) -> FakeServerThread`` (started; stopped after the test)."""
     servers = []
 
-    def start(**kwargs) -> fake_openrouter.FakeServerThread:
+    def start(**kwargs) -> fake_server.FakeServerThread:
         kwargs.setdefault("retry_after", 0.01)
-        server = fake_openrouter.FakeServerThread(fake_openrouter.FakeConfig(**kwargs))
+        server = fake_server.FakeServerThread(fake_server.FakeConfig(**kwargs))
         server.start()
         servers.append(server)
         return server
@@ -157,5 +156,5 @@ def h():
         read_jsonl=read_jsonl,
         ledger_totals=ledger_totals,
         spawn_cli=spawn_cli,
-        fake_module=fake_openrouter,
+        fake_module=fake_server,
     )

@@ -1,6 +1,6 @@
 """What fp8 hidden-state shards cost a *trained* drafter, measured against bf16 shards.
 
-    python scripts/bench_fp8_training.py [--work runs/bench-fp8-rope] [--conversations 150] [--steps 32]
+    python experiments/bench_fp8_training.py [--work runs/bench-fp8-rope] [--conversations 150] [--steps 32]
 
 One run does it all (each stage is skipped when its output is already under --work):
 1. records: the first --conversations ShareGPT conversations (the embedded file) with their own
@@ -36,19 +36,17 @@ from pathlib import Path
 
 import torch
 
+from datagen.capture import capture_items, capture_meta
+from datagen.render import Rendering, render_all
+from eagle3.checkpoint import load_draft
+from eagle3.data.chat import RenderError, render_record
+from eagle3.data.prompts import PromptError, open_source, source_conversation
+from eagle3.data.shards import ShardDataset, ShardWriter, read_meta
+from eagle3.loss import simulated_acceptance, step_labels
+from eagle3.model import Eagle3Draft
+from eagle3.target import load_embeddings, load_lm_head, load_target, resolve
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from datagen.capture import capture_items, capture_meta  # noqa: E402
-from datagen.render import Rendering, render_all  # noqa: E402
-from eagle3.checkpoint import load_draft  # noqa: E402
-from eagle3.data.chat import RenderError, render_record  # noqa: E402
-from eagle3.data.prompts import PromptError, open_source, source_conversation  # noqa: E402
-from eagle3.data.shards import ShardDataset, ShardWriter, read_meta  # noqa: E402
-from eagle3.loss import simulated_acceptance, step_labels  # noqa: E402
-from eagle3.model import Eagle3Draft  # noqa: E402
-from eagle3.target import load_embeddings, load_lm_head, load_target, resolve  # noqa: E402
-
 TARGET = "smollm2-135m-q4"
 CONFIG = ROOT / "configs/train/smollm2-q4-cpu.yaml"
 

@@ -6,8 +6,8 @@ separate process with a set latency, and prints one line:
 
     ratio = achieved requests/s / ideal (concurrency / latency); client CPU s per 1000 requests
 
-    python scripts/bench_openrouter.py --requests 20000 --concurrency 2000 --latency 0.2
-    python scripts/bench_openrouter.py ... --compare-httpx   # bare aiohttp vs httpx loops too
+    python benchmarks/bench_openrouter.py --requests 20000 --concurrency 2000 --latency 0.2
+    python benchmarks/bench_openrouter.py ... --compare-httpx   # bare aiohttp vs httpx loops too
 
 The server shares the machine: on 2 cores its own CPU competes with the client's, so a ratio
 below 1 at very high rates may be the server's limit as much as the client's; the CPU s/1000
@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # The request the bare client loops send (the requester builds its own).
 BARE_BODY = json.dumps(
@@ -44,7 +43,8 @@ def start_server(latency: float) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [
             sys.executable,
-            str(ROOT / "scripts/fake_openrouter.py"),
+            "-m",
+            "datagen.openrouter.fake_server",
             "--latency",
             str(latency),
             "--completion-tokens",
@@ -52,6 +52,7 @@ def start_server(latency: float) -> tuple[subprocess.Popen, str]:
         ],
         stdout=subprocess.PIPE,
         text=True,
+        cwd=ROOT,  # `-m` puts the cwd first on sys.path: this checkout's fake
     )
     line = proc.stdout.readline()
     if "listening on" not in line:

@@ -1,19 +1,14 @@
-"""scripts/recipe_search.py: the draft vocab's coverage of the validation answers, and arm specs."""
+"""experiments/recipe_search.py: the draft vocab's coverage of the validation answers, and arm
+specs."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from recipe_search import coverage, parse_arm
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-from recipe_search import coverage, parse_arm  # noqa: E402
-
-from eagle3.data.shards import ShardWriter  # noqa: E402
+from eagle3.data.shards import ShardWriter
 
 
 def test_coverage_counts_answer_tokens_inside_the_draft_vocab(tmp_path):

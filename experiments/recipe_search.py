@@ -1,7 +1,7 @@
 """Which recipe wins at a fixed budget: drafters trained on the same data for the same number of
 optimizer steps, differing only in the config values an arm names, measured in one run.
 
-    python scripts/recipe_search.py --shards runs/x/shards-on1 --val-shards runs/x/shards-val \\
+    python experiments/recipe_search.py --shards runs/x/shards-on1 --val-shards runs/x/shards-val \\
         --steps 100 --arm base= --arm lr1e-3=optim.lr=1e-3 --arm ttt6=model.ttt_steps=6 \\
         --arm vocab1000=model.draft_vocab_size=1000 [--out runs/recipe-search]
 
@@ -22,16 +22,12 @@ import sys
 from pathlib import Path
 
 from safetensors.torch import load_file
+from train_arms import last_val, markdown_table, train_arm
+
+from eagle3.data.shards import ShardDataset
+from eagle3.loss import simulated_acceptance
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from eagle3.data.shards import ShardDataset  # noqa: E402
-from eagle3.loss import simulated_acceptance  # noqa: E402
-
-sys.path.insert(0, str(REPO / "scripts"))
-from train_arms import last_val, markdown_table, train_arm  # noqa: E402
-
 RECIPE = REPO / "configs" / "train" / "smollm2-q4-cpu.yaml"
 
 

@@ -1,7 +1,7 @@
 """In-process generation speed (the `datagen.local --target` path) on the embedded target.
 
-    python scripts/bench_generate.py                       # SmolLM2 Q4, batch 16, MT-bench prompts
-    python scripts/bench_generate.py --threads 2 --prompts 64 --max-new-tokens 256
+    python benchmarks/bench_generate.py                   # SmolLM2 Q4, batch 16, MT-bench prompts
+    python benchmarks/bench_generate.py --threads 2 --prompts 64 --max-new-tokens 256
 
 Prints aggregate tokens/s: generated tokens (up to and including each row's end-of-turn token)
 over wall time, prefill included, as a run of `datagen.local` sees it, for the continuous-
@@ -18,13 +18,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as well
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Training throughput of the EAGLE-3 drafter: tokens/s, peak memory and MFU, measured in one run.
 
-    python scripts/bench_train.py --config configs/train/smollm2-q4-cpu.yaml
-    python scripts/bench_train.py --config configs/train/kimi-k2.5-offline.yaml --seq-len 2048 --batch-size 2
+    python benchmarks/bench_train.py --config configs/train/smollm2-q4-cpu.yaml
+    python benchmarks/bench_train.py --config configs/train/kimi-k2.5-offline.yaml --seq-len 2048 --batch-size 2
 
 The step is the recipe's (train/train_drafter.py): soft labels from the target's lm_head in
 chunks, the TTT unroll, the weighted loss, backward, clip, AdamW. Inputs are random tensors
@@ -19,11 +19,7 @@ separately (label_share).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 

@@ -1,10 +1,10 @@
 """Peak memory, tokens/s and MFU of one TTT training step at long context: old vs new TTT attention.
 
-    python scripts/bench_long_context.py --quick                    # a few minutes on 2 cores
-    python scripts/bench_long_context.py --json results/long_context.json   # every point
-    python scripts/bench_long_context.py --drafts smollm2 --paths new --seq-lens 32768
-    python scripts/bench_long_context.py --device cuda --steps 3    # GPU: bf16 autocast
-    python scripts/bench_long_context.py --packing /tmp/qs/shards   # padded vs packed training
+    python benchmarks/bench_long_context.py --quick                    # a few minutes on 2 cores
+    python benchmarks/bench_long_context.py --json results/long_context.json   # every point
+    python benchmarks/bench_long_context.py --drafts smollm2 --paths new --seq-lens 32768
+    python benchmarks/bench_long_context.py --device cuda --steps 3    # GPU: bf16 autocast
+    python benchmarks/bench_long_context.py --packing /tmp/qs/shards   # padded vs packed training
 
 The step is the recipe's (train/train_drafter.py): the TTT unroll over ttt_steps steps, the
 weighted soft-label loss, backward, clip, AdamW; batch size 1. Inputs are random tensors of the
@@ -30,7 +30,7 @@ the fastest step's (the first at T pays first-touch page faults on CPU; on a sha
 other processes slow some steps: the cpu-s column is the process's CPU time for that step).
 A point whose projected memory (a rough model fitted to CPU runs, `projected_gib`) exceeds
 90% of the available memory is skipped with the reason printed.
-MFU as scripts/bench_train.py defines it: its analytic useful training FLOPs per token x
+MFU as benchmarks/bench_train.py defines it: its analytic useful training FLOPs per token x
 tokens/s over the matmul peak (its `matmul_peak`), measured in the point's own process just
 before and after its steps (the better of the two: a shared machine's peak drifts). The
 MFU(16k)/MFU(1k) line divides both points by one peak, the best of the draft and path's
@@ -55,24 +55,20 @@ import time
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from bench_train import (  # noqa: E402
+from bench_train import (
     recipe_draft_config,
     shape_facts,
     sync,
     train_flops_per_token,
 )
 
-from eagle3.compute import matmul_peak  # noqa: E402
-from eagle3.loss import ttt_loss  # noqa: E402
-from eagle3.model import DraftConfig, Eagle3Draft, TTTModel  # noqa: E402
-from eagle3.ttt_attention import CHUNK_SIZE, IMPLS, KEY_BLOCK, auto_impl  # noqa: E402
-from train.config import load_config  # noqa: E402
+from eagle3.compute import matmul_peak
+from eagle3.loss import ttt_loss
+from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
+from eagle3.ttt_attention import CHUNK_SIZE, IMPLS, KEY_BLOCK, auto_impl
+from train.config import load_config
 
+REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs/train/smollm2-q4-cpu.yaml"
 SMOLLM2_SHAPE = "hidden=576,vocab=49152,heads=9,kv_heads=3,head_dim=64,intermediate=1536"
 SEQ_LENS = [1024, 2048, 8192, 16384, 32768]  # 1k: the base of the MFU(16k)/MFU(1k) ratio
@@ -90,7 +86,7 @@ def v_head_dim(cfg: DraftConfig) -> int:
 
 def draft_setup(name: str) -> tuple[DraftConfig, int]:
     """-> (DraftConfig, ttt_steps) of a benchmarked draft."""
-    if name == "smollm2":  # as scripts/bench_train.py builds it, from shape facts
+    if name == "smollm2":  # as benchmarks/bench_train.py builds it, from shape facts
         cfg = load_config(RECIPE, [], check_paths=False)
         facts = shape_facts(SMOLLM2_SHAPE)
         draft_vocab = min(cfg.model.draft_vocab_size, facts["vocab_size"])

@@ -1,4 +1,4 @@
-"""The benchmark scripts' shared steps: train one arm of a comparison with the real CLI, read its
+"""The experiments' shared steps: train one arm of a comparison with the real CLI, read its
 validation, print the comparison's table.
 
     seconds = train_arm(out_dir, config, ["data.shard_dirs=[...]", "train.max_steps=100"], "bench")

@@ -1,17 +1,15 @@
-"""scripts/bench_train.py builds the draft with the recipe's own builder (train/draft.py)."""
+"""benchmarks/bench_train.py builds the draft with the recipe's own builder (train/draft.py)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+from bench_train import recipe_draft_config
+
+from train.config import load_config
+from train.memory_plan import target_shape
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-
-from bench_train import recipe_draft_config  # noqa: E402
-
-from train.config import load_config  # noqa: E402
-from train.memory_plan import target_shape  # noqa: E402
 
 
 def test_timing_the_kimi_recipe_times_its_mla_draft():

@@ -1,15 +1,15 @@
 """What a kill -9 costs a resumed OpenRouter run: reported spend against what was billed.
 
-Starts the fake OpenRouter (scripts/fake_openrouter.py) as a process with a set latency, runs
-``python -m datagen.openrouter`` on N prompts, kills it with SIGKILL after --kill-after seconds
-(requests in flight), resumes the same command at once and lets it run to its end, then prints
-one line: the orphans the kill left and their worst case, the resume's exit code, prompts done,
-wall time, the spend the run reports (its summary and its ledger) and what the fake billed (its
-``GET /key`` usage), and their ratio (1.000 = the report is what was billed)::
+Starts the fake OpenRouter (``python -m datagen.openrouter.fake_server``) as a process with a set
+latency, runs ``python -m datagen.openrouter`` on N prompts, kills it with SIGKILL after
+--kill-after seconds (requests in flight), resumes the same command at once and lets it run to its
+end, then prints one line: the orphans the kill left and their worst case, the resume's exit code,
+prompts done, wall time, the spend the run reports (its summary and its ledger) and what the fake
+billed (its ``GET /key`` usage), and their ratio (1.000 = the report is what was billed)::
 
-    python scripts/bench_kill_resume.py                     # 300 prompts, 64 in flight, kill at 4 s
-    python scripts/bench_kill_resume.py --budget 0.45       # the orphans' worst case fills the budget
-    python scripts/bench_kill_resume.py --code /tmp/before  # another checkout's datagen.openrouter
+    python benchmarks/bench_kill_resume.py                     # 300 prompts, 64 in flight, kill at 4 s
+    python benchmarks/bench_kill_resume.py --budget 0.45       # the orphans' worst case fills the budget
+    python benchmarks/bench_kill_resume.py --code /tmp/before  # another checkout's datagen.openrouter
 
 ``--code DIR`` runs the CLI (and reads the ledger) from another checkout, e.g. a ``git archive``
 of an older commit, against the same fake: the same scenario before and after a change.
@@ -52,9 +52,9 @@ print(json.dumps({"spent": led.spent_usd, "orphans": led.orphans, "orphan_usd": 
 
 def start_fake(latency: float, tokens: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "scripts/fake_openrouter.py"), "--latency", str(latency),
+        [sys.executable, "-m", "datagen.openrouter.fake_server", "--latency", str(latency),
          "--completion-tokens", tokens],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, text=True, cwd=ROOT,  # `-m` puts the cwd first: this checkout's
     )  # fmt: skip
     line = proc.stdout.readline()
     if "listening on" not in line:

@@ -1,7 +1,7 @@
 """Capture overhead: `datagen.capture` tokens/s vs the bare target forward, in one run.
 
-    python scripts/bench_capture.py                    # SmolLM2 Q4, ShareGPT-shaped records
-    python scripts/bench_capture.py --dtype fp8 --records 64 --max-length 1024
+    python benchmarks/bench_capture.py                    # SmolLM2 Q4, ShareGPT-shaped records
+    python benchmarks/bench_capture.py --dtype fp8 --records 64 --max-length 1024
 
 The same padded batches go through three paths, interleaved over `--repeats` rounds (median
 time of each, so a noisy neighbour hurts all three alike):
@@ -20,21 +20,18 @@ be told apart.
 (`datagen.capture --engine vllm`'s path: token-id prompts, our connector, final norm here,
 shard writing; `--engine-concurrency` requests in flight; server start-up not timed) and
 prints engine / in-process capture tok/s. E.g. on CPU:
-    python scripts/bench_capture.py --records 16 --max-length 256 --engine vllm --engine-arg=--enforce-eager
+    python benchmarks/bench_capture.py --records 16 --max-length 256 --engine vllm --engine-arg=--enforce-eager
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as well
 
 
 def main() -> None:

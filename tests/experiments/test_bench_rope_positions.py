@@ -1,18 +1,12 @@
-"""scripts/bench_rope_positions.py: its chunked TTT unroll is Eagle3Draft.ttt_forward's."""
+"""experiments/bench_rope_positions.py: its chunked TTT unroll is Eagle3Draft.ttt_forward's."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
+from bench_fp8_training import split
+from bench_rope_positions import base_id, hits, ttt_argmax
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-from bench_fp8_training import split  # noqa: E402
-from bench_rope_positions import base_id, hits, ttt_argmax  # noqa: E402
-
-from eagle3.model import DraftConfig, Eagle3Draft  # noqa: E402
+from eagle3.model import DraftConfig, Eagle3Draft
 
 
 def tiny_draft() -> Eagle3Draft:

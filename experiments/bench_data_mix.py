@@ -1,7 +1,7 @@
 """Which training data wins per CPU-hour: validation quality of drafters trained on different
 data mixes under one training-token budget, measured in one run.
 
-    python scripts/bench_data_mix.py --val-shards runs/x/shards-val --tokens 200000 \\
+    python experiments/bench_data_mix.py --val-shards runs/x/shards-val --tokens 200000 \\
         --arm regen-1turn=runs/x/shards-on1 --arm regen-2turn=runs/x/shards-on2 \\
         --arm offpolicy=runs/x/shards-off --arm mix=runs/x/shards-on2,runs/x/shards-off \\
         [--cost regen-1turn=271 ...] [--out runs/mix]
@@ -24,12 +24,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from train_arms import last_val, markdown_table, train_arm
 
-from eagle3.data.shards import ShardDataset  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_arms import last_val, markdown_table, train_arm  # noqa: E402
+from eagle3.data.shards import ShardDataset
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "train" / "smollm2-q4-cpu.yaml"

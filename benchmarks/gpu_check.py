@@ -1,8 +1,8 @@
 """The first thing to run on a new GPU node (and whenever a GPU is lent): does the training step
 work here, and does the memory plan (train/memory_plan.py) predict what it uses? JSON out.
 
-    python scripts/gpu_check.py --json gpu_check.json            # ~5-9 min on one GPU
-    python scripts/gpu_check.py --device cpu --tiny               # seconds: the script itself
+    python benchmarks/gpu_check.py --json gpu_check.json            # ~5-9 min on one GPU
+    python benchmarks/gpu_check.py --device cpu --tiny               # seconds: the script itself
 
 Checks, each a key of the JSON (an error in one is recorded there and the rest still run):
 - soft_label_grad: eagle3.loss.soft_cross_entropy's values and logits gradients on the device
@@ -34,16 +34,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from eagle3 import ttt_attention as ttt_module
+from eagle3.loss import soft_cross_entropy, ttt_loss
+from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
+from train.config import load_config
+from train.draft import draft_config
+from train.memory_plan import GB, Node, RunShape, ZeroSetup, plan_memory, target_shape
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from eagle3 import ttt_attention as ttt_module  # noqa: E402
-from eagle3.loss import soft_cross_entropy, ttt_loss  # noqa: E402
-from eagle3.model import DraftConfig, Eagle3Draft, TTTModel  # noqa: E402
-from train.config import load_config  # noqa: E402
-from train.draft import draft_config  # noqa: E402
-from train.memory_plan import GB, Node, RunShape, ZeroSetup, plan_memory, target_shape  # noqa: E402
-
 RECIPE = REPO / "configs/train/kimi-k2.5-offline.yaml"
 FULL_LENGTHS = [2048, 8192, 12288]
 TINY_LENGTHS = [64, 128, 192]

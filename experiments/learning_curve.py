@@ -1,6 +1,6 @@
 """Drafter quality against training data size at a fixed training budget, measured in one run.
 
-    python scripts/learning_curve.py --shards runs/x/shards-off [runs/x/shards ...] \\
+    python experiments/learning_curve.py --shards runs/x/shards-off [runs/x/shards ...] \\
         --val-shards runs/x/shards-val --sizes 150,300,600 --steps 300 \\
         --bench mt_bench,humaneval --limit 20 --max-new-tokens 64 --out runs/curve
 
@@ -24,15 +24,12 @@ import sys
 import time
 from pathlib import Path
 
+from train_arms import last_val, markdown_table, train_arm
+
+from eagle3.measure import drafter_name
+from eagle3.report import format_table
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from eagle3.measure import drafter_name  # noqa: E402
-from eagle3.report import format_table  # noqa: E402
-
-sys.path.insert(0, str(REPO / "scripts"))
-from train_arms import last_val, markdown_table, train_arm  # noqa: E402
-
 RECIPE = REPO / "configs" / "train" / "smollm2-q4-cpu.yaml"
 
 

@@ -23,9 +23,9 @@ As a module (tests)::
     url = server.start()            # "http://127.0.0.1:PORT/api/v1"
     ...; server.stats.charged_usd; server.stop()
 
-As a script (dry runs, the benchmark)::
+As a command (dry runs, the benchmarks)::
 
-    python scripts/fake_openrouter.py --latency 0.2 --faults 429=0.02,truncated=0.01 --credits 5
+    python -m datagen.openrouter.fake_server --latency 0.2 --faults 429=0.02,truncated=0.01 --credits 5
 """
 
 from __future__ import annotations
@@ -518,7 +518,9 @@ def _parse_faults(text: str) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m datagen.openrouter.fake_server", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--port", type=int, default=0, help="0 = a free port")
     ap.add_argument("--latency", type=float, default=0.0, help="seconds per chat request")
     ap.add_argument("--faults", default="", help=f"kind=rate,... kinds: {', '.join(FAULTS)}")

@@ -1,7 +1,7 @@
 """What shard checksums cost (eagle3/data/shards.py, Integrity), measured in one run.
 
-    python scripts/bench_shard_checksum.py                  # ~100 MB bf16 shard, SmolLM2 width
-    python scripts/bench_shard_checksum.py --hidden 7168 --mb 256 --dir /shared/tmp
+    python benchmarks/bench_shard_checksum.py                  # ~100 MB bf16 shard, SmolLM2 width
+    python benchmarks/bench_shard_checksum.py --hidden 7168 --mb 256 --dir /shared/tmp
 
 On one shard of `--mb` MB (random hidden states, records of `--tokens` tokens), the paths
 interleaved over `--repeats` rounds (median of each, so a noisy neighbour hurts all alike):
@@ -26,15 +26,12 @@ import argparse
 import hashlib
 import os
 import statistics
-import sys
 import tempfile
 import time
 import zlib
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as well
 
 
 def interleaved(fns: dict, repeats: int) -> dict[str, float]:

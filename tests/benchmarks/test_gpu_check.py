@@ -1,14 +1,10 @@
-"""scripts/gpu_check.py runs end to end on a CPU in its tiny mode (the GPU run is the user's)."""
+"""benchmarks/gpu_check.py runs end to end on a CPU in its tiny mode (the GPU run is the user's)."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-import gpu_check  # noqa: E402
+import gpu_check
 
 
 def test_gpu_check_tiny_on_cpu_writes_its_json(tmp_path):

@@ -1,8 +1,8 @@
 """Acceptance length by context position: a drafter with the old RoPE vs one with the target's.
 
-    python scripts/bench_rope_positions.py [--work runs/bench-fp8-rope] [--docs 3] [--doc-tokens 8192]
+    python experiments/bench_rope_positions.py [--work runs/bench-fp8-rope] [--docs 3] [--doc-tokens 8192]
 
-Two drafters are trained identically (scripts/bench_fp8_training.py's bf16 shards of ShareGPT
+Two drafters are trained identically (experiments/bench_fp8_training.py's bf16 shards of ShareGPT
 conversations of at most 1024 tokens, configs/train/smollm2-q4-cpu.yaml, same seed and steps)
 except for the draft layer's RoPE: "old" = theta 10000 and no scaling (what drafters used before
 the target's RoPE was copied), "new" = the default now, the target's (SmolLM2: theta 100000).
@@ -25,16 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_fp8_training import (  # noqa: E402
+from bench_fp8_training import (
     TARGET,
     final_dir,
     load_final,
@@ -43,11 +39,11 @@ from bench_fp8_training import (  # noqa: E402
     train_command,
 )
 
-from eagle3.data.chat import render_record  # noqa: E402
-from eagle3.data.prompts import PromptError, open_source, source_conversation  # noqa: E402
-from eagle3.loss import simulated_acceptance  # noqa: E402
-from eagle3.model import Eagle3Draft  # noqa: E402
-from eagle3.target import load_target  # noqa: E402
+from eagle3.data.chat import render_record
+from eagle3.data.prompts import PromptError, open_source, source_conversation
+from eagle3.loss import simulated_acceptance
+from eagle3.model import Eagle3Draft
+from eagle3.target import load_target
 
 OLD_ROPE = ["model.draft.rope.theta=10000", "model.draft.rope.scaling={rope_type: default}"]
 BUCKETS = [(0, 1024), (1024, 4096), (4096, 8192)]

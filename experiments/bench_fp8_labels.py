@@ -1,6 +1,6 @@
 """What fp8 hidden-state shards cost the teacher's soft labels, measured against bf16 shards.
 
-    python scripts/bench_fp8_labels.py [--target smollm2-135m-q4 --target MINI_DIR] \
+    python experiments/bench_fp8_labels.py [--target smollm2-135m-q4 --target MINI_DIR] \
         [--prompts 40] [--max-new-tokens 96]
 
 For each target: MT-bench prompts (first turns) and the target's own greedy answers are
@@ -11,25 +11,22 @@ lm_head over the stored last hidden state, softmaxed over the draft vocab; here 
 the least forgiving restriction) on the answer tokens (loss mask 1). Printed per target:
 top-1 agreement of the labels' argmax, fp8 vs bf16 (and each vs the unstored fp32 capture),
 mean and max KL(bf16 || fp8), and the relative error of the stored aux and last hidden states.
-What the label differences cost a drafter trained on fp8 shards: scripts/bench_fp8_training.py.
+What the label differences cost a drafter trained on fp8 shards: experiments/bench_fp8_training.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle3.data.prompts import load_prompts  # noqa: E402
-from eagle3.data.shards import ShardDataset, ShardWriter, target_meta  # noqa: E402
-from eagle3.loss import target_probs  # noqa: E402
-from eagle3.target import load_target  # noqa: E402
+from eagle3.data.prompts import load_prompts
+from eagle3.data.shards import ShardDataset, ShardWriter, target_meta
+from eagle3.loss import target_probs
+from eagle3.target import load_target
 
 
 def own_answers(target, prompts, max_new_tokens: int) -> list[tuple[list[int], list[int]]]:

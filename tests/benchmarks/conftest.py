@@ -1,0 +1,10 @@
+"""The files in benchmarks/ run as scripts (`python benchmarks/bench_long_context.py`): a script's
+own directory is on its sys.path, so they import each other by bare name. The tests import
+them the same way."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
