@@ -11,7 +11,7 @@ weighted soft-label loss, backward, clip, AdamW; batch size 1. Inputs are random
 target's shapes, and the soft labels a random distribution over the draft vocab, made before
 the step (the recipe caches them across epochs): only the draft's work is measured.
 
-Paths: "old" is what Attention.attend_ttt ran before eagle3/ttt_attention.py ("split" on CPU,
+Paths: "old" is what Attention.attend_ttt ran before eagle3.ttt_attention ("split" on CPU,
 "sdpa" on GPU, both quadratic in T); "new" is what ttt_impl "auto" runs for the draft ("flash"
 on CPU, "chunked" for MLA, "flex" on CUDA); a kernel's name (chunked, flash, ...) runs that
 kernel. Drafts: "smollm2" is configs/train/smollm2-q4-cpu.yaml's (hidden 576, 9 heads x 64,

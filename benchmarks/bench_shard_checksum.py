@@ -1,4 +1,4 @@
-"""What shard checksums cost (eagle3/data/shards.py, Integrity), measured in one run.
+"""What shard checksums cost (eagle3/data/shards/integrity.py), measured in one run.
 
     python benchmarks/bench_shard_checksum.py                  # ~100 MB bf16 shard, SmolLM2 width
     python benchmarks/bench_shard_checksum.py --hidden 7168 --mb 256 --dir /shared/tmp

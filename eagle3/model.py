@@ -25,7 +25,7 @@ Two ways to run it:
   aux states). Its query attends to step-0 keys at positions <= t and to the keys of steps
   1..k at position t only, which is exactly what the draft sees at inference after k steps.
   Its attention kernels (linear-memory "flash" and "chunked" on CPU, "flex" on CUDA, and the
-  dense references) live in eagle3/ttt_attention.py. `TTTModel` is that unroll as `forward()`, the
+  dense references) live in eagle3/ttt_attention/. `TTTModel` is that unroll as `forward()`, the
   module training wraps (DDP, DeepSpeed).
 
 Parameter names match SGLang's `LlamaForCausalLMEagle3` so checkpoints load there unchanged.
@@ -243,7 +243,7 @@ class DraftAttention(nn.Module):
     n_heads: int
     scale: float
     o_proj: nn.Linear
-    ttt_impl = "auto"  # "auto" | "chunked" | "flash" | "flex" | "sdpa" | "split": ttt_attention.py
+    ttt_impl = "auto"  # "auto" | "chunked" | "flash" | "flex" | "sdpa" | "split": ttt_attention/
 
     def attend_ttt(
         self,
@@ -254,7 +254,7 @@ class DraftAttention(nn.Module):
     ) -> torch.Tensor:
         """TTT step k = len(keys) - 1: q (B, nh, T, dqk) over step-0 keys causally (within a
         segment) and the keys of steps 1..k on the diagonal -> (B, T, H). self.ttt_impl picks
-        the kernel (eagle3/ttt_attention.py says what each is for)."""
+        the kernel (eagle3.ttt_attention says what each is for)."""
         B, _, T, _ = q.shape
         out = ttt_attention(
             q, keys, values, scale=self.scale, impl=self.ttt_impl, segment_ids=segment_ids

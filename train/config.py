@@ -24,7 +24,7 @@ from eagle3.errors import Eagle3Error
 from eagle3.model import ATTENTIONS, FEATURES, MLA_FIELDS
 from eagle3.rope import rope_scaling_for_engines
 
-TTT_ATTENTIONS = ("auto", "chunked", "flash", "flex")  # eagle3/ttt_attention.py kernels
+TTT_ATTENTIONS = ("auto", "chunked", "flash", "flex")  # eagle3/ttt_attention/ kernels
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")  # names eagle3.checkpoint.save_draft(dtype=) takes
 
 
@@ -122,7 +122,7 @@ class DraftShapeConfig:
     # gqa: Llama's grouped-query attention (LlamaForCausalLMEagle3); mla: DeepSeek-V3's latent
     # attention (vLLM's Eagle3DeepseekV3ForCausalLM), for MLA targets such as Kimi-K2.5
     attention: str = "gqa"
-    # the TTT attention kernel (eagle3/ttt_attention.py): auto = flex on CUDA after a forward +
+    # the TTT attention kernel (eagle3/ttt_attention/): auto = flex on CUDA after a forward +
     # backward self-test (else chunked), flash or chunked on CPU; or chunked / flash / flex
     ttt_attention: str = "auto"
     num_attention_heads: int | None = None

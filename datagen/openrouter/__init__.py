@@ -5,7 +5,8 @@
 - ``config``: the datagen YAML (GenConfig); ``providers``: which endpoints may serve the model
   and the request's provider rule; ``plan``: ``--plan``'s table and projection;
 - ``client``: OpenRouter's API besides chat (endpoints, key usage, generation costs);
-  ``requester``: the async chat requests within the budget;
+  ``requester``: the async chat requests within the budget; ``throttle``: how many are in
+  flight (shrinks on 429s); ``progress``: the run's progress line;
 - ``ledger``: the spend ledger (its docstring is the on-disk contract); ``settle``: earlier
   runs' unknown costs settled; ``exclusions``: the provider audit of a run and what it excluded;
   ``report``: the closing lines and the summary.

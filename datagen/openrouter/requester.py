@@ -4,8 +4,9 @@ One asyncio loop, one pooled aiohttp session, ``concurrency`` workers. Each work
 prompt (datasets interleaved) and generates it turn by turn: every user turn is one request
 whose input is the conversation so far, the model's own earlier answers included. Per request:
 
-1. take a concurrency slot from the :class:`Throttle` (it shrinks on 429s and holds everyone
-   back while a server-requested wait runs, so a 429 storm slows the whole client);
+1. take a concurrency slot from the :class:`~datagen.openrouter.throttle.Throttle` (it shrinks
+   on 429s and holds everyone back while a server-requested wait runs, so a 429 storm slows the
+   whole client);
 2. reserve the request's worst case in the :class:`~datagen.openrouter.ledger.Ledger` (dollars
    and the dataset's output tokens); if it does not fit, wait for in-flight requests to settle,
    and when nothing is in flight any more, stop (budget) or close the dataset (token budget);
@@ -35,7 +36,6 @@ replies) are ``datagen.transcript``'s, shared with ``datagen.local``.
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import math
@@ -52,18 +52,14 @@ import aiohttp
 
 from datagen import retry
 from datagen.openrouter.ledger import Ledger, Reservation, upper_prompt_tokens, worst_case_usd
+from datagen.openrouter.progress import Progress
 from datagen.openrouter.providers import Prices, slug_matches
+from datagen.openrouter.throttle import MIN_CONCURRENCY, Throttle
 from datagen.transcript import Reply, Transcript, parse_reply
 from eagle3.data.prompts import Prompt
 from eagle3.data.records import ResultStore
-from eagle3.progress import Progress as ProgressCounter
 
 log = logging.getLogger(__name__)
-
-MIN_CONCURRENCY = 4  # the adaptive limit never goes below this
-CUT_FACTOR = 0.7  # concurrency multiplier on a 429 (once per round: see Throttle)
-CALM_S = 5.0  # no 429 for this long: the limit grows back by one per success
-DEFAULT_GATE_S = 1.0  # shared pause after a 429 that gives no hint
 
 
 @dataclass
@@ -140,69 +136,6 @@ class Outcome:
     length: int = 0  # finished turns with finish_reason length (kept, flagged)
     excluded: dict = field(default_factory=dict)  # provider -> {"slugs", "reason"} (audit)
     audit_failures: int = 0  # audit checks that raised (logged; generation went on)
-
-
-class Throttle:
-    """Adaptive concurrency limit plus a shared gate that pauses every sender after a 429."""
-
-    def __init__(self, limit: int):
-        self.max = limit
-        self.limit = limit
-        self.active = 0
-        self.gate_until = 0.0  # loop time before which nobody sends
-        self._last_cut = -1e9  # loop time of the last cut
-        self._last_429 = -1e9
-        self._waiters: collections.deque[asyncio.Future] = collections.deque()
-
-    async def acquire(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            wait = self.gate_until - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
-                continue
-            if self.active < self.limit:
-                self.active += 1
-                return
-            fut = loop.create_future()
-            self._waiters.append(fut)
-            try:
-                await fut
-            except asyncio.CancelledError:
-                if fut.done() and not fut.cancelled():
-                    self._wake()  # pass the wake-up on
-                raise
-
-    def release(self) -> None:
-        self.active -= 1
-        self._wake()
-
-    def _wake(self) -> None:
-        free = self.limit - self.active
-        while free > 0 and self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                free -= 1
-
-    def on_rate_limit(self, hint: float | None, sent_at: float) -> None:
-        """A 429 for a request sent at loop time ``sent_at``: pause everyone for the hint, and
-        cut the limit once per round (429s of requests sent before the last cut do not count
-        again: they say nothing about the new limit)."""
-        now = asyncio.get_running_loop().time()
-        self._last_429 = now
-        self.gate_until = max(self.gate_until, now + (hint if hint is not None else DEFAULT_GATE_S))
-        if sent_at >= self._last_cut:
-            self.limit = max(MIN_CONCURRENCY, int(self.limit * CUT_FACTOR))
-            self._last_cut = now
-            log.info("429: concurrency limit now %d", self.limit)
-
-    def on_success(self) -> None:
-        if self.limit < self.max:
-            now = asyncio.get_running_loop().time()
-            if now - self._last_429 >= CALM_S:
-                self.limit += 1
-                self._wake()
 
 
 def interleave(groups: Sequence[Sequence[Prompt]]) -> Iterator[Prompt]:
@@ -612,64 +545,16 @@ class Requester:
         return cached, (cached * saving if cached and saving is not None else None)
 
 
-class Progress:
-    """Prompts resolved (written or failed for good) out of all the run's prompts, those done by
-    earlier runs counted as already done (:mod:`eagle3.progress`: a bar on a terminal, a line
-    every ``log_every`` s otherwise), with the run's figures: in flight, tok/s, spend, retries.
-    The workers only count in :class:`Outcome`; the ticker brings the count up to date."""
-
-    def __init__(self, requester: Requester):
-        self.requester = requester
-        settings = requester.settings
-        bar = settings.progress_bar
-        mode = None if bar is None else "bar" if bar else "lines"  # None: by stderr
-        self.counter = ProgressCounter(
-            "openrouter",
-            settings.done_before + requester.total,
-            "prompts",
-            already=settings.done_before,
-            status=self.line,
-            every_s=settings.log_every,
-            mode=mode,
-        )
-        self.bar = self.counter.bar  # the countdown of a wait for held orphans writes on it
-
-    def line(self) -> str:
-        requester, out = self.requester, self.requester.out
-        elapsed = max(1e-9, time.monotonic() - requester._t0)
-        errors = ", ".join(f"{k} {v}" for k, v in out.errors.most_common(4)) or "none"
-        return (
-            f"in flight {requester.throttle.active}/{requester.throttle.limit}, "
-            f"{out.output_tokens / elapsed:,.0f} tok/s, "
-            f"${requester.ledger.spent_usd:.2f}/${requester.settings.budget:.2f}, "
-            f"{self.paid()}, "
-            f"retries {sum(out.retries.values())}, failed {out.failed}, errors: {errors}"
-        )
-
-    def paid(self) -> str:
-        """$/M output tokens paid this run (all of a request's cost over its output tokens),
-        next to the plan's blended figure at the cheapest allowed endpoint."""
-        out, plan = self.requester.out, self.requester.settings.plan_usd_per_m_out
-        paid = f"${out.cost_usd / out.cost_tokens * 1e6:.2f}" if out.cost_tokens else "-"
-        return f"{paid}/M out paid" + (f" (plan ${plan:.2f}/M)" if plan is not None else "")
-
-    async def tick(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            self.show()
-
-    def show(self) -> None:
-        out = self.requester.out
-        self.counter.update(out.done + out.failed - self.counter.done)
-
-    def close(self) -> None:
-        """The last count, then where the records are."""
-        self.show()
-        requester = self.requester
-        store, out = requester.store, requester.out
-        files = ", ".join(f"{name}.jsonl" for name in store.datasets()) or "no records yet"
-        self.counter.close(
-            f"openrouter: {out.done:,} prompts written in this run, {out.failed:,} failed -> "
-            f"{store.dir} ({files}; ledger {requester.ledger.path.name}"
-            + ("; failed.jsonl)" if out.failed else ")")
-        )
+# imported from here by the CLI, the report and the tests: the throttle and the progress line
+# have modules of their own
+__all__ = [
+    "MIN_CONCURRENCY",
+    "Auditor",
+    "HeldOrphans",
+    "Outcome",
+    "Progress",
+    "Requester",
+    "Settings",
+    "Throttle",
+    "interleave",
+]

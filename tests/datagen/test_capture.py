@@ -366,7 +366,7 @@ def test_kimi_style_target_with_reasoning(tiny_deepseek_dir, tmp_path):
 KILLED = textwrap.dedent(
     """
     import os, signal, sys
-    import eagle3.data.shards as shards
+    import eagle3.data.shards.writer as shards  # where ShardWriter looks up save_file
     from datagen import capture
 
     calls = [0]

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3 import target as target_mod
 from eagle3.errors import Eagle3Error
 from eagle3.target import (
     Target,
@@ -27,6 +26,7 @@ from eagle3.target import (
     target_spec,
     weight_file_bytes,
 )
+from eagle3.target import gguf as target_mod  # _load_gguf, _packaged_gguf live there
 
 TINY = ["tiny_llama_target", "tiny_deepseek_target"]
 

@@ -152,7 +152,7 @@ def test_second_writer_of_the_same_part_is_refused(tmp_path):
 CRASH = textwrap.dedent(
     """
     import os, signal, sys
-    import eagle3.data.shards as shards
+    import eagle3.data.shards.writer as shards  # where ShardWriter looks up save_file, _fsync_dir
     from eagle3.data.shards import ShardWriter
 
     out, where, nth = sys.argv[1], sys.argv[2], int(sys.argv[3])
