@@ -54,7 +54,7 @@ from datagen.transcript import Reply, Transcript, parse_reply
 from eagle3.cli import HelpFormatter, run_main
 from eagle3.data.chat import RenderError, check_renderable, load_chat_template
 from eagle3.data.decontaminate import add_exclude_args, exclude_contaminated
-from eagle3.data.prompts import Prompt, dedupe, load_prompts, split_prompts
+from eagle3.data.prompts import Prompt, dedupe, load_prompts, split_prompts, user_turns
 from eagle3.data.records import ResultStore, make_failure
 from eagle3.engine.server import add_engine_args
 from eagle3.errors import Eagle3Error
@@ -109,11 +109,6 @@ class Stats:
             f"({rate:,.0f} tok/s), {self.length} cut at max tokens, {retries} retries"
             + (f", {self.too_long} prompts too long (skipped)" if self.too_long else "")
         )
-
-
-def user_turns(prompt: Prompt) -> int:
-    """Requests a prompt takes: one per user turn (each answered with the ones before)."""
-    return sum(m["role"] == "user" for m in prompt.messages)
 
 
 def generation_progress(stage: str, done: list[Prompt], todo: list[Prompt], stats: Stats):

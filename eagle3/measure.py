@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from eagle3.data.chat import next_turns, prompt_ids
+from eagle3.data.prompts import user_turns
 from eagle3.engine.metrics import SpecDecodeMetrics
 from eagle3.errors import Eagle3Error
 from eagle3.progress import Progress
@@ -268,11 +269,6 @@ def run_benchmark(
             conversation.append({"role": "assistant", "content": answer})
             t += 1
     return plain, spec
-
-
-def user_turns(prompt) -> int:
-    """Turns a prompt is answered in: one per user turn (MT-bench: 2)."""
-    return sum(m["role"] == "user" for m in prompt.messages)
 
 
 def decodes(benches: list[tuple[str, list]], drafters: int) -> int:

@@ -323,11 +323,11 @@ def test_engine_only_loads_no_weight_and_tells_the_engine_its_context(
         evaluate.run(evaluate.build_parser().parse_args(argv))
     ((model, kwargs),) = started
     assert model.hf_dir == str(chat_target_dir) and kwargs["served_model_name"] == model.name
-    from eagle3.data.prompts import load_prompts
+    from eagle3.data.prompts import load_prompts, user_turns
     from eagle3.target import load_tokenizer
 
     tok, prompts = load_tokenizer(chat_target_dir), load_prompts(str(prompts_file))
-    longest = max(len(measure.prompt_ids(tok, p.messages)) + measure.user_turns(p) * (20 + 32)
+    longest = max(len(measure.prompt_ids(tok, p.messages)) + user_turns(p) * (20 + 32)
                   for p in prompts)  # fmt: skip
     assert kwargs["max_model_len"] == longest
 
