@@ -97,7 +97,7 @@ from eagle3.data.shards import (
 from eagle3.data.windows import MODES as WINDOW_MODES
 from eagle3.data.windows import lengths_line, record_of
 from eagle3.engine.served_target import ServedTarget, describe_served_target
-from eagle3.engine.server import add_engine_args
+from eagle3.engine.server import EngineSettings, add_engine_args
 from eagle3.errors import Eagle3Error, RemoteError
 from eagle3.progress import Progress, count
 from eagle3.target import ResolvedTarget, TargetModel, load_target, resolve
@@ -145,10 +145,7 @@ class CaptureSettings:
     estimate: bool  # only print what the capture would cost (datagen.estimate)
     tokens: int | None  # --estimate's token count
     tokens_per_s: float | None  # --estimate's capture speed
-    engine: str | None  # "vllm": a managed server runs the forwards (eagle3.engine)
-    tensor_parallel_size: int | None
-    engine_args: list[str]  # --engine-arg: more vLLM server arguments, verbatim
-    engine_log: str | None
+    engine: EngineSettings  # kind "vllm": a managed server runs the forwards (eagle3.engine)
     engine_concurrency: int  # engine requests in flight
     engine_urls: list[str]  # --engine-url: running capture servers to share the requests
     serve: bool  # only start a capture server and keep it up (--host, --port)
@@ -274,7 +271,7 @@ def load_capture_target(s: CaptureSettings, state, model: ResolvedTarget) -> Tar
     """The target (`model`: --target resolved once) with a tokenizer and a chat template to
     render with: in-process on this process's device, or (--engine) as vLLM will serve it, not
     started yet."""
-    if s.engine or s.engine_urls:
+    if s.engine.kind or s.engine_urls:
         target = describe_served_target(
             model, s.aux_layers, "--aux-layers", concurrency=s.engine_concurrency
         )
@@ -298,9 +295,9 @@ def start_capture_engine(s: CaptureSettings, target: ServedTarget) -> ServedTarg
         return target.attach(*s.engine_urls)
     return target.start(
         s.rendering.max_length,
-        tensor_parallel_size=s.tensor_parallel_size,
-        extra_args=s.engine_args,
-        log_path=s.engine_log,
+        tensor_parallel_size=s.engine.tensor_parallel_size,
+        extra_args=list(s.engine.extra_args),
+        log_path=s.engine.log_path,
         host=s.host,
         port=s.port,
     )
@@ -475,10 +472,7 @@ def parse_args(argv: list[str] | None) -> CaptureSettings:
         estimate=args.estimate,
         tokens=args.tokens,
         tokens_per_s=args.tokens_per_s,
-        engine=args.engine,
-        tensor_parallel_size=args.tensor_parallel_size,
-        engine_args=args.engine_arg,
-        engine_log=args.engine_log,
+        engine=EngineSettings.from_args(args),
         engine_concurrency=args.engine_concurrency,
         engine_urls=args.engine_url,
         serve=args.serve,
@@ -746,7 +740,7 @@ def run(s: CaptureSettings) -> int:
         records = records[: s.limit]
     # settings that need no model are checked before a large target loads
     check_resumable(out, {"dtype": s.dtype, "max_length": s.rendering.max_length})
-    if s.engine and world > 1:
+    if s.engine.kind and world > 1:
         raise Eagle3Error(
             "--engine runs as one process (the engine batches and spreads the model itself); "
             "drop accelerate launch and use --tensor-parallel-size, or start a capture server "
@@ -803,7 +797,7 @@ def run(s: CaptureSettings) -> int:
         sources = [str(Path(p).expanduser().resolve()) for p in s.data]
         served_by = None
         if target.served and target.serving:  # the managed server's dtype and backend
-            served_by = {"engine": s.engine, **target.serving}
+            served_by = {"engine": s.engine.kind, **target.serving}
         elif target.served and target.sent:  # running servers: who answered how many rows
             served_by = {"engine": "vllm", "servers": dict(sorted(target.sent.items()))}
         command = capture_command(s.flags, sources, (read_meta(out) or {}).get("sources") or [])

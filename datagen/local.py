@@ -378,7 +378,7 @@ def run_inprocess(args, prompts: list[Prompt], store: ResultStore, stats: Stats)
 
 def run_engine(args, prompts: list[Prompt], store: ResultStore, stats: Stats) -> None:
     """--engine vllm: a managed server for --target, then the server path (ServerPool)."""
-    from eagle3.engine.server import managed_engine
+    from eagle3.engine.server import EngineSettings, managed_engine
     from eagle3.measure import context_of, engine_context
     from eagle3.target import load_tokenizer, resolve
 
@@ -393,8 +393,9 @@ def run_engine(args, prompts: list[Prompt], store: ResultStore, stats: Stats) ->
     max_model_len = engine_context(
         load_tokenizer(target), [("prompts", prompts)], args.max_new_tokens, context_of(target)
     )
+    engine = EngineSettings.from_args(args)
     with managed_engine(
-        args, target, served_model_name=served, max_model_len=max_model_len
+        engine, target, served_model_name=served, max_model_len=max_model_len
     ) as server:
         log.info("vLLM server for %s up in %.0f s, %s (log %s)", target.name, server.startup_seconds,
                  server.serving.describe(), server.log_path)  # fmt: skip
