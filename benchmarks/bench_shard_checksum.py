@@ -12,7 +12,7 @@ interleaved over `--repeats` rounds (median of each, so a noisy neighbour hurts 
             `datagen.capture --verify` does per shard: GB/s, and the same file hashed with the
             checksums not chosen, zlib's crc32 and sha256
   copy      one copy of every record's rows, the least a training read does with them
-            (train.data.collate copies each into its batch): the records' xxh3, checked on a
+            (train.batching.collate copies each into its batch): the records' xxh3, checked on a
             record's first read in a process, adds `records` to it
 
 Goal: (records + verify) / write <= 0.2, the writer thread running beside the target's forward;

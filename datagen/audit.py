@@ -45,13 +45,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from eagle3.cli import HelpFormatter, run_cli
 from eagle3.data.chat import RenderError, load_chat_template, render_record
 from eagle3.data.records import read_records
 from eagle3.errors import Eagle3Error
+from eagle3.statistics import bootstrap_ci, ratio_of_sums
 
 log = logging.getLogger(__name__)
 
@@ -193,23 +193,22 @@ def mean_nll(scores: Sequence[RecordScore]) -> float:
     return sum(s.nll for s in scores) / tokens if tokens else float("nan")
 
 
-def bootstrap_ci(
+def nll_interval(
     scores: Sequence[RecordScore],
     *,
     confidence: float = CONFIDENCE,
     n: int = BOOTSTRAP,
     seed: int = SEED,
 ) -> tuple[float, float]:
-    """Percentile interval of the pooled mean NLL, resampling whole records (fixed seed)."""
-    nll = np.array([s.nll for s in scores])
-    tokens = np.array([s.tokens for s in scores], dtype=np.float64)
-    if len(scores) == 0:
-        return float("nan"), float("nan")
-    idx = np.random.default_rng(seed).integers(0, len(scores), size=(n, len(scores)))
-    means = nll[idx].sum(1) / tokens[idx].sum(1)
-    alpha = (1 - confidence) / 2
-    lo, hi = np.quantile(means, [alpha, 1 - alpha])
-    return float(lo), float(hi)
+    """Percentile interval of the pooled mean NLL, resampling whole records (fixed seed:
+    eagle3.statistics.bootstrap_ci); one record: its own NLL twice, none: nan."""
+    rows = [(s.nll, s.tokens) for s in scores]
+    interval = bootstrap_ci(rows, ratio_of_sums, resamples=n, seed=seed, level=confidence)
+    if interval is None:
+        mean = mean_nll(scores)
+        return mean, mean
+    lo, hi = interval
+    return lo, hi
 
 
 @dataclass
@@ -252,7 +251,7 @@ def compare_providers(
         groups[s.provider].append(s)
 
     def ci(group: Sequence[RecordScore]) -> tuple[float, float]:
-        return bootstrap_ci(group, confidence=confidence, n=n_boot, seed=seed)
+        return nll_interval(group, confidence=confidence, n=n_boot, seed=seed)
 
     stats = {}
     for name in sorted(groups):

@@ -54,7 +54,7 @@ from datagen.transcript import Reply, Transcript, parse_reply
 from eagle3.cli import HelpFormatter, run_main
 from eagle3.data.chat import RenderError, check_renderable, load_chat_template
 from eagle3.data.decontaminate import add_exclude_args, exclude_contaminated
-from eagle3.data.prompts import Prompt, dedupe, load_prompts, split_prompts
+from eagle3.data.prompts import Prompt, dedupe, load_prompts, split_prompts, user_turns
 from eagle3.data.records import ResultStore, make_failure
 from eagle3.engine.server import add_engine_args
 from eagle3.errors import Eagle3Error
@@ -109,11 +109,6 @@ class Stats:
             f"({rate:,.0f} tok/s), {self.length} cut at max tokens, {retries} retries"
             + (f", {self.too_long} prompts too long (skipped)" if self.too_long else "")
         )
-
-
-def user_turns(prompt: Prompt) -> int:
-    """Requests a prompt takes: one per user turn (each answered with the ones before)."""
-    return sum(m["role"] == "user" for m in prompt.messages)
 
 
 def generation_progress(stage: str, done: list[Prompt], todo: list[Prompt], stats: Stats):
@@ -383,7 +378,7 @@ def run_inprocess(args, prompts: list[Prompt], store: ResultStore, stats: Stats)
 
 def run_engine(args, prompts: list[Prompt], store: ResultStore, stats: Stats) -> None:
     """--engine vllm: a managed server for --target, then the server path (ServerPool)."""
-    from eagle3.engine.server import managed_engine
+    from eagle3.engine.server import EngineSettings, managed_engine
     from eagle3.measure import context_of, engine_context
     from eagle3.target import load_tokenizer, resolve
 
@@ -398,8 +393,9 @@ def run_engine(args, prompts: list[Prompt], store: ResultStore, stats: Stats) ->
     max_model_len = engine_context(
         load_tokenizer(target), [("prompts", prompts)], args.max_new_tokens, context_of(target)
     )
+    engine = EngineSettings.from_args(args)
     with managed_engine(
-        args, target, served_model_name=served, max_model_len=max_model_len
+        engine, target, served_model_name=served, max_model_len=max_model_len
     ) as server:
         log.info("vLLM server for %s up in %.0f s, %s (log %s)", target.name, server.startup_seconds,
                  server.serving.describe(), server.log_path)  # fmt: skip

@@ -43,7 +43,7 @@ import torch
 from eagle3.cli import EXIT_OK, HelpFormatter, run_cli
 from eagle3.data.decontaminate import parse_benches
 from eagle3.data.prompts import load_prompts
-from eagle3.engine.server import add_engine_args
+from eagle3.engine.server import EngineSettings, add_engine_args
 from eagle3.errors import Eagle3Error
 from eagle3.measure import (
     add_decode_args,
@@ -183,7 +183,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     progress.close()
     if args.engine:
         try:
-            measured = engine_runs(args, model, target, loaded, names, cfg)
+            engine = EngineSettings.from_args(args)
+            measured = engine_runs(engine, model, target, loaded, names, cfg, args.engine_batch)
         except Eagle3Error:
             if args.json and report["results"]:  # the in-house rows are not lost with it
                 write_json(args.json, report)

@@ -29,11 +29,12 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from eagle3.data.chat import next_turns, prompt_ids
+from eagle3.data.prompts import user_turns
 from eagle3.engine.metrics import SpecDecodeMetrics
 from eagle3.errors import Eagle3Error
 from eagle3.progress import Progress
@@ -47,6 +48,9 @@ from eagle3.speculative import (
     plain_generate,
 )
 from eagle3.target import eos_token_ids, target_facts
+
+if TYPE_CHECKING:
+    from eagle3.engine.server import EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -270,11 +274,6 @@ def run_benchmark(
     return plain, spec
 
 
-def user_turns(prompt) -> int:
-    """Turns a prompt is answered in: one per user turn (MT-bench: 2)."""
-    return sum(m["role"] == "user" for m in prompt.messages)
-
-
 def decodes(benches: list[tuple[str, list]], drafters: int) -> int:
     """What `run_benchmark` decodes over every benchmark: each turn of each prompt plainly
     and once per drafter. The evaluation's progress total."""
@@ -404,18 +403,25 @@ def engine_drafters(names: dict[str, str]) -> dict[str, str]:
 
 
 def engine_runs(
-    args, model, target, benches, names: dict[str, str], cfg: DecodeConfig
+    engine: EngineSettings,
+    model,
+    target,
+    benches,
+    names: dict[str, str],
+    cfg: DecodeConfig,
+    batch: int,
 ) -> list[EngineResult]:
-    """Every checkpoint drafter on every benchmark, one request at a time and
-    `args.engine_batch` at a time, next to plain vLLM run the same way; at most one server runs
-    at a time. `model`: the resolved target the servers serve; `target`: its tokenizer and
-    generation config (a Target or a TargetFiles). Every server is told the context the
-    benchmarks need (`engine_context`); --engine-arg=--max-model-len=N overrides it."""
+    """Every checkpoint drafter on every benchmark, one request at a time and `batch`
+    (--engine-batch) at a time, next to plain vLLM run the same way; at most one server runs
+    at a time, each started as `engine` says. `model`: the resolved target the servers serve;
+    `target`: its tokenizer and generation config (a Target or a TargetFiles). Every server is
+    told the context the benchmarks need (`engine_context`); --engine-arg=--max-model-len=N
+    overrides it."""
     from eagle3.engine.server import managed_engine
 
     eos = sorted(eos_token_ids(target))
     max_model_len = engine_context(target.tokenizer, benches, cfg.max_new_tokens, context_of(model))
-    k, batch = cfg.max_depth, args.engine_batch
+    k = cfg.max_depth
     drafters = engine_drafters(names)
     if not drafters:
         log.warning(
@@ -432,7 +438,7 @@ def engine_runs(
     progress = Progress("evaluate [vllm]", turns_all * (3 + 2 * len(drafters)), "requests")
     plain: dict[tuple[str, int], EngineRun] = {}
     with managed_engine(
-        args, model, served_model_name=target.name, max_model_len=max_model_len
+        engine, model, served_model_name=target.name, max_model_len=max_model_len
     ) as server:
         log.info("vLLM plain server up in %.0f s, %s (log %s)", server.startup_seconds,
                  server.serving.describe(), server.log_path)  # fmt: skip
@@ -444,7 +450,7 @@ def engine_runs(
     results = []
     for name, spec in drafters.items():
         with managed_engine(
-            args,
+            engine,
             model,
             served_model_name=target.name,
             drafter=spec,

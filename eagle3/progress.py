@@ -3,7 +3,9 @@
 On a terminal a tqdm bar; in a log (stderr is not a terminal: the quickstart's logs, nohup, CI)
 plain lines: one when the stage starts (the total, and what earlier runs already did), one
 every ``every_s`` seconds while it runs, one when it ends. Both go to stderr; the stage's
-closing line, what it produced and where, goes to stdout (:meth:`Progress.close`).
+closing line, what it produced and where, goes to stdout (:meth:`Progress.close`). Every line
+is one write, newline included (`write_line`): a log that takes stdout and stderr as they are
+written (``python -u``, a parent reading both pipes) keeps each message on a line of its own.
 
 A resumed stage passes what earlier runs did as ``already``: it is shown and counted in
 done / total, but not in the rate, so the ETA is this run's rate over what is left.
@@ -84,6 +86,13 @@ def progress_text(done: int, total: int, unit: str, seconds: float, already: int
     if speed is None:
         return f"{head}, eta -"
     return f"{head}, {speed}, eta {duration((total - have) * seconds / done)}"
+
+
+def write_line(text: str, file: TextIO) -> None:
+    """`text` and its newline in one write, flushed: print's two writes (text, then "\n")
+    let another stream's line in between when the two are merged write by write."""
+    file.write(text + "\n")
+    file.flush()
 
 
 def pick_mode(stream: TextIO, requested: str | None = None) -> str:
@@ -191,10 +200,10 @@ class Progress:
         """Print a line (stdout unless `file`) without breaking the bar."""
         file = file if file is not None else sys.stdout
         if self.bar is not None:
-            self.bar.write(text, file=file)
+            self.bar.write(text + "\n", file=file, end="")
             file.flush()
         else:
-            print(text, file=file, flush=True)
+            write_line(text, file)
 
     def close(self, produced: str | None = None) -> None:
         """The last count (the bar's, or one more line), then `produced` on stdout: the
@@ -208,12 +217,12 @@ class Progress:
             self._line()  # unless the last line already said it all
         self.mode = "off"  # closing twice prints nothing more
         if produced:
-            print(produced, flush=True)
+            write_line(produced, sys.stdout)
 
     def _line(self, now: float | None = None) -> None:
         self.last_line = self.clock() if now is None else now
         self.shown = self._said()
-        print(self.text(), file=self.stream, flush=True)
+        write_line(self.text(), self.stream)
 
     def _said(self) -> tuple:
         return self.done, self.total, self.status() if self.status is not None else ""

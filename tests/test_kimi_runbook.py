@@ -105,7 +105,7 @@ def node(tmp_path_factory, engine):
     url = server.start()
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    mix = yaml.safe_load((REPO / "configs/datagen/kimi-k2.5.yaml").read_text())
+    mix = yaml.safe_load((REPO / "datagen/openrouter/kimi-k2.5.yaml").read_text())
     mix.update(datasets=[{"name": "rehearsal", "source": str(prompts)}], max_tokens=64)
     mix.update(concurrency=8, audit_device_map=None)
     (root / "kimi-k2.5.yaml").write_text(yaml.safe_dump(mix))
@@ -113,7 +113,7 @@ def node(tmp_path_factory, engine):
     subs = [  # (what the page says, what runs here): model, GPUs, OpenRouter, sizes, CPU engine
         ("/models/Kimi-K2.5", str(model)),
         ("--tensor-parallel-size 8", "--tensor-parallel-size 1"),
-        ("configs/datagen/kimi-k2.5.yaml", str(root / "kimi-k2.5.yaml")),
+        ("datagen/openrouter/kimi-k2.5.yaml", str(root / "kimi-k2.5.yaml")),
         ("data/openrouter/kimi-k2.5", str(root / "responses")),
         ("/shared/shards/kimi-k2.5", str(root / "shards")),
         ("/shared/runs/kimi-k2.5-eagle3", str(root / "run")),

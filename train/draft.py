@@ -10,7 +10,7 @@ from eagle3.errors import Eagle3Error
 from eagle3.model import MLA_FIELDS, DraftConfig, Eagle3Draft
 from eagle3.vocab import DraftVocab
 from train.config import Config
-from train.loading import TrainData
+from train.train_data import TrainData
 
 
 def draft_config(cfg: Config, hf_config, draft_vocab_size: int, aux_ids: list[int]) -> DraftConfig:

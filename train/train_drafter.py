@@ -35,12 +35,13 @@ rank of the node sends its sequences to (train/online_target.py): no rank loads 
 and the engine captures the next step while the ranks train on this one.
 
 Beside the recipe in train/, in the order setup uses them: config.py (the YAML), distributed.py
-(the Accelerator), checkpointing.py (resume, save, export, the best score), loading.py (what a
-run trains on: shards, records, the target), vocab.py (the draft vocab), packing.py,
-draft.py (the drafter), memory_plan.py (what each rank's GPU holds), label_cache.py, optim.py
-(AdamW and its schedule), data.py (sequences into step batches), online_target.py (the served
-target); then in the loop batches.py (a micro-batch on the device with its soft labels) and
-metrics.py (sums and logs).
+(the Accelerator), checkpointing.py (resume, save, export, the best score), train_data.py
+(what a run trains on: the target, and datasets.py's shards or records), vocab.py (the draft
+vocab), packing.py, draft.py (the drafter), memory_plan.py (what each rank's GPU holds),
+soft_label_cache.py, optim.py (AdamW and its schedule), batching.py (sequences into step
+batches and micro-batches), online_target.py (the served target); then in the loop
+soft_labels.py (a micro-batch on the device with its soft labels) and metrics.py (sums and
+logs).
 """
 
 from __future__ import annotations
@@ -65,21 +66,11 @@ from eagle3.loss import ttt_loss, valid_counts
 from eagle3.model import TTTModel
 from eagle3.target import target_facts
 from eagle3.ttt_attention import auto_impl
-from train.batches import Labeller, val_batches
+from train.batching import collate, step_batches, val_batches
 from train.checkpointing import Checkpoints, export_extra, find_resume, load_checkpoint, read_best
 from train.config import Config, load_config
-from train.data import collate, step_batches
 from train.distributed import configure_deepspeed, make_accelerator, peer_lost
 from train.draft import build_draft
-from train.label_cache import make_label_cache
-from train.loading import (
-    TrainData,
-    count_steps,
-    fit_length,
-    load_data,
-    pack_rows,
-    training_target,
-)
 from train.memory_plan import (
     ATTENTION_PATHS,
     Node,
@@ -93,6 +84,16 @@ from train.memory_plan import (
 from train.metrics import MetricsLog, MetricSums, peak_memory_gb
 from train.online_target import captured_ahead, report_engines, start_served
 from train.optim import make_optimizer
+from train.soft_label_cache import make_label_cache
+from train.soft_labels import Labeller
+from train.train_data import (
+    TrainData,
+    count_steps,
+    fit_length,
+    load_data,
+    pack_rows,
+    training_target,
+)
 from train.vocab import setup_vocab
 
 
@@ -241,12 +242,15 @@ def check_memory(cfg: Config, accelerator: Accelerator, draft_cfg) -> None:
 
 
 # -- the loop ---------------------------------------------------------------------------------------
-def loss_denominators(run: Run, window: list[dict]) -> list[float]:
+def loss_denominators(run: Run, micro_batches: list[dict]) -> list[float]:
     """Per-TTT-step loss denominators of one optimizer step: the valid label positions of all
     its micro-batches on all ranks, so each micro-loss is a share of the whole step's mean."""
     K, G = run.cfg.model.ttt_steps, run.cfg.optim.grad_accum
     counts = torch.stack(
-        [valid_counts(mb["in_vocab"], mb["loss_mask"], K, mb["segment_ids"]) for mb in window]
+        [
+            valid_counts(mb["in_vocab"], mb["loss_mask"], K, mb["segment_ids"])
+            for mb in micro_batches
+        ]
     )
     counts = run.accelerator.reduce(counts.sum(0), reduction="sum")
     # accelerate divides each micro-loss by G and DDP averages ranks: undo both here
@@ -333,13 +337,13 @@ def train_loop(run: Run) -> None:
 
         # this step's micro-batches; accelerate syncs gradients and really steps the optimizer
         # on the last one only (step and zero_grad are no-ops before it)
-        epoch, micro = next(run.stream)
+        epoch, micro_batches = next(run.stream)
         try:  # out of memory: one line naming the step, its lengths and what to change
             # every micro-batch's valid label positions first (the loss denominators), then
             # each one's soft labels just before its forward: one (T, draft vocab) set at a time
-            window = [run.labelled(batch, probs=False) for batch in micro]
-            denominators = loss_denominators(run, window)
-            for mb in window:
+            labelled = [run.labelled(batch, probs=False) for batch in micro_batches]
+            denominators = loss_denominators(run, labelled)
+            for mb in labelled:
                 run.labelled.soft_labels(mb)
                 with accelerator.accumulate(model):
                     step_logits = model(
@@ -366,7 +370,7 @@ def train_loop(run: Run) -> None:
         except RuntimeError as err:  # torch.OutOfMemoryError is one
             if not is_out_of_memory(err):
                 raise
-            raise out_of_memory(run, step + 1, micro) from err
+            raise out_of_memory(run, step + 1, micro_batches) from err
         step += 1
         run.logger.advance()
 
@@ -382,12 +386,12 @@ def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err)
 
 
-def out_of_memory(run: Run, step: int, micro: list[dict]) -> Eagle3Error:
+def out_of_memory(run: Run, step: int, micro_batches: list[dict]) -> Eagle3Error:
     """The one line a step that ran out of GPU memory stops with: the step, its micro-batches'
     lengths, what to change, and how to resume (the checkpoints so far are kept)."""
     cfg = run.cfg
-    longest = max(batch["input_ids"].shape[1] for batch in micro)
-    rows = max(batch["input_ids"].shape[0] for batch in micro)
+    longest = max(batch["input_ids"].shape[1] for batch in micro_batches)
+    rows = max(batch["input_ids"].shape[0] for batch in micro_batches)
     shorter = max(256, longest * 3 // 4 // 256 * 256)
     return Eagle3Error(
         f"out of memory in step {step} (micro-batches of {rows} x up to {longest} tokens, "

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 from eagle3.errors import Eagle3Error
 from eagle3.vocab import DraftVocab, build_draft_vocab, vocab_from_d2t
 from train.config import Config
-from train.data import token_counts
+from train.datasets import token_counts
 
 VOCAB_FILE = "draft_vocab.safetensors"
 

@@ -77,7 +77,7 @@ from eagle3.cli import HelpFormatter, run_main
 from eagle3.data.chat import load_chat_template
 from eagle3.data.shards import DTYPES
 from eagle3.data.windows import MODES as WINDOW_MODES
-from eagle3.engine.server import add_engine_args
+from eagle3.engine.server import EngineSettings, add_engine_args
 
 # flags that change neither which records are captured nor what is stored: not in meta's command
 NOT_IN_COMMAND = {
@@ -236,10 +236,7 @@ def parse_args(argv: list[str] | None) -> CaptureSettings:
         estimate=args.estimate,
         tokens=args.tokens,
         tokens_per_s=args.tokens_per_s,
-        engine=args.engine,
-        tensor_parallel_size=args.tensor_parallel_size,
-        engine_args=args.engine_arg,
-        engine_log=args.engine_log,
+        engine=EngineSettings.from_args(args),
         engine_concurrency=args.engine_concurrency,
         engine_urls=args.engine_url,
         serve=args.serve,

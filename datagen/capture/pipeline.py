@@ -67,7 +67,7 @@ def capture(s: CaptureSettings) -> int:
         records = records[: s.limit]
     # settings that need no model are checked before a large target loads
     check_resumable(out, {"dtype": s.dtype, "max_length": s.rendering.max_length})
-    if s.engine and world > 1:
+    if s.engine.kind and world > 1:
         raise Eagle3Error(
             "--engine runs as one process (the engine batches and spreads the model itself); "
             "drop accelerate launch and use --tensor-parallel-size, or start a capture server "
@@ -124,7 +124,7 @@ def capture(s: CaptureSettings) -> int:
         sources = [str(Path(p).expanduser().resolve()) for p in s.data]
         served_by = None
         if target.served and target.serving:  # the managed server's dtype and backend
-            served_by = {"engine": s.engine, **target.serving}
+            served_by = {"engine": s.engine.kind, **target.serving}
         elif target.served and target.sent:  # running servers: who answered how many rows
             served_by = {"engine": "vllm", "servers": dict(sorted(target.sent.items()))}
         command = capture_command(s.flags, sources, (read_meta(out) or {}).get("sources") or [])

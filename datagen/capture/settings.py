@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from datagen.render import Rendering
+from eagle3.engine.server import EngineSettings
 
 DEFAULT_MAX_LENGTH = 4096
 DEFAULT_BATCH_TOKENS = 16384  # padded tokens per forward; lower it if the target runs out of memory
@@ -31,10 +32,7 @@ class CaptureSettings:
     estimate: bool  # only print what the capture would cost (datagen.estimate)
     tokens: int | None  # --estimate's token count
     tokens_per_s: float | None  # --estimate's capture speed
-    engine: str | None  # "vllm": a managed server runs the forwards (eagle3.engine)
-    tensor_parallel_size: int | None
-    engine_args: list[str]  # --engine-arg: more vLLM server arguments, verbatim
-    engine_log: str | None
+    engine: EngineSettings  # kind "vllm": a managed server runs the forwards (eagle3.engine)
     engine_concurrency: int  # engine requests in flight
     engine_urls: list[str]  # --engine-url: running capture servers to share the requests
     serve: bool  # only start a capture server and keep it up (--host, --port)

@@ -12,7 +12,7 @@ def load_capture_target(s: CaptureSettings, state, model: ResolvedTarget) -> Tar
     """The target (`model`: --target resolved once) with a tokenizer and a chat template to
     render with: in-process on this process's device, or (--engine) as vLLM will serve it, not
     started yet."""
-    if s.engine or s.engine_urls:
+    if s.engine.kind or s.engine_urls:
         target = describe_served_target(
             model, s.aux_layers, "--aux-layers", concurrency=s.engine_concurrency
         )
@@ -36,9 +36,9 @@ def start_capture_engine(s: CaptureSettings, target: ServedTarget) -> ServedTarg
         return target.attach(*s.engine_urls)
     return target.start(
         s.rendering.max_length,
-        tensor_parallel_size=s.tensor_parallel_size,
-        extra_args=s.engine_args,
-        log_path=s.engine_log,
+        tensor_parallel_size=s.engine.tensor_parallel_size,
+        extra_args=list(s.engine.extra_args),
+        log_path=s.engine.log_path,
         host=s.host,
         port=s.port,
     )

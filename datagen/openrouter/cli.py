@@ -1,7 +1,7 @@
 """Generate target responses on OpenRouter within a hard dollar budget, resumably.
 
     OPENROUTER_API_KEY=sk-or-... python -m datagen.openrouter --budget 100 \\
-        [--config configs/datagen/kimi-k2.5.yaml] [--prompts FILE.jsonl ...] [--out DIR] \\
+        [--config datagen/openrouter/kimi-k2.5.yaml] [--prompts FILE.jsonl ...] [--out DIR] \\
         [--concurrency 2000] [--max-tokens N] [--tokens-per-dataset N] [--model SLUG] \\
         [--base-url URL] [--plan] [--audit-every N [--audit-target NAME_OR_PATH]] \\
         [--no-wait-for-orphans]

@@ -1,4 +1,5 @@
-"""The OpenRouter datagen config (``configs/datagen/*.yaml``): model, provider rule, request
+"""The OpenRouter datagen config (default: Kimi-K2.5's, ``kimi-k2.5.yaml`` beside this module,
+shipped as package data): model, provider rule, request
 and retry settings, budgets and the dataset mix, typed and checked in one pass
 (:func:`eagle3.config.load_typed`: every problem in one error). CLI flags override some fields
 (``datagen.openrouter.cli``); the retry defaults are ``datagen.retry``'s.
@@ -13,7 +14,7 @@ from datagen import retry
 from datagen.openrouter import providers
 from eagle3.config import load_typed
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs/datagen/kimi-k2.5.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().with_name("kimi-k2.5.yaml")
 
 
 @dataclass

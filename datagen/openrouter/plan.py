@@ -14,7 +14,7 @@ import json
 from datagen.openrouter import providers
 from datagen.openrouter.config import GenConfig
 from datagen.openrouter.ledger import Ledger
-from eagle3.data.prompts import Prompt
+from eagle3.data.prompts import Prompt, user_turns
 
 COLUMNS = (
     "dataset",
@@ -104,10 +104,6 @@ def usd_per_m_out(
             usd += i * cheap.prompt + o * cheap.completion + cheap.request * user_turns(p)
             tokens += o
     return usd / tokens * 1e6 if tokens else None
-
-
-def user_turns(prompt: Prompt) -> int:
-    return sum(1 for m in prompt.messages if m["role"] == "user")
 
 
 def projection_lines(

@@ -35,6 +35,7 @@ from datagen.openrouter.ledger import (
     decide_settlement,
     fits,
 )
+from eagle3.progress import duration
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +54,6 @@ class Settled:
 def clock(ts: float) -> str:
     """A wall-clock time for the user (local time)."""
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
-
-
-def duration(seconds: float) -> str:
-    s = max(0, round(seconds))
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 def runs_of(window: Window) -> str:

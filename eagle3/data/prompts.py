@@ -123,6 +123,12 @@ class PromptList(list):
     report: LoadReport
 
 
+def user_turns(prompt: Prompt) -> int:
+    """Turns a prompt is answered in: one per user turn, each answered with the ones before
+    (MT-bench: 2). A generation's requests, an evaluation's decodes per prompt."""
+    return sum(m["role"] == "user" for m in prompt.messages)
+
+
 # --------------------------------------------------------------------------- normalisation
 
 

@@ -18,6 +18,7 @@ Nothing here imports vLLM.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import json
@@ -31,6 +32,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -350,7 +352,8 @@ def _die_with_parent() -> None:
 # -- the CLIs' engine flags ----------------------------------------------------------------------
 def add_engine_args(p) -> None:
     """`--engine vllm` and the flags of the managed server, shared by datagen.local,
-    datagen.capture and eagle3.evaluate. One design for engine flags: the common GPU one is
+    datagen.capture and eagle3.evaluate; the CLI reads them once into an `EngineSettings`
+    (`EngineSettings.from_args`). One design for engine flags: the common GPU one is
     explicit (`--tensor-parallel-size`), anything else goes verbatim with `--engine-arg=ARG`
     (repeatable; the `=` form, since ARG starts with dashes), after ours, so it wins."""
     g = p.add_argument_group(
@@ -374,13 +377,35 @@ def add_engine_args(p) -> None:
     g.add_argument("--engine-log", help="engine: the server's log file (default: a temp file)")
 
 
-def managed_engine(args, model_dir: str | os.PathLike, **kwargs: Any) -> VLLMServer:
-    """The VLLMServer the engine flags of `args` ask for, serving HF dir `model_dir`."""
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine flags (`add_engine_args`) ask for: the value library code takes."""
+
+    kind: str | None = None  # --engine: "vllm" runs through a managed server; None: no engine
+    tensor_parallel_size: int | None = None  # --tensor-parallel-size: GPUs per model (-tp)
+    extra_args: tuple[str, ...] = ()  # --engine-arg: more vLLM server arguments, verbatim, last
+    log_path: str | None = None  # --engine-log (None: a temp file)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineSettings:
+        """The engine flags of a parser `add_engine_args` filled."""
+        return cls(
+            kind=args.engine,
+            tensor_parallel_size=args.tensor_parallel_size,
+            extra_args=tuple(args.engine_arg),
+            log_path=args.engine_log,
+        )
+
+
+def managed_engine(
+    settings: EngineSettings, model_dir: str | os.PathLike, **kwargs: Any
+) -> VLLMServer:
+    """The VLLMServer `settings` ask for, serving HF dir `model_dir` (not started)."""
     return vllm_server(
         model_dir,
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", None),
-        log_path=getattr(args, "engine_log", None),
-        extra_args=[*kwargs.pop("extra_args", ()), *getattr(args, "engine_arg", [])],
+        tensor_parallel_size=settings.tensor_parallel_size,
+        log_path=settings.log_path,
+        extra_args=[*kwargs.pop("extra_args", ()), *settings.extra_args],
         **kwargs,
     )
 

@@ -109,8 +109,8 @@ def test_a_provider_off_in_one_dataset_is_flagged_there():
 
 def test_bootstrap_interval_is_deterministic_and_covers_the_mean():
     scores = fake_scores("a", 1.0, spread=0.3)
-    lo, hi = audit.bootstrap_ci(scores)
-    assert (lo, hi) == audit.bootstrap_ci(scores)
+    lo, hi = audit.nll_interval(scores)
+    assert (lo, hi) == audit.nll_interval(scores)
     assert lo < audit.mean_nll(scores) < hi
 
 

@@ -306,8 +306,8 @@ def test_engine_only_loads_no_weight_and_tells_the_engine_its_context(
     class Engine:  # what managed_engine returns, recorded instead of started
         startup_seconds, log_path, serving = 0.0, None, argparse.Namespace(describe=str)
 
-        def __init__(self, args, model, **kwargs):
-            started.append((model, kwargs))
+        def __init__(self, engine, model, **kwargs):
+            started.append((engine, model, kwargs))
 
         def __enter__(self):
             raise RuntimeError("recorded")
@@ -321,13 +321,14 @@ def test_engine_only_loads_no_weight_and_tells_the_engine_its_context(
             "--engine", "vllm", "--engine-only", "--max-new-tokens", "20"]  # fmt: skip
     with pytest.raises(RuntimeError, match="recorded"):
         evaluate.run(evaluate.build_parser().parse_args(argv))
-    ((model, kwargs),) = started
+    ((engine, model, kwargs),) = started
+    assert engine == server.EngineSettings(kind="vllm")  # the flags, read once by the CLI
     assert model.hf_dir == str(chat_target_dir) and kwargs["served_model_name"] == model.name
-    from eagle3.data.prompts import load_prompts
+    from eagle3.data.prompts import load_prompts, user_turns
     from eagle3.target import load_tokenizer
 
     tok, prompts = load_tokenizer(chat_target_dir), load_prompts(str(prompts_file))
-    longest = max(len(measure.prompt_ids(tok, p.messages)) + measure.user_turns(p) * (20 + 32)
+    longest = max(len(measure.prompt_ids(tok, p.messages)) + user_turns(p) * (20 + 32)
                   for p in prompts)  # fmt: skip
     assert kwargs["max_model_len"] == longest
 
@@ -351,6 +352,7 @@ def test_one_run_measures_a_checkpoint_as_chain_and_tree_with_rows_per_turn(
     """`--draft DIR --draft tree:DIR` (what the quickstart runs): one plain decoding, the chain
     of --steps and the tree of --topk/--depth/--total-tokens of the same checkpoint, each exact
     at T=0; the two-turn prompt adds rows per turn; vLLM is never asked to serve the tree."""
+    from eagle3.engine.server import EngineSettings
     from eagle3.measure import engine_runs
     from eagle3.speculative import DecodeConfig, EagleDrafter
     from eagle3.target import load_target, resolve
@@ -391,10 +393,10 @@ def test_one_run_measures_a_checkpoint_as_chain_and_tree_with_rows_per_turn(
     assert "| exp/final [tree] | mine turn 2 |" in table and "| plain | mine turn 1 |" in table
 
     target = load_target(chat_target_dir, device="cpu")
-    args = argparse.Namespace(target=str(chat_target_dir), engine_batch=8)
     tree_only = {"exp/final [tree]": f"tree:{ckpt}"}
     model = resolve(chat_target_dir)
-    assert engine_runs(args, model, target, [], tree_only, DecodeConfig()) == []
+    engine = EngineSettings(kind="vllm")
+    assert engine_runs(engine, model, target, [], tree_only, DecodeConfig(), batch=8) == []
     argv[argv.index(f"tree:{ckpt}")] = "tree:prompt-lookup"
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]

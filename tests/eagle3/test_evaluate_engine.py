@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from eagle3.engine.server import EngineSettings
 from eagle3.evaluate import build_parser, main
 
 TAU_RTOL = 0.03
@@ -18,8 +19,11 @@ def test_engine_flags_parse():
         ["--target", "t", "--draft", "d", "--engine", "vllm", "--tensor-parallel-size", "8",
          "--engine-arg=--enforce-eager", "--engine-arg=--gpu-memory-utilization=0.8"]
     )  # fmt: skip
-    assert (args.engine, args.tensor_parallel_size) == ("vllm", 8)
-    assert args.engine_arg == ["--enforce-eager", "--gpu-memory-utilization=0.8"]
+    assert EngineSettings.from_args(args) == EngineSettings(
+        kind="vllm",
+        tensor_parallel_size=8,
+        extra_args=("--enforce-eager", "--gpu-memory-utilization=0.8"),
+    )
     assert args.engine_batch == 8
 
 

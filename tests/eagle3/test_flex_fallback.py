@@ -1,4 +1,4 @@
-"""Choosing flex (eagle3/ttt_attention.py): a forward + backward self-test at the real shapes
+"""Choosing flex (eagle3/ttt_attention/): a forward + backward self-test at the real shapes
 before "auto" picks it, the fallback to "chunked" when either direction fails (one log line
 naming why), kernel options per compute capability, and one compiled graph over many lengths.
 On CPU (flex has no CPU backward in torch 2.13) flex itself is replaced by stand-ins that fail

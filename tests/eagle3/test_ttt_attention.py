@@ -1,4 +1,4 @@
-"""eagle3/ttt_attention.py: every TTT attention kernel against one dense reference, forward and
+"""eagle3/ttt_attention/: every TTT attention kernel against one dense reference, forward and
 backward, with GQA, MLA-like head dims, packed rows and bf16; the chunked and flash paths'
 memory is linear."""
 

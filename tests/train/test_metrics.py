@@ -4,6 +4,7 @@ offline, never a login prompt)."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -102,3 +103,47 @@ def test_progress_lines_count_from_the_checkpoint_and_close_before_the_last_word
     assert lines[-1].startswith("train: 5/5 steps (100%, 3 already done) in ")
     assert lines[-1].endswith("; step 5: loss 0.400, acc_0 0.50, 1,234 tok/s")
     assert captured.out == "done: 5 steps; SGLang draft in x/final\n"
+
+
+class Writes:
+    """A stream that is not a terminal and keeps every write apart, in one list shared with the
+    other stream: a log that takes stdout and stderr as they are written (python -u, or a
+    parent reading both pipes) and may interleave them at any write."""
+
+    def __init__(self, writes: list[str]):
+        self.writes = writes
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def test_every_message_is_one_whole_line_in_a_log(tmp_path, monkeypatch):
+    """The last validation line and the count's last line never run together in a log (they
+    did: `... simulated tau 1.48train: 336/336 steps (100%) in 44m00s`): each is one write,
+    its newline included, so no interleaving of stdout and stderr can join two lines."""
+    writes: list[str] = []
+    monkeypatch.setattr(sys, "stdout", Writes(writes))
+    monkeypatch.setattr(sys, "stderr", Writes(writes))
+    monkeypatch.delenv("EAGLE3_PROGRESS", raising=False)
+    log = MetricsLog(tmp_path, enabled=True, total_steps=2, start_step=0)
+    for step in (1, 2):
+        log.advance()
+        log.log(step, {"loss": 1.0, "acc_0": 0.5, "tokens_per_s": 10.0})
+    log.log_eval(2, {"loss": 1.0, "acc_0": 0.5, "sim_accept_len": 1.48}, improved=False)
+    log.write("done: 2 steps; SGLang draft in x/final")
+    log.close("produced")
+    assert all(w.endswith("\n") and w.count("\n") == 1 for w in writes), writes
+    lines = "".join(writes).splitlines()
+    assert lines[-4].startswith("train: 2/2 steps (100%) in ")
+    assert lines[-3:] == [
+        "validation at step 2: loss 1.000, acc 0.50, simulated tau 1.48",
+        "done: 2 steps; SGLang draft in x/final",
+        "produced",
+    ]

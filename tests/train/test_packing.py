@@ -11,7 +11,7 @@ import torch
 
 from eagle3.loss import step_labels, ttt_loss, valid_counts
 from eagle3.model import Eagle3Draft
-from train.data import collate
+from train.batching import collate
 from train.packing import PackedDataset, pack_records
 
 

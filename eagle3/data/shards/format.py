@@ -128,7 +128,7 @@ def target_meta(target: Target) -> dict:
 def identity_mismatches(meta: dict, expect: dict) -> list[tuple[str, Any, Any]]:
     """(key, meta's value, the expected one) for each key of `expect` on which a capture's
     meta.json disagrees: the one identity check of a resumed capture (check_meta) and of the
-    shards training reads (train/data.py). A key meta lacks reads as None."""
+    shards training reads (train/datasets.py). A key meta lacks reads as None."""
     out = []
     for key, want in expect.items():
         got = meta.get(key)

@@ -4,19 +4,18 @@ the retry defaults are datagen.retry's."""
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from datagen import retry
-from datagen.openrouter.config import GenConfig, load_config
+from datagen.openrouter.config import DEFAULT_CONFIG, GenConfig, load_config
 from eagle3.errors import ConfigError
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_shipped_configs_load():
-    for path in sorted((ROOT / "configs" / "datagen").glob("*.yaml")):
+    shipped = sorted(DEFAULT_CONFIG.parent.glob("*.yaml"))  # package data, beside config.py
+    assert DEFAULT_CONFIG in shipped
+    for path in shipped:
         cfg = load_config(path)
         assert cfg.datasets and cfg.concurrency == 2000 and cfg.native_precision == "int4"
         assert Counter(d.name for d in cfg.datasets).most_common(1)[0][1] == 1

@@ -17,6 +17,7 @@ from eagle3.data.prompts import (
     normalize,
     split_prompts,
     stable_id,
+    user_turns,
 )
 
 REPO = Path(__file__).resolve().parents[3]
@@ -375,3 +376,10 @@ def test_split_is_deterministic_and_order_independent():
     assert split_prompts(prompts, 0.0)[1] == [] and split_prompts(prompts, 1.0)[0] == []
     with pytest.raises(PromptError):
         split_prompts(prompts, 1.5)
+
+
+def test_a_prompt_is_answered_once_per_user_turn():
+    system = {"role": "system", "content": "be brief"}
+    user, answer = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}
+    assert user_turns(Prompt("a", "d", [system, user])) == 1
+    assert user_turns(Prompt("b", "d", [system, user, answer, user])) == 2  # MT-bench's shape

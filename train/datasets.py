@@ -1,26 +1,18 @@
-"""Training data: offline shards or online token records, length-grouped into batches.
-
-Batching is deterministic in (seed, epoch) and built for exact data parallelism: the plan is a
-list of *optimizer-step* batches of `batch_size * processes * grad_accum` sequences, and each
-rank takes its micro-batches out of every step batch. So N processes x batch b x accumulation
-G train on exactly the sequences one process sees with batch N*b*G, which is what lets a
-2-process run reproduce a 1-process run with the doubled batch.
-
-Padding is kept low by grouping similar lengths (shuffle, then sort inside mega-batches of
-`MEGA_BATCHES` step batches, then shuffle the batch order), the usual length-grouped sampler.
-With data.packing the "sequences" are packed rows of several records (train/packing.py), made
-once per run: everything here works on rows as it does on records.
+"""Training datasets: offline shards or online token records, long records fit to
+data.max_length (`Windows`), the held-out validation split by conversation, and the streamed
+token counts the draft vocab is chosen from. Which of them each step trains on:
+train/batching.py. With data.packing the "sequences" are packed rows of several records
+(train/packing.py), made once per run: everything here works on rows as it does on records.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import ConcatDataset, DataLoader, Dataset
+from torch.utils.data import ConcatDataset, Dataset
 
 from eagle3.data.chat import RenderError, render_record
 from eagle3.data.prompts import unit_hash
@@ -38,8 +30,6 @@ from eagle3.errors import Eagle3Error
 from eagle3.vocab import token_frequencies
 
 log = logging.getLogger(__name__)
-
-MEGA_BATCHES = 50  # global batches sorted together; larger = less padding, less randomness
 
 
 # -- offline: captured shards ----------------------------------------------------------------
@@ -298,118 +288,3 @@ def _shard_token_counts(ds: ShardDataset, vocab_size: int) -> torch.Tensor:
             keep[e["offset"] : e["offset"] + e["length"]] = True
         counts += token_frequencies([ids[keep]], [mask[keep]], vocab_size)
     return counts
-
-
-# -- batching -----------------------------------------------------------------------------------
-def batch_plan(
-    lengths: list[int], step_size: int, seed: int, epoch: int, group_by_length: bool
-) -> list[list[int]]:
-    """One epoch of optimizer-step batches: each `step_size` indices, longest first.
-
-    The last incomplete step batch is dropped so every rank gets the same number of
-    micro-batches (no process waits forever in an all-reduce).
-    """
-    if len(lengths) < step_size:
-        raise Eagle3Error(
-            f"the data has {len(lengths)} sequences, fewer than one optimizer step needs "
-            f"({step_size} = batch_size x processes x grad_accum); lower them or add data"
-        )
-    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    order = torch.randperm(len(lengths), generator=g).tolist()
-    if group_by_length:
-        mega = step_size * MEGA_BATCHES
-        order = [
-            i
-            for start in range(0, len(order), mega)
-            for i in sorted(order[start : start + mega], key=lambda j: -lengths[j])
-        ]
-    batches = [order[s : s + step_size] for s in range(0, len(order) - step_size + 1, step_size)]
-    perm = torch.randperm(len(batches), generator=g).tolist()
-    return [sorted(batches[i], key=lambda j: -lengths[j]) for i in perm]
-
-
-def rank_micro_batches(
-    step_batch: list[int], rank: int, world_size: int, grad_accum: int
-) -> list[list[int]]:
-    """This rank's `grad_accum` micro-batches of a length-sorted step batch.
-
-    The step batch is cut into world_size * grad_accum contiguous pieces (similar lengths ->
-    little padding); rank r takes pieces r, r + N, r + 2N, ... So any (processes, batch_size,
-    grad_accum) with the same product trains on exactly the same sequences per step.
-    """
-    n = world_size * grad_accum
-    per = len(step_batch) // n
-    pieces = [step_batch[i * per : (i + 1) * per] for i in range(n)]
-    return pieces[rank::world_size]
-
-
-def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad a list of records to the longest one -> batch dict with attention_mask.
-
-    Right padding is harmless here: attention is causal, and padded positions carry
-    loss_mask 0 so no loss reads them.
-    """
-    T = max(len(item["input_ids"]) for item in items)
-    batch: dict[str, torch.Tensor] = {}
-    for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden", "segment_ids",
-                "position_ids"):  # fmt: skip
-        if key not in items[0]:
-            continue
-        fill = -1 if key == "segment_ids" else 0  # packed rows: padding is no record's
-        rows = []
-        for item in items:
-            x = item[key]
-            pad = T - x.shape[0]
-            rows.append(torch.cat([x, x.new_full((pad, *x.shape[1:]), fill)]) if pad else x)
-        batch[key] = torch.stack(rows)
-    lengths = torch.tensor([len(item["input_ids"]) for item in items])
-    batch["attention_mask"] = (torch.arange(T)[None] < lengths[:, None]).long()
-    return batch
-
-
-def steps_per_epoch(lengths: list[int], batch_size: int, world_size: int, grad_accum: int) -> int:
-    return len(lengths) // (batch_size * world_size * grad_accum)
-
-
-def step_batches(
-    dataset: Dataset,
-    lengths: list[int],
-    *,
-    batch_size: int,
-    grad_accum: int,
-    rank: int,
-    world_size: int,
-    seed: int,
-    group_by_length: bool,
-    start_step: int = 0,
-    num_workers: int = 0,
-) -> Iterator[tuple[int, list[dict[str, torch.Tensor]]]]:
-    """Endless (epoch, this rank's micro-batches of one optimizer step) stream.
-
-    The first `start_step` steps are skipped by index (no data is read), which is how a
-    resumed run lands exactly where the killed one stopped.
-    """
-    step_size = batch_size * world_size * grad_accum
-    epoch, start = divmod(start_step, steps_per_epoch(lengths, batch_size, world_size, grad_accum))
-    while True:
-        plan = batch_plan(lengths, step_size, seed, epoch, group_by_length)
-        mine = [
-            mb for b in plan[start:] for mb in rank_micro_batches(b, rank, world_size, grad_accum)
-        ]
-        loader = DataLoader(
-            dataset, batch_sampler=mine, collate_fn=collate, num_workers=num_workers
-        )
-        window: list[dict[str, torch.Tensor]] = []
-        for indices, batch in zip(mine, loader):
-            batch["index"] = torch.tensor(indices)  # the records' dataset indices (label cache)
-            window.append(batch)
-            if len(window) == grad_accum:
-                yield epoch, window
-                window = []
-        epoch, start = epoch + 1, 0
-
-
-def padding_fraction(lengths: list[int], micro_batches: list[list[int]]) -> float:
-    """Share of padded slots when each micro-batch is padded to its longest sequence."""
-    slots = sum(len(mb) * max(lengths[i] for i in mb) for mb in micro_batches)
-    return 1 - sum(lengths[i] for mb in micro_batches for i in mb) / slots

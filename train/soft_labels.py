@@ -1,22 +1,21 @@
-"""Batch preparation: a collated micro-batch (train/data.py) -> what one training step reads.
+"""Soft labels: a collated micro-batch (train/batching.py) -> what one training step reads.
 
 `Labeller` moves it to the device, takes its hidden states (stored in the shards, captured
 ahead by a served target, or captured now by the in-process one) and attaches the soft labels:
 the target's next-token distribution over the draft vocab, computed from the last hidden state
-and the lm_head in chunks, or read from the label cache (the same records of an earlier epoch).
-`val_batches` is which validation records each rank runs.
+and the lm_head in chunks, or read from the label cache (train/soft_label_cache.py: the same
+records of an earlier epoch).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from eagle3.loss import label_rows, target_probs
 from eagle3.target import TargetModel
-from train.label_cache import LabelCache
+from train.soft_label_cache import LabelCache
 
 
 @dataclass
@@ -85,16 +84,3 @@ class Labeller:
             if keys:
                 cache.put(keys, *labels, mb["rows"])
         mb["probs"], mb["last"] = labels[0], None
-
-
-def val_batches(
-    lengths: list[int], batch_size: int, world: int, rank: int
-) -> list[tuple[list[int], bool]]:
-    """This rank's validation micro-batches, (indices, counts): fixed order, length-grouped.
-    Every rank runs the same number of forwards (ZeRO-3 gathers parameters in each), so a rank
-    with fewer batches repeats one whose numbers it then drops."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
-    mine = batches[rank::world]
-    per_rank = math.ceil(len(batches) / world)
-    return [(b, True) for b in mine] + [(batches[0], False)] * (per_rank - len(mine))

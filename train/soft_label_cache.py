@@ -15,8 +15,8 @@ from collections.abc import Hashable
 
 import torch
 
+from train.batching import steps_per_epoch
 from train.config import Config
-from train.data import steps_per_epoch
 
 
 class LabelCache:

@@ -1,61 +1,12 @@
-"""Batching: deterministic, exact data-parallel split, low padding; streamed vocab counts; shards
-checked against the run's target."""
+"""Training datasets: shards checked against the run's target, streamed vocab counts, long
+records fit alike offline and online, the validation split and nested subsets."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from train.data import (
-    batch_plan,
-    check_shard_meta,
-    collate,
-    padding_fraction,
-    rank_micro_batches,
-    steps_per_epoch,
-    token_counts,
-)
-
-
-def chat_lengths(n: int = 2000, seed: int = 0) -> list[int]:
-    """Long-tailed conversation lengths like ShareGPT's (lognormal, 16..2048 tokens)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.exp(torch.randn(n, generator=g) * 0.9 + 6.0)
-    return x.clamp(16, 2048).long().tolist()
-
-
-def test_plan_is_deterministic_and_changes_per_epoch():
-    lengths = chat_lengths(200)
-    a = batch_plan(lengths, 8, seed=0, epoch=0, group_by_length=True)
-    assert a == batch_plan(lengths, 8, seed=0, epoch=0, group_by_length=True)
-    assert a != batch_plan(lengths, 8, seed=0, epoch=1, group_by_length=True)
-    assert len(a) == 200 // 8 == steps_per_epoch(lengths, 4, 2, 1)
-    flat = [i for b in a for i in b]
-    assert len(set(flat)) == len(flat)  # every sequence at most once per epoch
-
-
-def test_ranks_and_accumulation_split_the_same_step_batch():
-    """(2 ranks x batch 2), (1 rank x 2 micro-batches of 2) and (1 rank x batch 4) share data."""
-    lengths = chat_lengths(64)
-    for step_batch in batch_plan(lengths, 4, seed=3, epoch=0, group_by_length=True):
-        two_ranks = rank_micro_batches(step_batch, 0, 2, 1) + rank_micro_batches(
-            step_batch, 1, 2, 1
-        )
-        accumulated = rank_micro_batches(step_batch, 0, 1, 2)
-        assert sorted(sum(two_ranks, [])) == sorted(sum(accumulated, [])) == sorted(step_batch)
-        assert rank_micro_batches(step_batch, 0, 1, 1) == [step_batch]
-
-
-def test_length_grouping_keeps_padding_under_ten_percent():
-    lengths = chat_lengths()
-    micro = [
-        mb for b in batch_plan(lengths, 8, 0, 0, True) for mb in rank_micro_batches(b, 0, 1, 1)
-    ]
-    grouped = padding_fraction(lengths, micro)
-    micro = [
-        mb for b in batch_plan(lengths, 8, 0, 0, False) for mb in rank_micro_batches(b, 0, 1, 1)
-    ]
-    assert grouped < 0.10 < padding_fraction(lengths, micro)
+from train.datasets import check_shard_meta, token_counts
 
 
 def test_shards_of_another_capture_are_one_problem_per_dir_and_key():
@@ -70,28 +21,6 @@ def test_shards_of_another_capture_are_one_problem_per_dir_and_key():
         "(target t); re-capture them or fix the config",
     ]
     assert len(check_shard_meta([meta], ["a"], **{**run, "aux_layer_ids": [0, 2, 3]})) == 1
-
-
-def test_collate_right_pads_with_an_attention_mask():
-    items = [
-        {
-            "input_ids": torch.tensor([5, 6, 7]),
-            "loss_mask": torch.tensor([0, 1, 1]),
-            "aux_hidden": torch.ones(3, 6),
-            "last_hidden": torch.ones(3, 2),
-        },
-        {
-            "input_ids": torch.tensor([8]),
-            "loss_mask": torch.tensor([1]),
-            "aux_hidden": torch.ones(1, 6),
-            "last_hidden": torch.ones(1, 2),
-        },
-    ]
-    batch = collate(items)
-    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
-    assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert batch["aux_hidden"].shape == (2, 3, 6) and batch["aux_hidden"][1, 1:].abs().sum() == 0
 
 
 def test_shard_token_counts_read_only_ids(shard_dir, records_file):
@@ -114,7 +43,7 @@ def test_long_records_offline_and_online_alike(shard_dir, records_file, mode):
     <id>#w<i>) or a cut to the first max_length tokens; shard windows are slices of the stored
     record (its hidden states over the whole conversation) with the tokens and loss masks
     TokenRecords' windows have online."""
-    from train.data import TokenRecords, Windows, concat, load_shards, loss_tokens
+    from train.datasets import TokenRecords, Windows, concat, load_shards, loss_tokens
 
     max_length = 30
     full, full_lengths = concat(load_shards([str(shard_dir)])[0])
@@ -146,7 +75,7 @@ def test_long_records_offline_and_online_alike(shard_dir, records_file, mode):
 def test_validation_split_by_conversation_is_stable_and_shared_across_dirs(shard_dir):
     """Held-out records are chosen by id alone: two dirs holding the same conversations split
     them identically, adding records never moves one, and train + val is every record once."""
-    from train.data import load_shards, split_validation
+    from train.datasets import load_shards, split_validation
 
     parts, _ = load_shards([str(shard_dir), str(shard_dir)])
     ids = parts[0].ids
@@ -167,7 +96,7 @@ def test_validation_split_by_conversation_is_stable_and_shared_across_dirs(shard
 
 def test_take_sequences_is_nested_and_spans_dirs(shard_dir):
     """data.max_sequences: n sequences over all dirs, and a larger n keeps the smaller set."""
-    from train.data import load_shards, take_sequences
+    from train.datasets import load_shards, take_sequences
 
     parts, _ = load_shards([str(shard_dir), str(shard_dir)])
     small = take_sequences(parts, 5, seed=0)

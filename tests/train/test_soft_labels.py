@@ -1,13 +1,13 @@
-"""train/batches.py: a micro-batch on the device with its soft labels (computed, or from the
-label cache on a record's later pass), and the validation batches of each rank."""
+"""train/soft_labels.py: a micro-batch on the device with its soft labels (computed, or from
+the label cache on a record's later pass)."""
 
 from __future__ import annotations
 
 import torch
 
 from eagle3.loss import label_rows, target_probs
-from train.batches import Labeller, val_batches
-from train.label_cache import LabelCache
+from train.soft_label_cache import LabelCache
+from train.soft_labels import Labeller
 
 V, H, VD, B, T = 12, 4, 5, 2, 6
 
@@ -58,15 +58,6 @@ def test_a_records_labels_come_from_the_cache_on_its_next_pass_of_the_same_split
     zeroed = {**batch, "last_hidden": torch.zeros_like(batch["last_hidden"])}
     assert torch.equal(make(zeroed)["probs"], first["probs"])  # cached, not recomputed
     assert not torch.equal(make(zeroed, "val")["probs"], first["probs"])  # another split's keys
-
-
-def test_every_rank_runs_as_many_validation_forwards_and_counts_each_record_once():
-    lengths = [5, 9, 3, 7, 1]
-    ranks = [val_batches(lengths, 2, 2, rank) for rank in range(2)]
-    assert ranks[0] == [([1, 3], True), ([4], True)]  # longest first, batches dealt in turn
-    assert ranks[1] == [([0, 2], True), ([1, 3], False)]  # a repeat whose numbers are dropped
-    counted = [i for batches in ranks for b, counts in batches if counts for i in b]
-    assert sorted(counted) == list(range(5))
 
 
 def test_soft_labels_per_micro_batch_are_the_labels_made_up_front():

@@ -33,8 +33,9 @@ from eagle3.target import (
     load_target,
     resolve,
 )
+from train.batching import steps_per_epoch
 from train.config import Config
-from train.data import (
+from train.datasets import (
     TokenRecords,
     Windows,
     check_shard_meta,
@@ -43,7 +44,6 @@ from train.data import (
     long_records_report,
     loss_tokens,
     split_validation,
-    steps_per_epoch,
     take_sequences,
 )
 from train.online_target import describe_target
