@@ -16,7 +16,6 @@ transformers in four runs, and the plan reads the embedded ShareGPT); no network
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -26,9 +25,10 @@ from pathlib import Path
 
 import pytest
 
+from datagen.openrouter.fake_server import FakeServerThread
+
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ["pyproject.toml", "README.md", "eagle3", "datagen", "train"]
-FAKE_OPENROUTER = REPO / "scripts" / "fake_openrouter.py"
 
 CHECK = """
 import sys
@@ -55,15 +55,6 @@ def run(*cmd, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{cmd} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc
-
-
-def fake_openrouter():
-    """The fake OpenRouter server's module (scripts/), loaded from its file."""
-    spec = importlib.util.spec_from_file_location(FAKE_OPENROUTER.stem, FAKE_OPENROUTER)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[FAKE_OPENROUTER.stem] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
@@ -100,7 +91,7 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     help_text = run(python, "-m", "datagen.capture", "--help", cwd=elsewhere, env=env).stdout
     assert "usage:" in help_text and "--engine" in help_text
 
-    fake = fake_openrouter().FakeServerThread()
+    fake = FakeServerThread()
     url = fake.start()
     try:  # the default --config is the package's; one embedded dataset of its mix, no hub
         plan = run(python, "-m", "datagen.openrouter", "--budget", "1", "--plan", "--base-url",
