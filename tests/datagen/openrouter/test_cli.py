@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from datagen.openrouter.fake_server import FAULTS
+
 ALLOWED = {
     "chutes",
     "deepinfra",
@@ -178,19 +180,7 @@ def test_length_kept_but_flagged(tmp_path, fake, cli, h):
 
 @pytest.mark.parametrize("seed", [11, 12, 13])
 def test_budget_never_exceeded_under_faults_and_concurrency(tmp_path, fake, cli, h, seed):
-    faults = {
-        k: 0.04
-        for k in [
-            "429",
-            "502",
-            "524_in_200",
-            "no_choices",
-            "finish_error",
-            "empty",
-            "truncated",
-            "drop",
-        ]
-    }
+    faults = {k: 0.04 for k in FAULTS if k != "no_cost"}  # every fault but the unbilled answer
     server = fake(faults=faults, seed=seed, latency=0.002)
     cfg = h.write_config(tmp_path / "c.yaml", concurrency=500)  # more than the prompts
     ids = h.write_prompts(tmp_path / "p.jsonl", 150, multi_every=4)
