@@ -9,6 +9,9 @@ Alignment (one convention for the whole project; see Eagle3Draft.ttt_forward):
 Loss = sum_k w^k * CE_k, each CE_k a mean over its valid positions.
 Packed rows (train/packing.py) pass `segment_ids` (B, T): then step k at position t also needs
 x_{t+k+2} in t's own record; a prediction across a record boundary never counts.
+Sequence-parallel shards (train/sequence_parallel.py) pass `queries`: the shard's positions,
+the first `queries` of its tensors, which run on past them by the TTT depth + 1 (the labels
+and loss mask its last positions read from the next shard's positions).
 """
 
 from __future__ import annotations
@@ -19,11 +22,16 @@ from eagle3.compute import matmul_dtype
 
 
 def step_targets(
-    loss_mask: torch.Tensor, k: int, segment_ids: torch.Tensor | None = None
+    loss_mask: torch.Tensor,
+    k: int,
+    segment_ids: torch.Tensor | None = None,
+    queries: int | None = None,
 ) -> torch.Tensor:
-    """bool (B, n), n = T - k - 2: step k's prediction at position t is of a generated token
-    (loss_mask[t+k+2]) of t's own record (same segment, when packed)."""
+    """bool (B, n), n = T - k - 2 (at most `queries`): step k's prediction at position t is
+    of a generated token (loss_mask[t+k+2]) of t's own record (same segment, when packed)."""
     n = max(loss_mask.shape[1] - k - 2, 0)
+    if queries is not None:
+        n = min(n, queries)
     masked = loss_mask[:, k + 2 : k + 2 + n].bool()
     if segment_ids is not None:
         masked = masked & (segment_ids[:, k + 2 : k + 2 + n] == segment_ids[:, :n])
@@ -35,6 +43,7 @@ def step_labels(
     loss_mask: torch.Tensor,
     k: int,
     segment_ids: torch.Tensor | None = None,
+    queries: int | None = None,
 ) -> tuple[slice, torch.Tensor]:
     """TTT step k's labels (the alignment in the module docstring) -> (rows, valid).
 
@@ -42,7 +51,7 @@ def step_labels(
     `rows` picks those n rows of `probs` / `in_vocab`; `valid` bool (B, n) marks the positions
     that count. n is 0 when the sequence is too short for step k.
     """
-    masked = step_targets(loss_mask, k, segment_ids)
+    masked = step_targets(loss_mask, k, segment_ids, queries)
     rows = slice(k + 1, k + 1 + masked.shape[1])
     return rows, masked & in_vocab[:, rows]
 
@@ -52,11 +61,12 @@ def valid_counts(
     loss_mask: torch.Tensor,
     ttt_steps: int,
     segment_ids: torch.Tensor | None = None,
+    queries: int | None = None,
 ) -> torch.Tensor:
     """Valid label positions of each TTT step, exactly as ttt_loss counts them -> int64 (K,)."""
     out = torch.zeros(ttt_steps, dtype=torch.long, device=loss_mask.device)
     for k in range(ttt_steps):
-        out[k] = step_labels(in_vocab, loss_mask, k, segment_ids)[1].sum()
+        out[k] = step_labels(in_vocab, loss_mask, k, segment_ids, queries)[1].sum()
     return out
 
 
@@ -210,6 +220,7 @@ def ttt_loss(
     step_weight: float = 0.8,
     denominators: list[float] | None = None,
     segment_ids: torch.Tensor | None = None,
+    queries: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted sum of per-step soft cross-entropies -> (loss, metrics).
 
@@ -220,21 +231,21 @@ def ttt_loss(
     batches and ranks. `denominators`
     replaces the local valid-position counts (e.g. counts all-reduced over data-parallel
     ranks, divided by world size) so N ranks reproduce one rank with an N-times batch.
-    `segment_ids`: packed rows (step_targets). After backward, `step_logits` hold their
+    `segment_ids`: packed rows, `queries`: a sequence-parallel shard (step_targets). After backward, `step_logits` hold their
     gradients (soft_cross_entropy).
     """
     total = probs.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
     target_top = probs.argmax(-1)  # (B, T): the target's token at every label row, once
     for k, logits in enumerate(step_logits):
-        rows, valid = step_labels(in_vocab, loss_mask, k, segment_ids)
+        rows, valid = step_labels(in_vocab, loss_mask, k, segment_ids, queries)
         n = valid.shape[1]
         if n == 0:
             metrics.update(
                 {f"{key}_{k}": 0 for key in ("loss", "acc", "count", "masked", "correct")}
             )
             continue
-        masked = int(step_targets(loss_mask, k, segment_ids).sum())
+        masked = int(step_targets(loss_mask, k, segment_ids, queries).sum())
         ce, top = soft_cross_entropy(logits, probs[:, rows])  # (B, n) each
         count = int(valid.sum())
         denom = denominators[k] if denominators is not None else max(count, 1)

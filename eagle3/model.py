@@ -52,6 +52,7 @@ from eagle3.rope import (
     target_rope,
 )
 from eagle3.ttt_attention import ttt_attention
+from eagle3.ttt_attention.sequence_parallel import SequenceParallel
 
 FEATURES = ("aux", "last")
 # "gqa": Llama's attention (q/k/v/o_proj), exported as LlamaForCausalLMEagle3. "mla": DeepSeek-
@@ -251,14 +252,19 @@ class DraftAttention(nn.Module):
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
         segment_ids: torch.Tensor | None = None,
+        sequence_parallel: SequenceParallel | None = None,
     ) -> torch.Tensor:
         """TTT step k = len(keys) - 1: q (B, nh, T, dqk) over step-0 keys causally (within a
         segment) and the keys of steps 1..k on the diagonal -> (B, T, H). self.ttt_impl picks
-        the kernel (eagle3.ttt_attention says what each is for)."""
-        B, _, T, _ = q.shape
+        the kernel (eagle3.ttt_attention says what each is for). With `sequence_parallel`, q,
+        keys and values hold the whole record for this rank's heads (its scatter_heads) and
+        the output returns to this rank's positions before o_proj."""
         out = ttt_attention(
             q, keys, values, scale=self.scale, impl=self.ttt_impl, segment_ids=segment_ids
         )  # (B, nh, T, dv)
+        if sequence_parallel is not None:
+            out = sequence_parallel.gather_heads(out)
+        B, _, T, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
     def attend(
@@ -494,6 +500,7 @@ class Eagle3Draft(nn.Module):
         ttt_steps: int,
         segment_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        sequence_parallel: SequenceParallel | None = None,
     ) -> list[torch.Tensor]:
         """Training-time test unroll -> per-step draft logits, each (B, T, Vd).
 
@@ -503,9 +510,15 @@ class Eagle3Draft(nn.Module):
         and position_ids (B, T) restarts positions per record (rotary position_ids + k); the
         token shift does cross a record's end, whose predictions the loss drops
         (eagle3.loss.step_targets).
+        Sequence parallel (train/sequence_parallel.py): aux_hidden and position_ids are this
+        rank's shard of T positions; input_ids run on past it (the shift's next tokens), and
+        attention sees the whole record (`sequence_parallel`, with the whole rows' segment ids).
         """
-        B, T = input_ids.shape
+        B, T = aux_hidden.shape[:2]
         layer = self.midlayer
+        sp = sequence_parallel
+        if sp is not None:
+            segment_ids = sp.segment_ids
         hidden = self.project(aux_hidden)  # (B, T, H)
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)
@@ -514,12 +527,16 @@ class Eagle3Draft(nn.Module):
         values: list[torch.Tensor] = []
         step_logits = []
         for k in range(ttt_steps):
-            ids = F.pad(input_ids[:, k + 1 :], (0, min(k + 1, T)))  # (B, T): x_{t+k+1}
+            ids = input_ids[:, k + 1 : k + 1 + T]
+            ids = F.pad(ids, (0, T - ids.shape[1]))  # (B, T): x_{t+k+1}, 0 past the end
             x = layer.attn_input(self.embed_tokens(ids).to(hidden.dtype), hidden)
             q, key, value = layer.self_attn.qkv(x, positions + k)
+            if sp is not None:  # the whole record for this rank's heads (exchanged once)
+                nh = q.shape[1]
+                q, key, value = (sp.scatter_heads(t, nh) for t in (q, key, value))
             keys.append(key)
             values.append(value)
-            attn = layer.self_attn.attend_ttt(q, keys, values, segment_ids)
+            attn = layer.self_attn.attend_ttt(q, keys, values, segment_ids, sp)
             hidden = layer.finish(hidden, attn)
             step_logits.append(self.compute_logits(hidden))
         return step_logits
@@ -539,6 +556,7 @@ class TTTModel(nn.Module):
         aux_hidden: torch.Tensor,
         segment_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        sequence_parallel: SequenceParallel | None = None,
     ) -> list[torch.Tensor]:
         return self.draft.ttt_forward(
             input_ids,
@@ -546,4 +564,5 @@ class TTTModel(nn.Module):
             self.ttt_steps,
             segment_ids=segment_ids,
             position_ids=position_ids,
+            sequence_parallel=sequence_parallel,
         )
