@@ -187,6 +187,11 @@ class TrainConfig:
     # false: neither
     progress: bool = True
     export_dtype: str = "bf16"  # SGLang/vLLM exports: bf16 (what engines serve), fp16 or fp32
+    # Ranks that train one record together, each a contiguous shard of its positions
+    # (train/sequence_parallel.py; Ulysses all-to-all around the TTT attention): must divide
+    # the processes and the draft's attention heads; data parallelism over processes / this.
+    # Offline only. 8 on one 8-GPU node trains 65,536-token records (configs/train/*-long.yaml)
+    sequence_parallel: int = 1
 
 
 @dataclass
@@ -278,6 +283,15 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
     need(d.label_cache_gb >= 0, f"data.label_cache_gb must be >= 0, got {d.label_cache_gb}")
     need(
         t.max_steps is None or t.max_steps >= 1, f"train.max_steps must be >= 1, got {t.max_steps}"
+    )
+    need(
+        t.sequence_parallel >= 1,
+        f"train.sequence_parallel must be >= 1, got {t.sequence_parallel}",
+    )
+    need(
+        t.sequence_parallel == 1 or d.mode == "offline",
+        "train.sequence_parallel splits captured records (data.mode: offline); online every "
+        "rank of a group would capture the whole record again: set train.sequence_parallel=1",
     )
     need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
     need(len(o.betas) == 2, f"optim.betas must have 2 values, got {o.betas}")

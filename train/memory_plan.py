@@ -30,6 +30,11 @@ names what would fit. What each term assumes:
 - engine: online with a served target on the same GPUs, vLLM's --gpu-memory-utilization share.
 - headroom: ALLOCATOR_HEADROOM of the card for fragmentation (lengths change every micro-batch;
   expandable_segments keeps this small).
+- sequence parallelism (train.sequence_parallel = sp, train/sequence_parallel.py): a rank
+  holds 1/sp of each record's positions, so activations, soft labels and hidden-state batches
+  count max_length / sp tokens (attention's saved tensors too: nh/sp heads of the whole record
+  are the bytes of nh heads of a shard); the halo of ttt_steps + 1 tokens is left out. The
+  all-to-all adds one TTT step's q, k, v in both layouts plus the send copies, in flight.
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ class RunShape:
     lm_head_chunk: int = 1024
     engine_fraction: float = 0.0  # online, served on these GPUs: the engine's share of a card
     engine_weights_bytes: float = 0.0  # the served target's weights on each card (0: unknown)
+    sequence_parallel: int = 1  # ranks sharing each record (train.sequence_parallel)
 
 
 @dataclass
@@ -172,6 +178,15 @@ def flex_kv_bytes_per_token(cfg: DraftConfig, ttt_steps: int, bf16: bool) -> flo
     return blocks * kv_heads * (cfg.head_dim + v) * (2 if bf16 else 4)
 
 
+def sp_exchange_bytes_per_token(cfg: DraftConfig, bf16: bool) -> float:
+    """Ulysses' in-flight copies per local token: q, k and v (KV heads repeated to the query
+    heads where the group does not divide them: counted at the query heads) three times (the
+    shard's, the send buffer, the received record's share)."""
+    v = cfg.v_head_dim if cfg.attention == "mla" else cfg.head_dim
+    per_head = 2 * cfg.head_dim + v
+    return 3 * cfg.num_attention_heads * per_head * (2 if bf16 else 4)
+
+
 def plan_memory(
     draft_cfg: DraftConfig, run: RunShape, zero: ZeroSetup, node: Node, lm_head_rows: int
 ) -> Plan:
@@ -182,7 +197,8 @@ def plan_memory(
     deepspeed = zero.stage > 0
     weight_b = 2 if (deepspeed and run.bf16) else 4
     shards = node.gpus if deepspeed else 1
-    tokens = run.max_length * run.batch_size  # one micro-batch row set
+    sp = run.sequence_parallel
+    tokens = run.max_length * run.batch_size // sp  # one micro-batch row set (this rank's shard)
     Ht = draft_cfg.target_hidden_size
     p = Plan(card_bytes=node.gpu_bytes, run=run)
 
@@ -226,7 +242,16 @@ def plan_memory(
     else:  # one tile's fp32 scores, probabilities and gradient
         acts += 3 * 4 * draft_cfg.num_attention_heads * TILE_ROWS * TILE_KEYS
     p.parts["activations"] = acts
-    p.notes["activations"] = f"{note} ({run.attention_path})"
+    p.notes["activations"] = f"{note} ({run.attention_path})" + (
+        f", 1/{sp} of each record (sequence parallel)" if sp > 1 else ""
+    )
+    if sp > 1:  # q, k, v of one step: the shard's, the whole record's share, the send copies
+        exchange = sp_exchange_bytes_per_token(draft_cfg, run.bf16)
+        p.parts["SP all-to-all"] = exchange * tokens
+        p.notes["SP all-to-all"] = (
+            f"{exchange / 1024:.0f} KiB/token x {tokens} tokens: one TTT step's q/k/v all-to-all"
+        )
+        act_tok += exchange
 
     label_tok = 4 * draft_cfg.draft_vocab_size + 1
     p.parts["soft labels"] = label_tok * tokens * run.labels_held + (
@@ -254,7 +279,7 @@ def plan_memory(
             if run.engine_weights_bytes
             else ""
         )
-    p.per_token_bytes = act_tok + label_tok * run.labels_held + hidden_tok * run.grad_accum
+    p.per_token_bytes = (act_tok + label_tok * run.labels_held + hidden_tok * run.grad_accum) / sp
     return p
 
 
@@ -388,16 +413,19 @@ def recipe_plan(
 ) -> Plan:
     """The plan of a recipe (train/config.py's Config) on `node` under a DeepSpeed config."""
     from train.draft import draft_config
+    from train.sequence_parallel import check_heads, sp_groups
 
     if draft_cfg is None:
         hf = target_shape(cfg.target.name)
         aux = cfg.target.aux_layer_ids or [1, 2, 3]  # their values cost nothing
         draft_cfg = draft_config(cfg, hf, min(cfg.model.draft_vocab_size, hf.vocab_size), aux)
+    sp_groups(node.gpus, cfg.train.sequence_parallel)  # one line when sp does not divide them
+    check_heads(draft_cfg.num_attention_heads, cfg.train.sequence_parallel)
     mixed = cfg.train.mixed_precision
     tensor_parallel = cfg.target.engine.tensor_parallel_size or node.gpus
     online_served = cfg.data.mode == "online" and cfg.target.engine.kind == "vllm"
     run = RunShape(
-        max_length=cfg.data.pack_length if cfg.data.packing else cfg.data.max_length,
+        max_length=(cfg.data.packing and cfg.data.pack_length) or cfg.data.max_length,
         batch_size=cfg.data.batch_size,
         grad_accum=cfg.optim.grad_accum,
         ttt_steps=cfg.model.ttt_steps,
@@ -409,6 +437,7 @@ def recipe_plan(
         engine_weights_bytes=served_weights_gb(cfg.target.name) * GB / tensor_parallel
         if online_served
         else 0.0,
+        sequence_parallel=cfg.train.sequence_parallel,
     )
     return plan_memory(draft_cfg, run, read_zero(ds_config), node, draft_cfg.vocab_size)
 

@@ -72,6 +72,15 @@ def data_layout(rank: int, world: int, sp: int) -> DataLayout:
     )
 
 
+def check_heads(heads: int, sp: int) -> None:
+    """Ulysses splits the attention heads over the group: sp must divide them (one line)."""
+    if heads % sp:
+        raise Eagle3Error(
+            f"train.sequence_parallel={sp} splits the draft's {heads} attention heads between "
+            f"the ranks of a group: choose a divisor of {heads}"
+        )
+
+
 def make_group(layout: DataLayout):
     """This rank's process group (torch wants every rank to create every group, in order)."""
     world = layout.data_size * layout.sp

@@ -84,6 +84,14 @@ from train.memory_plan import (
 from train.metrics import MetricsLog, MetricSums, peak_memory_gb
 from train.online_target import captured_ahead, report_engines, start_served
 from train.optim import make_optimizer
+from train.sequence_parallel import (
+    DataLayout,
+    check_heads,
+    data_layout,
+    make_group,
+    sequence_parallel,
+    shard_batch,
+)
 from train.soft_label_cache import make_label_cache
 from train.soft_labels import Labeller
 from train.train_data import (
@@ -115,12 +123,20 @@ class Run:
     data: TrainData
     total_steps: int
     start_step: int  # optimizer steps already done: the resumed checkpoint's step, else 0
+    layout: DataLayout  # this rank's data-parallel rank and sequence-parallel group place
+    sp_group: object = None  # train.sequence_parallel > 1: this rank's group (else None)
 
 
 def setup(cfg: Config) -> Run:
     """Data -> draft vocab -> model/optimizer -> resume -> logger and data stream."""
     accelerator, hidden_dtype = make_accelerator(cfg)
-    world = accelerator.num_processes
+    # sequence parallelism: groups of train.sequence_parallel ranks share each record, so the
+    # batch plan is made for world / sp data ranks (train/sequence_parallel.py)
+    layout = data_layout(
+        accelerator.process_index, accelerator.num_processes, cfg.train.sequence_parallel
+    )
+    sp_group = make_group(layout) if layout.sp > 1 else None
+    world = layout.data_size
     out_dir = Path(cfg.train.out_dir)
     resume = find_resume(cfg, out_dir)
     set_seed(cfg.train.seed)
@@ -132,6 +148,7 @@ def setup(cfg: Config) -> Run:
     if cfg.data.packing:
         pack_rows(cfg, accelerator, data)
     draft = build_draft(cfg, facts, vocab, data)
+    check_heads(draft.config.num_attention_heads, layout.sp)
     check_memory(cfg, accelerator, draft.config)  # before the optimizer and batches take any
     total_steps = count_steps(cfg, data.lengths, world)
     label_cache = make_label_cache(cfg, data.lengths, world, total_steps)
@@ -147,8 +164,10 @@ def setup(cfg: Config) -> Run:
         (out_dir / "provenance.json").write_text(json.dumps(data.provenance, indent=1))
         print(cfg.to_yaml(), flush=True)
         print(
-            f"{cfg.data.mode} training on {world} process(es) "
-            f"({accelerator.distributed_type.value}, {type(model).__name__}): "
+            f"{cfg.data.mode} training on {accelerator.num_processes} process(es) "
+            f"({accelerator.distributed_type.value}, {type(model).__name__}"
+            + (f", {world} groups of {layout.sp} sequence-parallel ranks" if layout.sp > 1 else "")
+            + "): "
             f"{len(data.lengths)} sequences, {total_steps} steps, draft vocab {vocab.size}"
             + (f", resuming from {resume} (step {start_step})" if resume else "")
             + (
@@ -175,7 +194,7 @@ def setup(cfg: Config) -> Run:
         data.lengths,
         batch_size=cfg.data.batch_size,
         grad_accum=cfg.optim.grad_accum,
-        rank=accelerator.process_index,
+        rank=layout.data_rank,
         world_size=world,
         seed=cfg.train.seed,
         group_by_length=cfg.data.group_by_length,
@@ -222,6 +241,8 @@ def setup(cfg: Config) -> Run:
         data=data,
         total_steps=total_steps,
         start_step=start_step,
+        layout=layout,
+        sp_group=sp_group,
     )
 
 
@@ -242,18 +263,54 @@ def check_memory(cfg: Config, accelerator: Accelerator, draft_cfg) -> None:
 
 
 # -- the loop ---------------------------------------------------------------------------------------
+def labelled(run: Run, batch: dict, split: str = "train", probs: bool = True) -> dict:
+    """A collated micro-batch on the device with its labels (run.labelled); under sequence
+    parallelism this rank's shard of it (train/sequence_parallel.py), with "queries" (the
+    shard's positions, what its loss counts), its global position ids and "sp" (the model's
+    sequence_parallel argument). Without: "queries" and "sp" None."""
+    if run.sp_group is None:
+        return {**run.labelled(batch, split, probs), "queries": None, "sp": None}
+    device = run.accelerator.device
+    shard = shard_batch(batch, run.layout.sp_rank, run.layout.sp, run.cfg.model.ttt_steps)
+    mb = run.labelled(shard, split, probs)
+    mb["position_ids"] = shard["position_ids"].to(device)  # the record's, not from 0
+    mb["queries"] = shard["queries"]
+    mb["slots"] = mb["input_ids"].shape[0] * shard["queries"]  # not the halo
+    mb["sp"] = sequence_parallel(run.sp_group, shard, device)
+    return mb
+
+
+def forward_loss(run: Run, mb: dict, denominators: list[float] | None = None):
+    """The TTT forward of a labelled micro-batch and its loss -> (loss, metrics)."""
+    step_logits = run.model(
+        mb["input_ids"], mb["aux"], mb["segment_ids"], mb["position_ids"], mb["sp"]
+    )
+    return ttt_loss(
+        step_logits,
+        mb["probs"],
+        mb["in_vocab"],
+        mb["loss_mask"],
+        run.cfg.model.step_weight,
+        denominators,
+        mb["segment_ids"],
+        mb["queries"],
+    )
+
+
 def loss_denominators(run: Run, micro_batches: list[dict]) -> list[float]:
     """Per-TTT-step loss denominators of one optimizer step: the valid label positions of all
     its micro-batches on all ranks, so each micro-loss is a share of the whole step's mean."""
     K, G = run.cfg.model.ttt_steps, run.cfg.optim.grad_accum
     counts = torch.stack(
         [
-            valid_counts(mb["in_vocab"], mb["loss_mask"], K, mb["segment_ids"])
+            valid_counts(mb["in_vocab"], mb["loss_mask"], K, mb["segment_ids"], mb["queries"])
             for mb in micro_batches
         ]
     )
     counts = run.accelerator.reduce(counts.sum(0), reduction="sum")
-    # accelerate divides each micro-loss by G and DDP averages ranks: undo both here
+    # accelerate divides each micro-loss by G and DDP averages ranks: undo both here. Under
+    # sequence parallelism the shards' counts add up to their records' and DDP's mean over
+    # every rank, undone the same way, sums a group's partial gradients (train/sequence_parallel.py)
     return (counts.double() / (run.accelerator.num_processes * G)).tolist()
 
 
@@ -288,15 +345,15 @@ def validate(run: Run) -> dict[str, float]:
     """TTT loss, acc_k (over every loss-masked position) and simulated tau on the held-out
     conversations; every rank takes part."""
     accelerator, w = run.accelerator, run.cfg.model.step_weight
-    world, rank = accelerator.num_processes, accelerator.process_index
     sums = MetricSums(run.cfg.model.ttt_steps, accelerator.device)
     run.model.eval()
-    for indices, counts in val_batches(run.data.val_lengths, run.cfg.data.batch_size, world, rank):
+    for indices, counts in val_batches(
+        run.data.val_lengths, run.cfg.data.batch_size, run.layout.data_size, run.layout.data_rank
+    ):
         batch = collate([run.data.val_dataset[i] for i in indices])
         batch["index"] = torch.tensor(indices)
-        mb = run.labelled(batch, "val")
-        step_logits = run.model(mb["input_ids"], mb["aux"])
-        _, m = ttt_loss(step_logits, mb["probs"], mb["in_vocab"], mb["loss_mask"], w)  # unpacked
+        mb = labelled(run, batch, "val")
+        _, m = forward_loss(run, mb)  # unpacked
         if counts:
             sums.add(m, mb)
     run.model.train()
@@ -341,23 +398,12 @@ def train_loop(run: Run) -> None:
         try:  # out of memory: one line naming the step, its lengths and what to change
             # every micro-batch's valid label positions first (the loss denominators), then
             # each one's soft labels just before its forward: one (T, draft vocab) set at a time
-            labelled = [run.labelled(batch, probs=False) for batch in micro_batches]
-            denominators = loss_denominators(run, labelled)
-            for mb in labelled:
+            shards = [labelled(run, batch, probs=False) for batch in micro_batches]
+            denominators = loss_denominators(run, shards)
+            for mb in shards:
                 run.labelled.soft_labels(mb)
                 with accelerator.accumulate(model):
-                    step_logits = model(
-                        mb["input_ids"], mb["aux"], mb["segment_ids"], mb["position_ids"]
-                    )
-                    loss, m = ttt_loss(
-                        step_logits,
-                        mb["probs"],
-                        mb["in_vocab"],
-                        mb["loss_mask"],
-                        cfg.model.step_weight,
-                        denominators,
-                        mb["segment_ids"],
-                    )
+                    loss, m = forward_loss(run, mb, denominators)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:
                         grad_norm = clip_gradients(run)
