@@ -142,3 +142,36 @@ def test_sequence_parallel_training_equals_one_process(
     final = [load_file(str(d / "final" / "model.safetensors")) for d in (one, two)]
     for name, tensor in final[0].items():
         assert tensor.float().allclose(final[1][name].float(), atol=1e-5), name
+
+
+def test_sequence_parallel_long_kimi_recipe_plan_fits_8x96():
+    """~6 s: `--plan --gpus 8 --gpu-memory-gb 96` for the 65,536-token Kimi recipe says it fits
+    (flex and chunked); a rank holds an eighth of each row, so its activations are the 8k
+    recipe's; without sequence parallelism the same row is refused."""
+    from train.config import load_config
+    from train.memory_plan import GB, Node, read_launch_config, recipe_plan
+
+    long = REPO / "configs/train/kimi-k2.5-offline-long.yaml"
+    proc = subprocess.run(
+        [sys.executable, "train/train_drafter.py", "--config", str(long), "--plan", "--gpus", "8",
+         "--gpu-memory-gb", "96"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "fits" in proc.stdout and "SP all-to-all" in proc.stdout
+
+    ds = read_launch_config(REPO / "configs/accelerate/8gpu-zero2.yaml")
+    node = Node(8, 96 * GB)
+    cfg = load_config(long, check_paths=False)
+    assert cfg.train.sequence_parallel == 8 and cfg.data.max_length == 65536
+    assert recipe_plan(cfg, node, ds, "chunked").fits
+    whole = recipe_plan(load_config(long, ["train.sequence_parallel=1"], False), node, ds, "flex")
+    assert not whole.fits
+    short = recipe_plan(
+        load_config(long, ["train.sequence_parallel=1", "data.max_length=8192"], False),
+        node, ds, "flex",
+    )  # fmt: skip
+    assert recipe_plan(cfg, node, ds, "flex").parts["activations"] == pytest.approx(
+        short.parts["activations"]
+    )
