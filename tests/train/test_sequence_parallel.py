@@ -175,3 +175,24 @@ def test_sequence_parallel_long_kimi_recipe_plan_fits_8x96():
     assert recipe_plan(cfg, node, ds, "flex").parts["activations"] == pytest.approx(
         short.parts["activations"]
     )
+
+
+@pytest.mark.slow
+def test_sequence_parallel_with_data_parallel_groups_equals_one_process(
+    tmp_path, helpers, tiny_llama_dir, shard_dir
+):
+    """~50 s: 4 gloo ranks as 2 data-parallel groups of 2 sequence-parallel ranks, a record per
+    group, log the losses and gradient norms of one process with both records in its batch,
+    and export the same weights."""
+    data = {**helpers.offline(shard_dir), "train.export_dtype": "fp32", "data.val_fraction": 0}
+    one, four = tmp_path / "one", tmp_path / "four"
+    helpers.run_cli(helpers.common_args(tiny_llama_dir, one, **data, **{"data.batch_size": 2}))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
+                "--master_port", str(free_port())]  # fmt: skip
+    sp = {"data.batch_size": 1, "train.sequence_parallel": 2}
+    helpers.run_cli(helpers.common_args(tiny_llama_dir, four, **data, **sp), launcher=torchrun)
+    for key in ("loss", "grad_norm", "acc_0", "acc_6"):
+        assert helpers.losses(four, key) == pytest.approx(helpers.losses(one, key), rel=1e-5), key
+    final = [load_file(str(d / "final" / "model.safetensors")) for d in (one, four)]
+    for name, tensor in final[0].items():
+        assert tensor.float().allclose(final[1][name].float(), atol=1e-5), name
