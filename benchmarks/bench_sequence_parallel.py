@@ -16,6 +16,7 @@ Each arm runs in fresh processes, so their peaks are their own. After a warm-up 
 tokens (gradients allocated, kernels warm) each process measures one step at the full length:
 the step's peak RSS (VmHWM, reset through /proc/self/clear_refs) minus its RSS before the step,
 the activation part of a rank's memory, and the step's seconds (a shared machine's: indicative).
+glibc's mmap threshold is fixed at 1 MiB in the workers (run_arm says why).
 The printed ratio is the largest rank's peak over the one process's; sequence parallelism's
 goal is 1 / ranks.
 """
@@ -81,6 +82,7 @@ def worker(spec: dict) -> None:
     cfg = DraftConfig(**SIZE, **HEADS[spec["attention"]])
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
+    draft.midlayer.self_attn.ttt_impl = spec["ttt_impl"]
 
     def batch(T: int) -> dict:
         g = torch.Generator().manual_seed(T)
@@ -130,11 +132,17 @@ def run_arm(args: argparse.Namespace, world: int) -> list[dict]:
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads)}
+    # glibc serves blocks under its mmap threshold (grown up to 32 MiB as blocks are freed)
+    # from heaps it keeps and fragments, so the RSS peak of a step made of 10-30 MiB tensors
+    # (a rank's share at a few thousand tokens) swings by hundreds of MiB between runs; a fixed
+    # 1 MiB threshold maps every tensor of 1 MiB or more and returns it when freed: the peak is
+    # the live tensors'
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**20))
     procs = []
     for rank in range(world):
         spec = dict(
             rank=rank, world=world, port=port, tokens=args.tokens, attention=args.attention,
-            ttt_steps=args.ttt_steps, threads=args.threads,
+            ttt_steps=args.ttt_steps, threads=args.threads, ttt_impl=args.ttt_impl,
         )  # fmt: skip
         cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
@@ -154,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ranks", type=int, default=2, help="the sequence-parallel group size")
     parser.add_argument("--attention", choices=sorted(HEADS), default="mla")
     parser.add_argument("--ttt-steps", type=int, default=3)
+    parser.add_argument("--ttt-impl", default="auto", help="the TTT attention kernel")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--json", help="write the numbers here too")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -168,6 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
         "attention": args.attention,
         "tokens": args.tokens,
         "ttt_steps": args.ttt_steps,
+        "ttt_impl": args.ttt_impl,
         "ranks": args.ranks,
         "one_process": one,
         "sequence_parallel": group,

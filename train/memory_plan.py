@@ -100,6 +100,9 @@ class Plan:
     card_bytes: float = 0.0
     per_token_bytes: float = 0.0  # everything that grows with max_length x batch_size
     run: RunShape | None = None
+    ranks: int = 1  # the node's GPUs: the sequence-parallel sizes there are
+    heads: int = 1  # the draft's attention heads (a sequence-parallel size must divide them)
+    sp_exchange_bytes: float = 0.0  # the all-to-all copies per local token under sequence parallel
 
     @property
     def total(self) -> float:
@@ -200,7 +203,13 @@ def plan_memory(
     sp = run.sequence_parallel
     tokens = run.max_length * run.batch_size // sp  # one micro-batch row set (this rank's shard)
     Ht = draft_cfg.target_hidden_size
-    p = Plan(card_bytes=node.gpu_bytes, run=run)
+    p = Plan(
+        card_bytes=node.gpu_bytes,
+        run=run,
+        ranks=node.gpus,
+        heads=draft_cfg.num_attention_heads,
+        sp_exchange_bytes=sp_exchange_bytes_per_token(draft_cfg, run.bf16),
+    )
 
     p.parts["draft weights"] = (trainable + frozen) * weight_b
     p.notes["draft weights"] = (
@@ -294,6 +303,21 @@ def fitting_length(plan: Plan) -> int:
     return int(room / (plan.per_token_bytes * run.batch_size)) // 256 * 256
 
 
+def fitting_sequence_parallel(plan: Plan) -> int:
+    """The smallest train.sequence_parallel above the plan's (dividing the ranks and the
+    heads) under which it fits the card, 0 if none."""
+    run, sp = plan.run, plan.run.sequence_parallel
+    tokens = run.max_length * run.batch_size
+    fixed = plan.total - plan.per_token_bytes * tokens
+    per_rank_token = plan.per_token_bytes * sp - (plan.sp_exchange_bytes if sp > 1 else 0.0)
+    for more in range(sp + 1, plan.ranks + 1):
+        if plan.ranks % more or plan.heads % more:
+            continue
+        if fixed + (per_rank_token + plan.sp_exchange_bytes) * tokens / more <= plan.card_bytes:
+            return more
+    return 0
+
+
 def engine_loads(plan: Plan) -> bool:
     """Whether the engine's share of a card holds the target's weights, with 10% for its KV
     cache and activations (unknown weights: assumed to)."""
@@ -326,6 +350,9 @@ def check_fits(plan: Plan, online: bool) -> None:
     length = fitting_length(plan)
     if length >= 512:
         options.append(f"data.max_length={length}")
+    sp = fitting_sequence_parallel(plan)
+    if sp:
+        options.append(f"train.sequence_parallel={sp} (each record split over {sp} ranks)")
     if run.batch_size > 1:
         options.append("data.batch_size=1")
     if online and run.engine_fraction:

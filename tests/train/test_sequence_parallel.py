@@ -5,6 +5,7 @@ of data x sequence parallelism; the shards' halo and padding."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -149,7 +150,7 @@ def test_sequence_parallel_long_kimi_recipe_plan_fits_8x96():
     (flex and chunked); a rank holds an eighth of each row, so its activations are the 8k
     recipe's; without sequence parallelism the same row is refused."""
     from train.config import load_config
-    from train.memory_plan import GB, Node, read_launch_config, recipe_plan
+    from train.memory_plan import GB, Node, check_fits, read_launch_config, recipe_plan
 
     long = REPO / "configs/train/kimi-k2.5-offline-long.yaml"
     proc = subprocess.run(
@@ -167,7 +168,8 @@ def test_sequence_parallel_long_kimi_recipe_plan_fits_8x96():
     assert cfg.train.sequence_parallel == 8 and cfg.data.max_length == 65536
     assert recipe_plan(cfg, node, ds, "chunked").fits
     whole = recipe_plan(load_config(long, ["train.sequence_parallel=1"], False), node, ds, "flex")
-    assert not whole.fits
+    with pytest.raises(Eagle3Error, match=r"or train.sequence_parallel=8 \(each record split"):
+        check_fits(whole, online=False)  # the refusal names the group size that fits
     short = recipe_plan(
         load_config(long, ["train.sequence_parallel=1", "data.max_length=8192"], False),
         node, ds, "flex",
@@ -196,3 +198,28 @@ def test_sequence_parallel_with_data_parallel_groups_equals_one_process(
     final = [load_file(str(d / "final" / "model.safetensors")) for d in (one, four)]
     for name, tensor in final[0].items():
         assert tensor.float().allclose(final[1][name].float(), atol=1e-5), name
+
+
+@pytest.mark.slow
+def test_sequence_parallel_under_deepspeed_zero2_equals_one_process(
+    tmp_path, monkeypatch, helpers, tiny_llama_dir, shard_dir
+):
+    """~60 s: the Kimi recipes' launch (configs/accelerate/8gpu-zero2.yaml, DeepSpeed ZeRO-2,
+    here 2 CPU processes on gloo) with train.sequence_parallel=2 logs the losses and gradient
+    norms of one plain process: DeepSpeed's gradient mean over the world sums the group's
+    partial gradients as DDP's does."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs deepspeed (pip install -e '.[dev]')")
+    data = {**helpers.offline(shard_dir), "train.export_dtype": "fp32", "data.val_fraction": 0}
+    data["data.batch_size"] = 2
+    one, two = tmp_path / "one", tmp_path / "zero2"
+    helpers.run_cli(helpers.common_args(tiny_llama_dir, one, **data))
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(REPO / "configs/accelerate/8gpu-zero2.yaml"), "--num_processes", "2",
+              "--main_process_port", str(free_port())]  # fmt: skip
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator (helpers.env)
+    args = helpers.common_args(tiny_llama_dir, two, **data, **{"train.sequence_parallel": 2})
+    proc = helpers.run_cli(args, launcher=launch)
+    assert "(DEEPSPEED, DeepSpeedEngine, 1 groups of 2 sequence-parallel ranks)" in proc.stdout
+    for key in ("loss", "grad_norm", "acc_0", "acc_6"):
+        assert helpers.losses(two, key) == pytest.approx(helpers.losses(one, key), rel=1e-5), key
