@@ -204,10 +204,10 @@ def test_sequence_parallel_with_data_parallel_groups_equals_one_process(
 def test_sequence_parallel_under_deepspeed_zero2_equals_one_process(
     tmp_path, monkeypatch, helpers, tiny_llama_dir, shard_dir
 ):
-    """~150 s (DeepSpeed imports): the Kimi recipes' launch (configs/accelerate/8gpu-zero2.yaml, DeepSpeed ZeRO-2,
-    here 2 CPU processes on gloo) with train.sequence_parallel=2 logs the losses and gradient
-    norms of one plain process: DeepSpeed's gradient mean over the world sums the group's
-    partial gradients as DDP's does."""
+    """~150 s (DeepSpeed's imports): the Kimi recipes' launch (8gpu-zero2.yaml: DeepSpeed
+    ZeRO-2, here 2 CPU processes on gloo) with train.sequence_parallel=2 logs the losses and
+    gradient norms of one plain process: DeepSpeed's gradient mean over the world sums the
+    group's partial gradients as DDP's does."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs deepspeed (pip install -e '.[dev]')")
     data = {**helpers.offline(shard_dir), "train.export_dtype": "fp32", "data.val_fraction": 0}
