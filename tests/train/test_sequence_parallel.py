@@ -18,7 +18,13 @@ from safetensors.torch import load_file
 
 from eagle3.engine.server import free_port
 from eagle3.errors import Eagle3Error
-from train.sequence_parallel import data_layout, shard_batch, shard_bounds, sp_groups
+from train.sequence_parallel import (
+    check_heads,
+    data_layout,
+    shard_batch,
+    shard_bounds,
+    sp_groups,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "train" / "sequence_parallel_worker.py"
@@ -88,6 +94,25 @@ def test_sequence_parallel_groups_and_data_ranks():
     assert data_layout(3, 4, 1).data_rank == 3  # sp 1: plain data parallelism
     with pytest.raises(Eagle3Error, match="must divide the 6 processes"):
         sp_groups(6, 4)
+    check_heads(64, 8)  # Kimi's MLA draft on 8 GPUs; its GQA draft's 56 query heads too
+    check_heads(56, 8)
+    with pytest.raises(Eagle3Error, match="splits the draft's 56 attention heads"):
+        check_heads(56, 16)
+
+
+def test_sequence_parallel_config_is_offline_only_and_positive(tmp_path):
+    """<1 s: train.sequence_parallel is checked with the rest of the config, in one line."""
+    from eagle3.errors import ConfigError
+    from train.config import load_config
+
+    records = tmp_path / "r.jsonl"
+    records.write_text("")
+    online = ["data.mode=online", f"data.records=[{records}]", "train.sequence_parallel=2"]
+    with pytest.raises(ConfigError, match="train.sequence_parallel splits captured records"):
+        load_config(None, online)
+    with pytest.raises(ConfigError, match="train.sequence_parallel must be >= 1"):
+        load_config(None, ["data.shard_dirs=[x]", "train.sequence_parallel=0"], False)
+    assert load_config(None, ["data.shard_dirs=[x]"], False).train.sequence_parallel == 1
 
 
 def test_sequence_parallel_shards_carry_the_halo_and_pad_the_last():
