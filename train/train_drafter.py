@@ -492,10 +492,12 @@ def print_plan(cfg: Config, args: argparse.Namespace) -> None:
     ds_config = read_launch_config(args.accelerate_config or launch_config_path())
     path = args.attention_path or cfg.model.draft.ttt_attention
     plan = recipe_plan(cfg, node, ds_config, "flex" if path == "auto" else path)
+    sp = cfg.train.sequence_parallel
     if int(os.environ.get("RANK", "0")) == 0:
         print(
-            f"{cfg.data.mode} recipe, {node.gpus} ranks, DeepSpeed ZeRO-"
-            f"{read_zero(ds_config).stage}:\n{plan.table()}",
+            f"{cfg.data.mode} recipe, {node.gpus} ranks"
+            + (f" (sequence parallel {sp})" if sp > 1 else "")
+            + f", DeepSpeed ZeRO-{read_zero(ds_config).stage}:\n{plan.table()}",
             flush=True,
         )
     check_fits(plan, online=cfg.data.mode == "online")
