@@ -9,7 +9,13 @@ config.json
     null or linear/YaRN in the form vLLM and SGLang both read the same way, see
     eagle3.rope.rope_scaling_for_engines; configs without it load as unscaled),
     `vocab_size` (the TARGET vocab), `draft_vocab_size`, `target_hidden_size`, `tie_word_embeddings: false`, `torch_dtype`,
-    and `eagle_config: {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state: true}`.
+    and `eagle_config: {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state: true, method}`.
+
+    EAGLE-3.1 (eagle3.model's docstring): top-level `fc_norm` and `norm_output`, the switches
+    vLLM reads, true for method "eagle3.1" (with the tensors `fc_norm.{0,1,2}.weight`), false
+    for "eagle3". `eagle_config.method` is ours: loading refuses a config whose switches
+    disagree with it, and weights whose fc_norm tensors disagree with the flag, because vLLM
+    reads only the switches and would silently serve plain EAGLE-3.
 
     Aux layer ids, written twice because the engines read different keys with different
     conventions (checked against their loaders):
@@ -44,8 +50,8 @@ The MLA draft (DraftConfig.attention "mla") is the same directory for vLLM's
   `num_key_value_heads`), `q_lora_rank` (null: a plain q_proj), `kv_lora_rank`,
   `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`, `rope_theta` and `rope_scaling` in
   DeepSeek's YaRN keys (eagle3.rope.deepseek_rope_scaling), `n_routed_experts: 1`,
-  `norm_before_residual` / `fc_norm` / `norm_output` false, and the same vocab, aux-id,
-  speculators and extra_config keys as above.
+  `norm_before_residual` false, and the same vocab, aux-id, EAGLE-3.1, speculators and
+  extra_config keys as above.
 - model.safetensors: midlayer.self_attn.{q_a_proj, q_a_layernorm, q_b_proj (or q_proj),
   kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}.weight in place of q/k/v/o_proj;
   everything else as above. vLLM's load_weights renames midlayer. -> layers.0., fuses q_a_proj
@@ -68,15 +74,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3.errors import Eagle3Error
-from eagle3.model import MLA_FIELDS, DraftConfig, Eagle3Draft
+from eagle3.model import METHODS, MLA_FIELDS, DraftConfig, Eagle3Draft
 from eagle3.rope import deepseek_rope_scaling
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # the GQA draft
 # The MLA draft: vLLM's Eagle3DeepseekV3ForCausalLM, an alias of its V2 class (both accepted)
 MLA_ARCHITECTURE = "Eagle3DeepseekV3ForCausalLM"
 MLA_ARCHITECTURES = (MLA_ARCHITECTURE, "Eagle3DeepseekV2ForCausalLM")
-# vLLM's DeepseekV2Eagle3DecoderLayer switches, all off: eagle3.model's definition (its docstring)
-MLA_NORM_SWITCHES = ("norm_before_residual", "fc_norm", "norm_output")
+# EAGLE-3.1's switches (eagle3.model's docstring): written to config.json for both draft kinds,
+# where vLLM reads them (getattr(config, switch, False) in llama_eagle3 and deepseek_eagle3)
+EAGLE31_SWITCHES = ("fc_norm", "norm_output")
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 EMBED_KEY = "embed_tokens.weight"  # part of Eagle3Draft, never saved
@@ -146,6 +153,9 @@ def checkpoint_config(
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": aux,
             "use_aux_hidden_state": cfg.feature == "aux",
+            # ours: load_config checks the switches above against it (flags that never
+            # reach config.json would silently serve another method)
+            "method": cfg.method,
         },
         "speculators_config": {
             "algorithm": "eagle3",
@@ -169,7 +179,7 @@ def checkpoint_config(
 
 def _gqa_layer(cfg: DraftConfig) -> dict[str, Any]:
     """A Llama config of one decoder layer (the module docstring)."""
-    skip = {"aux_layer_ids", "attention", *MLA_FIELDS}
+    skip = {"aux_layer_ids", "attention", "method", *MLA_FIELDS}
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -188,7 +198,7 @@ def _mla_layer(cfg: DraftConfig) -> dict[str, Any]:
     because DeepseekV2Config refuses null (the draft layer is dense: vLLM never reads it). No
     head_dim: vLLM sizes MLA heads from the qk/v head dims and caches kv_lora_rank + rope.
     """
-    skip = {"aux_layer_ids", "attention", "head_dim", "rope_scaling", "q_lora_rank"}
+    skip = {"aux_layer_ids", "attention", "method", "head_dim", "rope_scaling", "q_lora_rank"}
     return {
         "architectures": [MLA_ARCHITECTURE],
         "model_type": "deepseek_v2",
@@ -197,7 +207,7 @@ def _mla_layer(cfg: DraftConfig) -> dict[str, Any]:
         "q_lora_rank": cfg.q_lora_rank or None,  # null: q_proj from the input, no q_a/q_b
         "rope_scaling": deepseek_rope_scaling(cfg.rope_scaling),
         "n_routed_experts": 1,
-        **{switch: False for switch in MLA_NORM_SWITCHES},
+        "norm_before_residual": False,  # eagle3.model's residual: the incoming h
         "attention_bias": False,
     }
 
@@ -251,6 +261,12 @@ def load_config(ckpt_dir: str | Path) -> tuple[DraftConfig, dict[str, Any]]:
             f"{path} has architectures={raw.get('architectures')}, expected [{ARCHITECTURE!r}] "
             f"or [{MLA_ARCHITECTURE!r}]: not an EAGLE-3 drafter checkpoint"
         )
+    if raw.get("norm_before_residual"):
+        raise Eagle3Error(
+            f"{path}: norm_before_residual is on, a layer whose residual is hidden_norm(h); this "
+            "project's layer keeps the incoming h (eagle3.model), so it would decode another "
+            "function than vLLM serves: retrain or re-export without it"
+        )
     aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     top = raw.get("eagle_aux_hidden_state_layer_ids")  # vLLM convention (project id + 1)
     if aux is None and top is not None:
@@ -264,7 +280,11 @@ def load_config(ckpt_dir: str | Path) -> tuple[DraftConfig, dict[str, Any]]:
             f"layers) should be eagle_config's {aux} + 1 = {vllm_aux_layer_ids(aux)}; "
             "re-export the checkpoint"
         )
-    values: dict[str, Any] = {"aux_layer_ids": aux, "attention": attention}
+    values: dict[str, Any] = {
+        "aux_layer_ids": aux,
+        "attention": attention,
+        "method": _method(path, raw),
+    }
     if attention == "mla":
         values["q_lora_rank"] = raw.get("q_lora_rank") or 0
         values["head_dim"] = raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"]
@@ -279,6 +299,27 @@ def load_config(ckpt_dir: str | Path) -> tuple[DraftConfig, dict[str, Any]]:
         return DraftConfig(**values), raw
     except (Eagle3Error, TypeError) as err:
         raise Eagle3Error(f"{path}: {err}; re-export the checkpoint") from err
+
+
+def _method(path: Path, raw: dict[str, Any]) -> str:
+    """The draft method config.json records (eagle_config.method, ours), checked against the
+    switches vLLM reads; a peer's checkpoint without it is eagle3.1 when both switches are on,
+    else eagle3 with whatever switch it sets."""
+    switches = {switch: bool(raw.get(switch, False)) for switch in EAGLE31_SWITCHES}
+    method = (raw.get("eagle_config") or {}).get("method")
+    if method is None:
+        return "eagle3.1" if all(switches.values()) else "eagle3"
+    if method not in METHODS:
+        raise Eagle3Error(f"{path}: eagle_config.method {method!r} is not one of {METHODS}")
+    want = method == "eagle3.1"
+    wrong = [f"{s}: {str(on).lower()}" for s, on in switches.items() if on != want]
+    if wrong:
+        raise Eagle3Error(
+            f"{path} records method {method} but has {', '.join(wrong)}: vLLM reads only the "
+            f"switches and would serve another method than was trained; set "
+            f"{' and '.join(s for s in switches)} to {str(want).lower()} or re-export"
+        )
+    return method
 
 
 def _check_mla_config(path: Path, raw: dict[str, Any]) -> None:
@@ -302,11 +343,25 @@ def _check_mla_config(path: Path, raw: dict[str, Any]) -> None:
     missing = [name for name in MLA_FIELDS[1:] if not isinstance(raw.get(name), int)]
     if missing:
         problems.append(f"it lacks the MLA dims {missing}")
-    on = [switch for switch in MLA_NORM_SWITCHES if raw.get(switch)]
-    if on:
-        problems.append(f"{on} are on: this project trains and decodes with them off")
     if problems:
         raise Eagle3Error(f"{path}: an MLA drafter vLLM would not serve as trained: {problems[0]}")
+
+
+def _check_fc_norm(weights: Path, cfg: DraftConfig, state: dict[str, torch.Tensor]) -> None:
+    """fc_norm's flag and tensors agree: vLLM skips fc_norm.* weights whose flag is off (plain
+    EAGLE-3 served for an EAGLE-3.1 drafter) and fails on a flag without weights."""
+    has = any(key.startswith("fc_norm.") for key in state)
+    if has and not cfg.fc_norm:
+        raise Eagle3Error(
+            f"{weights} has fc_norm.* weights but config.json says fc_norm: false: vLLM would "
+            "ignore them and serve plain EAGLE-3; set fc_norm (and norm_output) true for an "
+            "EAGLE-3.1 drafter, or re-export"
+        )
+    if cfg.fc_norm and not has:
+        raise Eagle3Error(
+            f"{weights} has no fc_norm.* weights but config.json says fc_norm: true; "
+            "re-export the checkpoint (or set fc_norm: false if it was trained without)"
+        )
 
 
 def load_draft(
@@ -337,6 +392,7 @@ def load_draft(
     except Exception as err:  # safetensors raises its own error types for a corrupt header
         raise Eagle3Error(f"{weights} cannot be read ({err}); re-export the checkpoint") from err
     file_embed = state.pop(EMBED_KEY, None)  # some exporters include it; use it if no target given
+    _check_fc_norm(weights, cfg, state)
     missing = sorted(expected.keys() - state.keys())
     if missing:
         raise Eagle3Error(f"{weights} is missing tensor {missing[0]!r} (missing: {missing})")

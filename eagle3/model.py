@@ -10,12 +10,23 @@ Definition (the EAGLE-3 paper; parameter names as in SGLang's LlamaForCausalLMEa
 
 The attention is Llama's GQA (`Attention`, exported as LlamaForCausalLMEagle3) or DeepSeek-V3's
 MLA (`MLAAttention`, exported as vLLM's Eagle3DeepseekV3ForCausalLM): DraftConfig.attention.
-Everything else is the same layer. In vLLM's DeepseekV2Eagle3DecoderLayer terms this is
-norm_before_residual = false (the residual is the incoming h, not hidden_norm(h)), fc_norm =
-false (no RMSNorm per aux state before fc) and norm_output = false (the next step gets the
-pre-norm `out`): the definition the GQA draft has always had (vLLM's llama_eagle3 and SGLang
-compute it), so both kinds train and serve one EAGLE-3, and peers' MLA drafts trained without
-those switches (TorchSpec's Kimi config) are the same maths.
+Everything else is the same layer. In vLLM's decoder-layer terms the residual is the incoming h,
+not hidden_norm(h) (norm_before_residual = false), for every method.
+
+The method (DraftConfig.method) is "eagle3" as above, or "eagle3.1" (EAGLE-3.1, arXiv
+2605.09992), which turns on two switches vLLM 0.32 reads from the draft's config.json in both
+llama_eagle3.py and deepseek_eagle3.py:
+
+    fc_norm:      h_0 = fc(concat(fc_norm_0(aux_low), fc_norm_1(aux_mid), fc_norm_2(aux_high)))
+                  one RMSNorm per aux state (weights fc_norm.{0,1,2}.weight); vLLM:
+                  Eagle3LlamaForCausalLM.combine_hidden_states, chunked over the aux states
+    norm_output:  the next draft step is fed norm(out) instead of out (no parameters); vLLM:
+                  LlamaModel.forward returns `hidden_states if self.norm_output else
+                  hidden_prenorm` as the state the proposer chains
+
+The logits are lm_head(norm(out)) either way, so under norm_output the state the next step
+gets is exactly the one the logits were read from. Each switch is a DraftConfig field of its
+own (a peer's checkpoint may carry one without the other); "eagle3.1" sets both.
 
 Two ways to run it:
 - `forward`: incremental decoding with a KV cache and an optional explicit attention mask
@@ -55,6 +66,8 @@ from eagle3.ttt_attention import ttt_attention
 from eagle3.ttt_attention.sequence_parallel import SequenceParallel
 
 FEATURES = ("aux", "last")
+# The draft method: "eagle3" (the layer above), "eagle3.1" (fc_norm + norm_output, above).
+METHODS = ("eagle3", "eagle3.1")
 # "gqa": Llama's attention (q/k/v/o_proj), exported as LlamaForCausalLMEagle3. "mla": DeepSeek-
 # V3's multi-head latent attention, exported as vLLM's Eagle3DeepseekV3ForCausalLM (MLAAttention).
 ATTENTIONS = ("gqa", "mla")
@@ -98,9 +111,23 @@ class DraftConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    method: str = "eagle3"  # one of METHODS
+    # EAGLE-3.1's switches (module docstring); None = what the method says (on for eagle3.1)
+    fc_norm: bool | None = None
+    norm_output: bool | None = None
 
     def __post_init__(self) -> None:
         self.rope_scaling = rope_scaling_for_engines(self.rope_scaling)
+        if self.method not in METHODS:
+            raise Eagle3Error(f"method {self.method!r} is not one of {METHODS}")
+        for switch in ("fc_norm", "norm_output"):
+            if getattr(self, switch) is None:
+                setattr(self, switch, self.method == "eagle3.1")
+        if self.fc_norm and self.feature != "aux":
+            raise Eagle3Error(
+                "fc_norm normalises each of the 3 aux states before fc; feature 'last' has one "
+                "state: use method eagle3 with feature last, or feature aux"
+            )
         if self.attention not in ATTENTIONS:
             raise Eagle3Error(f"attention {self.attention!r} is not one of {ATTENTIONS}")
         if self.attention == "mla":
@@ -419,6 +446,10 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(cfg.feature_size, H, bias=False)
+        if cfg.fc_norm:  # EAGLE-3.1: one RMSNorm per aux state before fc
+            self.fc_norm = nn.ModuleList(
+                RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in cfg.aux_layer_ids
+            )
         self.midlayer = DecoderLayer(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
@@ -459,10 +490,20 @@ class Eagle3Draft(nn.Module):
     # -- running ------------------------------------------------------------------------
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """Target features (B, T, 3*Ht), or (B, T, Ht) for feature "last" -> (B, T, H)."""
-        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+        aux_hidden = aux_hidden.to(self.fc.weight.dtype)
+        if self.config.fc_norm:
+            chunks = aux_hidden.chunk(len(self.fc_norm), dim=-1)
+            aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux_hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
+
+    def step_outputs(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output -> (the state the next draft step is fed, logits). norm_output
+        feeds norm(out), the state the logits are read from; otherwise out itself."""
+        normed = self.norm(out)
+        return (normed if self.config.norm_output else out), self.lm_head(normed)
 
     def forward(
         self,
@@ -477,7 +518,8 @@ class Eagle3Draft(nn.Module):
         input_ids (B, S), hidden (B, S, H), position_ids (B, S); past (K, V) each
         (B, nkv, P, hd); attention_mask bool (B|1, S, P+S), True = may attend. Without a mask
         the new tokens attend to the whole cache and causally among themselves.
-        Returns (out_hidden (B, S, H), logits (B, S, Vd), new cache including these tokens).
+        Returns (out_hidden (B, S, H): the state the next draft step is fed, logits (B, S, Vd),
+        new cache including these tokens).
         """
         layer = self.midlayer
         x = layer.attn_input(self.embed_tokens(input_ids).to(hidden.dtype), hidden)
@@ -491,7 +533,8 @@ class Eagle3Draft(nn.Module):
             rows = torch.arange(S, device=q.device)[:, None] + P
             attention_mask = (torch.arange(P_total, device=q.device)[None, :] <= rows)[None]
         out = layer.finish(hidden, layer.self_attn.attend(q, k, v, attention_mask))
-        return out, self.compute_logits(out), (k, v)
+        out, logits = self.step_outputs(out)
+        return out, logits, (k, v)
 
     def ttt_forward(
         self,
@@ -537,8 +580,8 @@ class Eagle3Draft(nn.Module):
             keys.append(key)
             values.append(value)
             attn = layer.self_attn.attend_ttt(q, keys, values, segment_ids, sp)
-            hidden = layer.finish(hidden, attn)
-            step_logits.append(self.compute_logits(hidden))
+            hidden, logits = self.step_outputs(layer.finish(hidden, attn))
+            step_logits.append(logits)
         return step_logits
 
 

@@ -50,12 +50,14 @@ from pathlib import Path
 from eagle3.cli import HelpFormatter, run_cli
 from eagle3.config import merge, parse_overrides, read_yaml
 from eagle3.errors import Eagle3Error
+from eagle3.model import METHODS
 from eagle3.report import format_table, speedup_note
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_RECIPE = REPO / "configs" / "train" / "smollm2-q4-cpu.yaml"
 MANIFEST = "manifest.json"
-ABLATION = ("model.feature=last", "model.ttt_steps=1")  # EAGLE-2-style: last hidden, no TTT
+# EAGLE-2-style: last hidden, no TTT (and so plain EAGLE-3's layer: fc_norm needs aux states)
+ABLATION = ("model.feature=last", "model.ttt_steps=1", "model.draft.method=eagle3")
 # The tree rows' shape (depth = the trained depth): on 20 held-out first-turn prompts this shape
 # measured tau 1.59 [1.46, 1.75] for the quickstart's drafter against 1.31 for its chain of 4.
 TREE_TOPK = 4
@@ -102,6 +104,7 @@ FOLDERS = {
     "shards-offpolicy/": "the off-policy conversations' hidden states",
     "train/": "training run: config.yaml, metrics.jsonl (val lines: held-out conversations), "
     "checkpoints/, final/ (SGLang EAGLE-3 draft), best/ (best validation simulated tau)",
+    "train-eagle3.1/": "with --method eagle3.1: the EAGLE-3.1 drafter's run, as train/",
     "train-eagle2/": "with --ablation: the EAGLE-2-style drafter (last hidden state, ttt_steps 1)",
     "eval.json": "acceptance-length results (eagle3.evaluate --json): chain, tree, prompt lookup",
     "results.md": "the table printed at the end, and what its speedups mean",
@@ -112,6 +115,12 @@ FOLDERS = {
 
 def wandb_group(args: argparse.Namespace, run: Path) -> str:
     return args.wandb_group or f"quickstart-{run.name}"
+
+
+def train_dir(args: argparse.Namespace) -> str:
+    """The drafter's run dir: one per method, so that another --method trains afresh on the same
+    shards instead of resuming a checkpoint of another layer."""
+    return "train" if args.method == "eagle3" else f"train-{args.method}"
 
 
 def train_command(args: argparse.Namespace, run: Path, out: str, *overrides: str) -> list[str]:
@@ -202,7 +211,7 @@ def stage_commands(args: argparse.Namespace, run: Path) -> list[tuple[str, list[
     # The ablation: same shards, recipe and steps, but EAGLE-2's recipe (the final hidden state
     # only, no training-time test); evaluated next to the EAGLE-3 drafter.
     ablation = [("train-eagle2", train_command(args, run, "train-eagle2", *ABLATION))]
-    final = run / "train" / "final"
+    final = run / train_dir(args) / "final"
     drafts = [  # the EAGLE-2-style ablation as a chain only: its ratio compares chains
         str(final),
         *([f"tree:{final}"] if args.tree else []),  # row "train/final [tree]"
@@ -239,7 +248,10 @@ def stage_commands(args: argparse.Namespace, run: Path) -> list[tuple[str, list[
         ),
         capture_command(args, run, "responses", "shards", args.max_length),
         *(offpolicy if args.offpolicy else []),
-        ("train", train_command(args, run, "train")),
+        (
+            "train",
+            train_command(args, run, train_dir(args), f"model.draft.method={args.method}"),
+        ),
         *(ablation if args.ablation else []),
         (
             "evaluate",
@@ -370,6 +382,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-limit", type=int, help="prompts per benchmark (overrides --scale)")
     p.add_argument("--eval-tokens", type=int, help="new tokens per evaluated turn")
     p.add_argument("--max-length", type=int, default=1024, help="tokens per training record")
+    p.add_argument(
+        "--method",
+        choices=METHODS,
+        default="eagle3",
+        help="the draft method trained (model.draft.method): eagle3, or eagle3.1 (an RMSNorm per "
+        "aux state before fc, the post-norm state chained; vLLM serves both as eagle3)",
+    )
     p.add_argument(
         "--bench",
         default="mt_bench,humaneval",

@@ -172,22 +172,15 @@ def embedded_target_dir():
 
 
 @pytest.fixture(scope="session")
-def embedded_drafter(tmp_path_factory, embedded_target_dir):
-    """A drafter for the embedded target that ACCEPTS tokens, built once per session in ~2
-    min: the target's own greedy answers to 6 MT-bench first turns (48 new tokens each),
-    captured, then trained (30 steps over the 6, lr 2e-3) long enough to learn them. Evaluated on those same prompts it
-    accepts many drafts: what an acceptance comparison (engine vs in-house) needs.
-    -> (checkpoint dir, prompts file)."""
+def embedded_answers(tmp_path_factory, embedded_target_dir):
+    """The embedded target's own greedy answers to 6 MT-bench first turns (48 new tokens each),
+    captured once per session (~1 min): what the acceptance drafters below train on.
+    -> (shard dir, prompts file)."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
-    work = tmp_path_factory.mktemp("embedded_drafter")
     from eagle3.data.prompts import load_prompts
 
+    work = tmp_path_factory.mktemp("embedded_answers")
     prompts = load_prompts("mt_bench", dataset="mt_bench", limit=6)
     bench = work / "mt_bench6.jsonl"
     bench.write_text(
@@ -195,26 +188,56 @@ def embedded_drafter(tmp_path_factory, embedded_target_dir):
             json.dumps({"id": p.id, "turns": [p.messages[0]["content"]]}) + "\n" for p in prompts
         )
     )
+    _run_repo("-m", "datagen.local", "--target", EMBEDDED, "--prompts", str(bench),
+              "--max-new-tokens", "48", "--temperature", "0", "--batch-size", "6",
+              "--out", str(work / "responses"))  # fmt: skip
+    _run_repo("-m", "datagen.capture", "--target", EMBEDDED, "--data", str(work / "responses"),
+              "--out", str(work / "shards"))  # fmt: skip
+    return work / "shards", bench
+
+
+def train_embedded_drafter(shards, out, *overrides: str):
+    """A drafter for the embedded target that ACCEPTS tokens (~40 s): trained 30 steps over the
+    6 captured answers (lr 2e-3), long enough to learn them. Evaluated on those same prompts it
+    accepts many drafts: what an acceptance comparison (engine vs in-house) needs.
+    -> its final checkpoint dir."""
+    _run_repo("train/train_drafter.py", "--config", "configs/train/smollm2-q4-cpu.yaml",
+              f"data.shard_dirs=[{shards}]", f"train.out_dir={out}",
+              "train.max_steps=30", "train.epochs=1000", "optim.lr=2e-3", "optim.warmup_steps=3",
+              "data.batch_size=6", "model.draft_vocab_size=2048", "train.save_every=1000",
+              "data.val_fraction=0",  # all 6 conversations train: it is measured on them
+              "train.progress=false", "wandb.mode=disabled", *overrides)  # fmt: skip
+    return out / "final"
+
+
+def _run_repo(*cmd: str) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(repo)}
+    proc = subprocess.run([sys.executable, *cmd], cwd=repo, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}"
 
-    def run(*cmd: str) -> None:
-        proc = subprocess.run(
-            [sys.executable, *cmd], cwd=repo, env=env, capture_output=True, text=True
-        )
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}"
 
-    run("-m", "datagen.local", "--target", EMBEDDED, "--prompts", str(bench),
-        "--max-new-tokens", "48", "--temperature", "0", "--batch-size", "6",
-        "--out", str(work / "responses"))  # fmt: skip
-    run("-m", "datagen.capture", "--target", EMBEDDED, "--data", str(work / "responses"),
-        "--out", str(work / "shards"))  # fmt: skip
-    run("train/train_drafter.py", "--config", "configs/train/smollm2-q4-cpu.yaml",
-        f"data.shard_dirs=[{work / 'shards'}]", f"train.out_dir={work / 'train'}",
-        "train.max_steps=30", "train.epochs=1000", "optim.lr=2e-3", "optim.warmup_steps=3",
-        "data.batch_size=6", "model.draft_vocab_size=2048", "train.save_every=1000",
-        "data.val_fraction=0",  # all 6 conversations train: it is measured on them
-        "train.progress=false", "wandb.mode=disabled")  # fmt: skip
-    return work / "train" / "final", bench
+@pytest.fixture(scope="session")
+def embedded_drafter(tmp_path_factory, embedded_answers):
+    """An EAGLE-3 drafter that accepts the embedded target's answers (train_embedded_drafter).
+    -> (checkpoint dir, prompts file)."""
+    shards, bench = embedded_answers
+    out = tmp_path_factory.mktemp("embedded_drafter") / "train"  # reports name it train/final
+    return train_embedded_drafter(shards, out), bench
+
+
+@pytest.fixture(scope="session")
+def embedded_drafter_eagle3_1(tmp_path_factory, embedded_answers):
+    """The same drafter trained as EAGLE-3.1 (model.draft.method=eagle3.1), named eagle3.1/final.
+    -> (checkpoint dir, prompts file)."""
+    shards, bench = embedded_answers
+    out = tmp_path_factory.mktemp("embedded_drafter") / "eagle3.1"
+    return train_embedded_drafter(shards, out, "model.draft.method=eagle3.1"), bench
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from eagle3.config import load_typed
 from eagle3.data.windows import MODES as WINDOW_MODES
 from eagle3.engine.server import ENGINES
 from eagle3.errors import Eagle3Error
-from eagle3.model import ATTENTIONS, FEATURES, MLA_FIELDS
+from eagle3.model import ATTENTIONS, FEATURES, METHODS, MLA_FIELDS
 from eagle3.rope import rope_scaling_for_engines
 
 TTT_ATTENTIONS = ("auto", "chunked", "flash", "flex")  # eagle3/ttt_attention/ kernels
@@ -122,6 +122,10 @@ class DraftShapeConfig:
     # gqa: Llama's grouped-query attention (LlamaForCausalLMEagle3); mla: DeepSeek-V3's latent
     # attention (vLLM's Eagle3DeepseekV3ForCausalLM), for MLA targets such as Kimi-K2.5
     attention: str = "gqa"
+    # eagle3, or eagle3.1: EAGLE-3 plus an RMSNorm per aux state before fc and the post-norm
+    # state fed to the next step (eagle3/model.py), served by vLLM as eagle3 from the
+    # config.json switches fc_norm / norm_output, for both attention kinds
+    method: str = "eagle3"
     # the TTT attention kernel (eagle3/ttt_attention/): auto = flex on CUDA after a forward +
     # backward self-test (else chunked), flash or chunked on CPU; or chunked / flash / flex
     ttt_attention: str = "auto"
@@ -145,7 +149,8 @@ class ModelConfig:
     # (EAGLE-1/2's feature; with ttt_steps 1 this is the EAGLE-2-style ablation).
     feature: str = "aux"
     step_weight: float = 0.8  # loss = sum_k step_weight^k * CE_k
-    draft: DraftShapeConfig = field(default_factory=DraftShapeConfig)  # ignored with init_from
+    # ignored with init_from, except method, which must be the checkpoint's
+    draft: DraftShapeConfig = field(default_factory=DraftShapeConfig)
 
 
 @dataclass
@@ -298,6 +303,11 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
     need(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     need(m.feature in FEATURES, f"model.feature must be 'aux' or 'last', got {m.feature!r}")
+    need(
+        m.draft.method != "eagle3.1" or m.feature == "aux",
+        "model.draft.method eagle3.1 normalises each aux state before fc: it needs "
+        "model.feature aux",
+    )
     need(0 < m.step_weight <= 1, f"model.step_weight must be in (0, 1], got {m.step_weight}")
     _check_draft_shape(m.draft, need)
     need(
@@ -366,6 +376,10 @@ def _check_engine(cfg: Config, need: Callable[[bool, str], None]) -> None:
 
 
 def _check_draft_shape(shape: DraftShapeConfig, need: Callable[[bool, str], None]) -> None:
+    need(
+        shape.method in METHODS,
+        f"model.draft.method must be one of {', '.join(METHODS)}, got {shape.method!r}",
+    )
     need(
         shape.ttt_attention in TTT_ATTENTIONS,
         f"model.draft.ttt_attention must be one of {', '.join(TTT_ATTENTIONS)}, got "

@@ -19,6 +19,7 @@ def draft_config(cfg: Config, hf_config, draft_vocab_size: int, aux_ids: list[in
     overrides = {
         "feature": cfg.model.feature,
         "attention": shape.attention,
+        "method": shape.method,
         **{name: getattr(shape.mla, name) for name in MLA_FIELDS},
         "num_attention_heads": shape.num_attention_heads,
         "num_key_value_heads": shape.num_key_value_heads,
@@ -49,6 +50,12 @@ def _build_draft(cfg: Config, facts: dict, vocab: DraftVocab, data: TrainData) -
     draft = load_draft(
         cfg.model.init_from, embed_weight=data.embed.float().cpu(), dtype=torch.float32
     )
+    if draft.config.method != cfg.model.draft.method:
+        raise Eagle3Error(
+            f"model.init_from {cfg.model.init_from} is a {draft.config.method} drafter but "
+            f"model.draft.method is {cfg.model.draft.method!r}; set "
+            f"model.draft.method={draft.config.method}"
+        )
     if draft.config.feature != cfg.model.feature:
         raise Eagle3Error(
             f"model.init_from {cfg.model.init_from} takes feature {draft.config.feature!r} but "

@@ -107,6 +107,7 @@ def test_config_json_carries_every_design_field(saved):
     assert cfg["eagle_config"] == {  # SGLang reads this and adds 1: the project's ids
         "eagle_aux_hidden_state_layer_ids": [1, 3, 4],
         "use_aux_hidden_state": True,
+        "method": "eagle3",  # ours, checked against fc_norm / norm_output on load
     }
     # vLLM reads the top-level key first and uses it as is ("after k layers"): ids + 1
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]

@@ -131,7 +131,7 @@ def test_mla_draft_checkpoint_is_vllms_layout_and_round_trips(mla_config, tmp_pa
     assert raw["architectures"] == [MLA_ARCHITECTURE] and raw["model_type"] == "deepseek_v2"
     assert (raw["num_hidden_layers"], raw["n_routed_experts"]) == (1, 1)
     assert (raw["q_lora_rank"], raw["kv_lora_rank"], raw["v_head_dim"]) == (16, 16, 6)
-    assert not any(raw[s] for s in ("norm_before_residual", "fc_norm", "norm_output"))
+    assert not any(raw[s] for s in ("norm_before_residual", "fc_norm", "norm_output"))  # eagle3
     assert "head_dim" not in raw  # vLLM sizes MLA from the qk / v dims
     assert "attention_factor" not in raw["rope_scaling"]  # 1.0 would turn off vLLM's mscale^2
     assert raw["rope_scaling"]["mscale_all_dim"] == 0.5
@@ -167,12 +167,19 @@ def test_gqa_checkpoint_has_no_mla_keys(tiny_config, tmp_path):
     [
         ({"model_type": "deepseek_v3"}, "MTP"),
         ({"n_routed_experts": None}, "n_routed_experts"),
-        ({"fc_norm": True}, "trains and decodes with them off"),
+        ({"norm_before_residual": True}, "norm_before_residual is on"),
         ({"num_hidden_layers": 2}, "num_hidden_layers"),
         ({"kv_lora_rank": None}, "MLA dims"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "YaRN"),
     ],
-    ids=["deepseek_v3", "experts-null", "fc_norm", "two-layers", "no-kv-lora", "linear-rope"],
+    ids=[
+        "deepseek_v3",
+        "experts-null",
+        "norm-before-residual",
+        "two-layers",
+        "no-kv-lora",
+        "linear-rope",
+    ],
 )
 def test_mla_draft_checkpoint_vllm_would_refuse_is_one_line_error(
     mla_config, tmp_path, edit, expected

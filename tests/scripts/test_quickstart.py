@@ -221,3 +221,21 @@ def test_quickstart_tiny_killed_then_resumed(tmp_path):
     assert {"train/final", "train/final [tree]", "train-eagle2/final", "prompt-lookup"} == drafters
     table = (run_dir / "results.md").read_text()
     assert "τ EAGLE-3 / EAGLE-2-style (same data and steps): mt_bench " in table
+
+
+def test_quickstart_method_is_one_value_with_its_own_run(tmp_path):
+    """--method eagle3.1 trains model.draft.method=eagle3.1 in train-eagle3.1/ (a first run of
+    eagle3 in train/ is never resumed as another layer) and evaluates that drafter; the
+    EAGLE-2-style ablation stays plain EAGLE-3 (~0.1 s)."""
+    args = quickstart.parse_args(["--run-dir", str(tmp_path), "--method", "eagle3.1", "--ablation"])
+    stages = dict(quickstart.stage_commands(args, tmp_path))
+    train = stages["train"]
+    assert "model.draft.method=eagle3.1" in train
+    assert f"train.out_dir={tmp_path / 'train-eagle3.1'}" in train
+    assert str(tmp_path / "train-eagle3.1" / "final") in stages["evaluate"]
+    assert stages["train-eagle2"][-1] == "model.draft.method=eagle3"
+    default = dict(
+        quickstart.stage_commands(quickstart.parse_args(["--run-dir", str(tmp_path)]), tmp_path)
+    )
+    assert "model.draft.method=eagle3" in default["train"]
+    assert f"train.out_dir={tmp_path / 'train'}" in default["train"]

@@ -34,6 +34,7 @@ CASES = [
     ("mla", MLA, "auto", False),
     ("mla-packed", MLA, "auto", True),
     ("mla-flash-packed", MLA, "flash", True),
+    ("mla-eagle3.1-packed", {**MLA, "method": "eagle3.1"}, "auto", True),
 ]
 
 

@@ -119,3 +119,36 @@ def test_a_served_target_is_for_online_training_and_places_itself(tmp_path):
     with pytest.raises(ConfigError, match="target.engine.kind must be null or vllm, got 'sglang'"):
         load_config(None, ["data.mode=online", f"data.records=[{tmp_path}]",
                            "target.engine.kind=sglang"])  # fmt: skip
+
+
+def test_eagle3_1_method_is_one_value_and_checked():
+    """model.draft.method: eagle3 by default, eagle3.1 for both attention kinds; an unknown
+    method or eagle3.1 over the last hidden state alone is a one-line error (~0.1 s)."""
+    assert load_config(None, ["data.shard_dirs=[x]"], check_paths=False).model.draft.method == (
+        "eagle3"
+    )
+    for attention in ("gqa", "mla"):
+        cfg = load_config(
+            None,
+            [
+                "data.shard_dirs=[x]",
+                "model.draft.method=eagle3.1",
+                f"model.draft.attention={attention}",
+            ],
+            check_paths=False,
+        )
+        assert cfg.model.draft.method == "eagle3.1"
+    with pytest.raises(ConfigError, match="model.draft.method must be one of eagle3, eagle3.1"):
+        load_config(None, ["data.shard_dirs=[x]", "model.draft.method=eagle4"], check_paths=False)
+    with pytest.raises(ConfigError, match="eagle3.1 normalises each aux state before fc"):
+        load_config(
+            None,
+            ["data.shard_dirs=[x]", "model.draft.method=eagle3.1", "model.feature=last"],
+            check_paths=False,
+        )
+
+
+def test_eagle3_1_kimi_recipes_train_it():
+    for name in ("kimi-k2.5-offline.yaml", "kimi-k2.5-online.yaml"):
+        cfg = load_config(REPO / "configs" / "train" / name, check_paths=False)
+        assert (cfg.model.draft.method, cfg.model.draft.attention) == ("eagle3.1", "mla"), name

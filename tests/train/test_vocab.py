@@ -45,3 +45,13 @@ def test_fine_tune_reuses_the_saved_vocab(tmp_path, helpers, tiny_llama_dir, rec
     assert d2t.numel() == 200  # model.draft_vocab_size=50 did not trigger a rebuild
     assert d2t.equal(load_file(str(tuned / "draft_vocab.safetensors"))["d2t"])
     assert helpers.losses(tuned)[0] < helpers.losses(base)[0]  # started from the trained weights
+    # an EAGLE-3 checkpoint fine-tuned as EAGLE-3.1 would start with no fc_norm: one line
+    other = helpers.common_args(
+        tiny_llama_dir,
+        tmp_path / "other",
+        **helpers.online(records_file),
+        **{"model.init_from": base / "final", "model.draft.method": "eagle3.1"},
+    )
+    proc = helpers.run_cli(other, check=False)
+    assert proc.returncode != 0
+    assert "is a eagle3 drafter but model.draft.method is 'eagle3.1'" in proc.stderr
