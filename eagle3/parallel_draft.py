@@ -204,6 +204,11 @@ class PEagleDraft(Eagle3Draft):
         return [self.compute_logits(h) for h in hs]
 
 
+def draft_for(cfg: DraftConfig) -> Eagle3Draft:
+    """A fresh draft of cfg's method: PEagleDraft for p-eagle, else Eagle3Draft."""
+    return PEagleDraft(cfg) if cfg.method == "p-eagle" else Eagle3Draft(cfg)
+
+
 class ParallelModel(nn.Module):
     """Routes parallel_forward through forward(): DDP and DeepSpeed only hook forward()."""
 

@@ -21,7 +21,7 @@ from eagle3.config import load_typed
 from eagle3.data.windows import MODES as WINDOW_MODES
 from eagle3.engine.server import ENGINES
 from eagle3.errors import Eagle3Error
-from eagle3.model import ATTENTIONS, FEATURES, MLA_FIELDS
+from eagle3.model import ATTENTIONS, FEATURES, METHODS, MLA_FIELDS
 from eagle3.rope import rope_scaling_for_engines
 
 TTT_ATTENTIONS = ("auto", "chunked", "flash", "flex")  # eagle3/ttt_attention/ kernels
@@ -131,6 +131,15 @@ class DraftShapeConfig:
     intermediate_size: int | None = None  # None: the target's (dense) MLP width
     rope: RopeConfig = field(default_factory=RopeConfig)
     mla: MLAShapeConfig = field(default_factory=MLAShapeConfig)  # mla only
+    # eagle3: one EAGLE-3 layer trained with the TTT unroll (model.ttt_steps). p-eagle: parallel
+    # drafting (eagle3/parallel_draft.py, train/parallel_drafting.py), gqa only: the EAGLE-3
+    # layer + num_layers - 1 plain layers drafting parallel_depth tokens in one forward
+    method: str = "eagle3"
+    num_layers: int | None = None  # null: 1 (eagle3), 3 (p-eagle)
+    parallel_depth: int | None = None  # p-eagle's K; null: model.ttt_steps
+    mask_token_id: int | None = None  # p-eagle; null: the target's pad, else first eos token
+    keep_rate: float = 0.7  # p-eagle: depth d trains ~keep_rate^d of the positions ...
+    keep_floor: float = 0.2  # ... but never fewer than keep_floor of them
 
 
 @dataclass
@@ -284,6 +293,10 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
     need(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     need(m.feature in FEATURES, f"model.feature must be 'aux' or 'last', got {m.feature!r}")
+    need(
+        m.draft.method != "p-eagle" or m.feature == "aux",
+        "model.draft.method p-eagle fuses the aux states: set model.feature=aux",
+    )
     need(0 < m.step_weight <= 1, f"model.step_weight must be in (0, 1], got {m.step_weight}")
     _check_draft_shape(m.draft, need)
     need(
@@ -351,7 +364,41 @@ def _check_engine(cfg: Config, need: Callable[[bool, str], None]) -> None:
     )
 
 
+def _check_method(shape: DraftShapeConfig, need: Callable[[bool, str], None]) -> None:
+    need(
+        shape.method in METHODS,
+        f"model.draft.method must be one of {', '.join(METHODS)}, got {shape.method!r}",
+    )
+    if shape.method != "p-eagle":
+        given = [
+            name for name in ("parallel_depth", "mask_token_id") if getattr(shape, name) is not None
+        ] + (["num_layers"] if shape.num_layers not in (None, 1) else [])
+        need(not given, f"model.draft.{(given or ['*'])[0]} is a p-eagle setting; leave it null")
+        return
+    need(
+        shape.attention == "gqa",
+        "model.draft.method p-eagle drafts with Llama attention (vLLM 0.32 has no MLA P-EAGLE): "
+        "set model.draft.attention=gqa",
+    )
+    need(
+        shape.num_layers is None or shape.num_layers >= 1,
+        f"model.draft.num_layers must be >= 1 or null, got {shape.num_layers}",
+    )
+    need(
+        shape.parallel_depth is None or shape.parallel_depth >= 2,
+        f"model.draft.parallel_depth must be >= 2 or null, got {shape.parallel_depth}",
+    )
+    need(
+        0 < shape.keep_rate <= 1, f"model.draft.keep_rate must be in (0, 1], got {shape.keep_rate}"
+    )
+    need(
+        0 <= shape.keep_floor <= 1,
+        f"model.draft.keep_floor must be in [0, 1], got {shape.keep_floor}",
+    )
+
+
 def _check_draft_shape(shape: DraftShapeConfig, need: Callable[[bool, str], None]) -> None:
+    _check_method(shape, need)
     need(
         shape.ttt_attention in TTT_ATTENTIONS,
         f"model.draft.ttt_attention must be one of {', '.join(TTT_ATTENTIONS)}, got "
