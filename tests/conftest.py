@@ -172,12 +172,10 @@ def embedded_target_dir():
 
 
 @pytest.fixture(scope="session")
-def embedded_drafter(tmp_path_factory, embedded_target_dir):
-    """A drafter for the embedded target that ACCEPTS tokens, built once per session in ~2
-    min: the target's own greedy answers to 6 MT-bench first turns (48 new tokens each),
-    captured, then trained (30 steps over the 6, lr 2e-3) long enough to learn them. Evaluated on those same prompts it
-    accepts many drafts: what an acceptance comparison (engine vs in-house) needs.
-    -> (checkpoint dir, prompts file)."""
+def embedded_data(tmp_path_factory, embedded_target_dir):
+    """The embedded target's own greedy answers to 6 MT-bench first turns (48 new tokens each),
+    captured into shards, once per session (~1.5 min) -> (work dir with shards/, prompts file,
+    run(*argv): a repo command in a subprocess that must succeed)."""
     import json
     import os
     import subprocess
@@ -185,7 +183,7 @@ def embedded_drafter(tmp_path_factory, embedded_target_dir):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    work = tmp_path_factory.mktemp("embedded_drafter")
+    work = tmp_path_factory.mktemp("embedded_data")
     from eagle3.data.prompts import load_prompts
 
     prompts = load_prompts("mt_bench", dataset="mt_bench", limit=6)
@@ -208,13 +206,43 @@ def embedded_drafter(tmp_path_factory, embedded_target_dir):
         "--out", str(work / "responses"))  # fmt: skip
     run("-m", "datagen.capture", "--target", EMBEDDED, "--data", str(work / "responses"),
         "--out", str(work / "shards"))  # fmt: skip
+    return work, bench, run
+
+
+def train_embedded(embedded_data, name: str, *overrides: str):
+    """A drafter trained on embedded_data's shards (30 steps over the 6 answers, lr 2e-3: long
+    enough to learn them) -> its final/ checkpoint dir."""
+    work, _, run = embedded_data
     run("train/train_drafter.py", "--config", "configs/train/smollm2-q4-cpu.yaml",
-        f"data.shard_dirs=[{work / 'shards'}]", f"train.out_dir={work / 'train'}",
+        f"data.shard_dirs=[{work / 'shards'}]", f"train.out_dir={work / name}",
         "train.max_steps=30", "train.epochs=1000", "optim.lr=2e-3", "optim.warmup_steps=3",
         "data.batch_size=6", "model.draft_vocab_size=2048", "train.save_every=1000",
         "data.val_fraction=0",  # all 6 conversations train: it is measured on them
-        "train.progress=false", "wandb.mode=disabled")  # fmt: skip
-    return work / "train" / "final", bench
+        "train.progress=false", "wandb.mode=disabled", *overrides)  # fmt: skip
+    return work / name / "final"
+
+
+@pytest.fixture(scope="session")
+def embedded_drafter(embedded_data):
+    """A drafter for the embedded target that ACCEPTS tokens, built once per session in ~2
+    min: embedded_data's answers, trained long enough to learn them. Evaluated on those same
+    prompts it accepts many drafts: what an acceptance comparison (engine vs in-house) needs.
+    -> (checkpoint dir, prompts file)."""
+    return train_embedded(embedded_data, "train"), embedded_data[1]
+
+
+@pytest.fixture(scope="session")
+def embedded_peagle_drafter(embedded_data):
+    """embedded_data's answers trained as a P-EAGLE drafter (the EAGLE-3 layer + 1 plain
+    layer, parallel depth 4), ~3 min -> (checkpoint dir, prompts file)."""
+    final = train_embedded(
+        embedded_data,
+        "train-peagle",
+        "model.draft.method=p-eagle",
+        "model.draft.num_layers=2",
+        "model.draft.parallel_depth=4",
+    )
+    return final, embedded_data[1]
 
 
 @pytest.fixture

@@ -5,13 +5,19 @@ Tiny random drafts in float32; the whole file runs in ~3 s on one core.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from eagle3.checkpoint import load_draft, save_draft
 from eagle3.errors import Eagle3Error
 from eagle3.model import DraftConfig
 from eagle3.parallel_draft import ParallelDrafter, PEagleDraft
 from eagle3.speculative import DecodeConfig, SpeculativeDecoder, plain_generate
+from tests.eagle3.test_checkpoint import make_draft
 from tests.eagle3.test_speculative import tiny_target
 
 V, H, HT = 40, 32, 24
@@ -180,3 +186,76 @@ def test_peagle_config_refuses_what_vllm_would_not_serve():
         )  # fmt: skip
     with pytest.raises(Eagle3Error, match="--mode chain"):
         ParallelDrafter(make_peagle(), DecodeConfig(mode="tree"))
+
+
+# -- export: what vLLM's parallel drafting reads, and our loader's refusals -------------------------
+@pytest.fixture
+def peagle_ckpt(tmp_path):
+    draft = make_peagle()
+    return draft, save_draft(draft, tmp_path / "ckpt", dtype=None)
+
+
+def test_peagle_export_round_trips_with_what_vllm_reads(peagle_ckpt):
+    draft, out = peagle_ckpt
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert (cfg["num_hidden_layers"], cfg["method"], cfg["mask_token_id"]) == (3, "p-eagle", V - 1)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("mask_hidden").shape == (1, 3 * HT)  # vLLM: [1, fc_input_size]
+        assert f.get_tensor("layers.2.self_attn.q_proj.weight").shape == (4 * 8, H)  # H, not 2H
+    assert {k.split(".")[1] for k in keys if k.startswith("layers.")} == {"1", "2"}
+    loaded = load_draft(out, embed_weight=draft.embed_tokens.weight)
+    assert isinstance(loaded, PEagleDraft) and loaded.config == draft.config
+    ids, aux = torch.randint(0, V - 1, (1, 7)), torch.randn(1, 7, 3 * HT)
+    anchors = nested_anchors(7, 4, seed=2)
+    with torch.no_grad():
+        for a, b in zip(draft.parallel_forward(ids, aux, anchors), loaded.parallel_forward(ids, aux, anchors)):  # fmt: skip
+            assert torch.equal(a, b)
+
+
+def _edit_config(out, **changes):
+    path = out / "config.json"
+    cfg = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    path.write_text(json.dumps(cfg))
+
+
+def test_peagle_loader_refuses_a_config_read_as_plain_eagle3(peagle_ckpt):
+    """The field's trap: P-EAGLE flags lost from config.json would serve other maths."""
+    _, out = peagle_ckpt
+    _edit_config(out, method=None, num_layers=None, parallel_depth=None, mask_token_id=None)
+    with pytest.raises(Eagle3Error, match="num_hidden_layers 3 but a eagle3 draft of 1"):
+        load_draft(out)
+    _edit_config(out, num_hidden_layers=1)
+    with pytest.raises(Eagle3Error, match="method 'eagle3' but the weights carry 'mask_hidden'"):
+        load_draft(out)
+
+
+def test_peagle_loader_refuses_weights_without_mask_hidden_or_with_other_layers(peagle_ckpt):
+    draft, out = peagle_ckpt
+    state = {k: v for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
+    save_file(
+        {k: v for k, v in state.items() if k != "mask_hidden"}, str(out / "model.safetensors")
+    )
+    with pytest.raises(Eagle3Error, match="weights lack 'mask_hidden'"):
+        load_draft(out)
+    save_file(state, str(out / "model.safetensors"))
+    _edit_config(out, num_hidden_layers=2, num_layers=2)
+    with pytest.raises(Eagle3Error, match=r"num_hidden_layers 2 but the weights hold decoder layers \[0, 1, 2\]"):  # fmt: skip
+        load_draft(out)
+
+
+def test_peagle_is_served_with_parallel_drafting(peagle_ckpt, tmp_path):
+    """The server's speculative config turns parallel drafting on for a P-EAGLE drafter only."""
+    from eagle3.engine.server import VLLMServer
+
+    _, out = peagle_ckpt
+    spec = VLLMServer(tmp_path, drafter=out, num_speculative_tokens=4).speculative_config
+    assert spec["parallel_drafting"] is True and spec["method"] == "eagle3"
+    plain = save_draft(make_draft(), tmp_path / "plain", dtype=None)
+    assert "parallel_drafting" not in VLLMServer(tmp_path, drafter=plain).speculative_config
