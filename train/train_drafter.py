@@ -25,6 +25,10 @@ Outputs in `train.out_dir`:
     final/                    the last SGLang-format draft
     best/                     the draft with the best validation simulated tau (best.json: step)
 
+The draft method (model.draft.method) is told apart in one place, `Unroll`: eagle3 trains the
+TTT unroll (eagle3.model.TTTModel, eagle3.loss.ttt_loss), p-eagle every parallel depth in one
+pass over subsampled positions (eagle3.parallel_draft.ParallelModel, train/parallel_drafting.py).
+
 Validation (data.val_fraction of the conversations, split by id, or data.val_shard_dirs /
 data.val_records) runs every train.eval_every steps and at the end: val/loss, val/acc_k and
 val/sim_accept_len in metrics.jsonl and W&B.
@@ -143,6 +147,14 @@ class Unroll:
                 mb["in_vocab"], mb["loss_mask"], mb["anchors"], mb["segment_ids"]
             )
         return valid_counts(mb["in_vocab"], mb["loss_mask"], self.depth, mb["segment_ids"])
+
+    def summary(self, total: MetricSums, step_weight: float) -> dict[str, float]:
+        """The logged metrics of summed micro-batches; P-EAGLE's loss is its objective, the
+        mean over every valid slot of every depth (not a step_weight-weighted sum)."""
+        metrics = total.summary(step_weight)
+        if self.parallel:
+            metrics["loss"] = float(total.ce.sum() / total.count.sum().clamp(min=1))
+        return metrics
 
     def loss(
         self, model: nn.Module, mb: dict, step_weight: float, denominators: list[float] | None
@@ -345,7 +357,7 @@ def log_metrics(
     total = sums.reduced(run.accelerator)
     tokens, slots = total.tokens.item(), total.slots.item()
     metrics = {
-        **total.summary(run.cfg.model.step_weight),
+        **run.unroll.summary(total, run.cfg.model.step_weight),
         "lr": lr,
         "grad_norm": grad_norm,
         "tokens_per_s": tokens / seconds,
@@ -375,7 +387,7 @@ def validate(run: Run) -> dict[str, float]:
             sums.add(m, mb)
     run.model.train()
     total = sums.reduced(accelerator)
-    return {"tokens": total.tokens.item(), **total.summary(w)}
+    return {"tokens": total.tokens.item(), **run.unroll.summary(total, w)}
 
 
 def validation_step(run: Run, step: int) -> None:
