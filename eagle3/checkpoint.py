@@ -57,6 +57,14 @@ The MLA draft (DraftConfig.attention "mla") is the same directory for vLLM's
   everything else as above. vLLM's load_weights renames midlayer. -> layers.0., fuses q_a_proj
   with kv_a_proj_with_mqa and gate_proj with up_proj itself, maps d2t to draft_id_to_target_id
   and skips t2d, so the tensors are written unfused, under the names our model uses.
+A P-EAGLE draft (DraftConfig.method "p-eagle", eagle3/parallel_draft.py) is the GQA directory
+with `num_hidden_layers` = its layer count, `method: "p-eagle"`, `num_layers`,
+`parallel_depth` and `mask_token_id` (vLLM's `_init_parallel_drafting_params` reads the mask id
+under that name) in config.json, and in model.safetensors `layers.{i}.*` for its plain layers
+i >= 1 (vLLM's own index; layer 0 stays `midlayer.*`) and `mask_hidden` [1, 3 * H_target],
+which vLLM's `Eagle3LlamaForCausalLM.load_weights` requires when parallel drafting is on.
+Served with `"parallel_drafting": true` in the speculative config (eagle3.engine.server).
+The loader refuses a config whose method or layer count disagrees with the tensors.
 SGLang (python/sglang/srt/models/deepseek_eagle3.py at the commits read) registers the same
 architecture and reads the same names and eagle_config ids; see docs/kimi-runbook.md.
 """
@@ -75,6 +83,7 @@ from safetensors.torch import save_file
 
 from eagle3.errors import Eagle3Error
 from eagle3.model import METHODS, MLA_FIELDS, DraftConfig, Eagle3Draft
+from eagle3.parallel_draft import draft_for
 from eagle3.rope import deepseek_rope_scaling
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # the GQA draft
@@ -87,6 +96,9 @@ EAGLE31_SWITCHES = ("fc_norm", "norm_output")
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 EMBED_KEY = "embed_tokens.weight"  # part of Eagle3Draft, never saved
+# DraftConfig fields only a P-EAGLE export writes (an EAGLE-3 config.json stays as it was)
+PARALLEL_FIELDS = ("method", "num_layers", "parallel_depth", "mask_token_id")
+MASK_KEY = "mask_hidden"  # P-EAGLE's learned stand-in for the aux states, [1, 3 * H_target]
 
 
 DEFAULT_EXPORT_DTYPE = torch.bfloat16
@@ -178,12 +190,15 @@ def checkpoint_config(
 
 
 def _gqa_layer(cfg: DraftConfig) -> dict[str, Any]:
-    """A Llama config of one decoder layer (the module docstring)."""
-    skip = {"aux_layer_ids", "attention", "method", *MLA_FIELDS}
+    """A Llama config of one decoder layer (the module docstring), or of P-EAGLE's num_layers
+    (with method, parallel_depth and mask_token_id, which vLLM's parallel drafting reads)."""
+    skip = {"aux_layer_ids", "attention", *MLA_FIELDS}
+    if cfg.method != "p-eagle":
+        skip |= set(PARALLEL_FIELDS)
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
-        "num_hidden_layers": 1,
+        "num_hidden_layers": cfg.num_layers,
         **{k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip},
         "attention_bias": False,
         "mlp_bias": False,
@@ -198,7 +213,8 @@ def _mla_layer(cfg: DraftConfig) -> dict[str, Any]:
     because DeepseekV2Config refuses null (the draft layer is dense: vLLM never reads it). No
     head_dim: vLLM sizes MLA heads from the qk/v head dims and caches kv_lora_rank + rope.
     """
-    skip = {"aux_layer_ids", "attention", "method", "head_dim", "rope_scaling", "q_lora_rank"}
+    skip = {"aux_layer_ids", "attention", "head_dim", "rope_scaling", "q_lora_rank"}
+    skip |= set(PARALLEL_FIELDS)  # DraftConfig refuses P-EAGLE with MLA
     return {
         "architectures": [MLA_ARCHITECTURE],
         "model_type": "deepseek_v2",
@@ -295,6 +311,12 @@ def load_config(ckpt_dir: str | Path) -> tuple[DraftConfig, dict[str, Any]]:
             values[f.name] = raw[f.name]
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise Eagle3Error(f"{path} lacks the field {f.name!r}; re-export the checkpoint")
+    if attention == "gqa" and raw.get("num_hidden_layers", 1) != values.get("num_layers", 1):
+        raise Eagle3Error(
+            f"{path}: num_hidden_layers {raw.get('num_hidden_layers')} but a "
+            f"{values.get('method', 'eagle3')} draft of {values.get('num_layers', 1)} layer(s): "
+            "only a P-EAGLE drafter (method p-eagle, num_layers) has more than one; re-export it"
+        )
     try:
         return DraftConfig(**values), raw
     except (Eagle3Error, TypeError) as err:
@@ -307,6 +329,13 @@ def _method(path: Path, raw: dict[str, Any]) -> str:
     else eagle3 with whatever switch it sets."""
     switches = {switch: bool(raw.get(switch, False)) for switch in EAGLE31_SWITCHES}
     method = (raw.get("eagle_config") or {}).get("method")
+    if "p-eagle" in (method, raw.get("method")):  # P-EAGLE also writes it top-level (vLLM's)
+        if method not in (None, raw.get("method")):
+            raise Eagle3Error(
+                f"{path}: method {raw.get('method')!r} but eagle_config.method {method!r}: the "
+                "config is of two drafters; re-export the checkpoint"
+            )
+        return "p-eagle"  # its switches are its own (fc_norm applies to mask_hidden too)
     if method is None:
         return "eagle3.1" if all(switches.values()) else "eagle3"
     if method not in METHODS:
@@ -364,6 +393,25 @@ def _check_fc_norm(weights: Path, cfg: DraftConfig, state: dict[str, torch.Tenso
         )
 
 
+def _check_method_tensors(weights: Path, cfg: DraftConfig, state: dict) -> None:
+    """config.json's method and the tensors agree, else one line: a P-EAGLE file read as
+    EAGLE-3 (or the reverse) would serve other maths than it was trained for."""
+    parallel = cfg.method == "p-eagle"
+    if (MASK_KEY in state) != parallel:
+        raise Eagle3Error(
+            f"{weights.parent}: config.json says method {cfg.method!r} but the weights "
+            + ("lack" if parallel else "carry")
+            + f" {MASK_KEY!r} (P-EAGLE's): the config and weights are of different drafters; "
+            "re-export the checkpoint"
+        )
+    layers = {int(k.split(".")[1]) for k in state if k.startswith("layers.")}
+    if layers != set(range(1, cfg.num_layers)):
+        raise Eagle3Error(
+            f"{weights.parent}: config.json has num_hidden_layers {cfg.num_layers} but the "
+            f"weights hold decoder layers {sorted({0} | layers)}; re-export the checkpoint"
+        )
+
+
 def load_draft(
     ckpt_dir: str | Path,
     *,
@@ -384,7 +432,7 @@ def load_draft(
     if not weights.is_file():
         raise Eagle3Error(f"{weights} not found: the checkpoint is incomplete; re-export it")
     file_dtype = getattr(torch, raw.get("torch_dtype", "float32"))
-    model = Eagle3Draft(cfg).to(file_dtype)
+    model = draft_for(cfg).to(file_dtype)
     expected = {k: v for k, v in model.state_dict().items() if k != EMBED_KEY}
     try:
         with safe_open(str(weights), framework="pt") as f:
@@ -393,6 +441,7 @@ def load_draft(
         raise Eagle3Error(f"{weights} cannot be read ({err}); re-export the checkpoint") from err
     file_embed = state.pop(EMBED_KEY, None)  # some exporters include it; use it if no target given
     _check_fc_norm(weights, cfg, state)
+    _check_method_tensors(weights, cfg, state)
     missing = sorted(expected.keys() - state.keys())
     if missing:
         raise Eagle3Error(f"{weights} is missing tensor {missing[0]!r} (missing: {missing})")

@@ -166,6 +166,10 @@ def load_drafter(spec: str, target, cfg: DecodeConfig):
     draft.set_embeddings(target.embed_weight.detach().cpu())
     dtype = target.model.dtype if target.device.type == "cuda" else torch.float32
     draft = draft.to(device=target.device, dtype=dtype)
+    if draft.config.method == "p-eagle":  # vLLM's parallel drafting: K drafts from one pass
+        from eagle3.parallel_draft import ParallelDrafter
+
+        return ParallelDrafter(draft, cfg, name=drafter_name(spec))
     return EagleDrafter(draft, cfg, name=drafter_name(spec))
 
 

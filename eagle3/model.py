@@ -66,8 +66,10 @@ from eagle3.ttt_attention import ttt_attention
 from eagle3.ttt_attention.sequence_parallel import SequenceParallel
 
 FEATURES = ("aux", "last")
-# The draft method: "eagle3" (the layer above), "eagle3.1" (fc_norm + norm_output, above).
-METHODS = ("eagle3", "eagle3.1")
+# The draft method: "eagle3" (the layer above), "eagle3.1" (fc_norm + norm_output, above),
+# "p-eagle" (parallel drafting: this layer plus plain Llama layers, K drafts in one forward;
+# eagle3/parallel_draft.py).
+METHODS = ("eagle3", "eagle3.1", "p-eagle")
 # "gqa": Llama's attention (q/k/v/o_proj), exported as LlamaForCausalLMEagle3. "mla": DeepSeek-
 # V3's multi-head latent attention, exported as vLLM's Eagle3DeepseekV3ForCausalLM (MLAAttention).
 ATTENTIONS = ("gqa", "mla")
@@ -115,6 +117,12 @@ class DraftConfig:
     # EAGLE-3.1's switches (module docstring); None = what the method says (on for eagle3.1)
     fc_norm: bool | None = None
     norm_output: bool | None = None
+    # P-EAGLE only (eagle3/parallel_draft.py): decoder layers (this layer + num_layers - 1 plain
+    # Llama layers), the depths K it is trained to draft in one pass, and the token id depths
+    # >= 1 are fed (vLLM reads it as the config's mask_token_id)
+    num_layers: int = 1
+    parallel_depth: int = 0
+    mask_token_id: int | None = None
 
     def __post_init__(self) -> None:
         self.rope_scaling = rope_scaling_for_engines(self.rope_scaling)
@@ -148,6 +156,36 @@ class DraftConfig:
             raise Eagle3Error(f"feature {self.feature!r} is not one of {FEATURES}")
         if len(self.aux_layer_ids) != 3:
             raise Eagle3Error(f"EAGLE-3 fuses exactly 3 aux layers, got {self.aux_layer_ids}")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        """P-EAGLE's fields: set for method p-eagle (a GQA draft over aux features), unset
+        otherwise (a one-layer EAGLE-3 draft)."""
+        if self.method not in METHODS:
+            raise Eagle3Error(f"method {self.method!r} is not one of {METHODS}")
+        if self.method != "p-eagle":
+            if self.num_layers != 1 or self.parallel_depth or self.mask_token_id is not None:
+                raise Eagle3Error(
+                    f"num_layers {self.num_layers}, parallel_depth {self.parallel_depth} and "
+                    f"mask_token_id {self.mask_token_id} are P-EAGLE settings; method "
+                    f"{self.method!r} has one layer: use method p-eagle or drop them"
+                )
+            return
+        problems = []
+        if self.attention != "gqa" or self.feature != "aux":
+            problems.append("p-eagle needs attention gqa and feature aux (vLLM 0.32 serves it")
+            problems[-1] += " for Llama-style drafts only)"
+        if self.num_layers < 1 or self.parallel_depth < 2:
+            problems.append(
+                f"p-eagle needs num_layers >= 1 and parallel_depth >= 2, got "
+                f"{self.num_layers} / {self.parallel_depth}"
+            )
+        if self.mask_token_id is None or not 0 <= self.mask_token_id < self.vocab_size:
+            problems.append(
+                f"p-eagle needs a mask_token_id in [0, {self.vocab_size}), got {self.mask_token_id}"
+            )
+        if problems:
+            raise Eagle3Error("; ".join(problems))
 
     def _check_mla(self) -> None:
         dims = {name: getattr(self, name) for name in MLA_FIELDS}
@@ -311,7 +349,7 @@ class DraftAttention(nn.Module):
 class Attention(DraftAttention):
     """Llama's grouped-query attention over the 2H input (LlamaForCausalLMEagle3's layer)."""
 
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: DraftConfig, in_dim: int | None = None):
         super().__init__()
         self.cfg = cfg
         self.n_heads, self.n_kv, self.head_dim = (
@@ -320,7 +358,8 @@ class Attention(DraftAttention):
             cfg.head_dim,
         )
         self.scale = self.head_dim**-0.5
-        in_dim = 2 * cfg.hidden_size  # concat(embed, hidden)
+        # concat(embed, hidden) for the EAGLE-3 layer; H for P-EAGLE's plain layers
+        in_dim = in_dim or 2 * cfg.hidden_size
         self.q_proj = nn.Linear(in_dim, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=False)

