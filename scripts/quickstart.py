@@ -105,6 +105,7 @@ FOLDERS = {
     "train/": "training run: config.yaml, metrics.jsonl (val lines: held-out conversations), "
     "checkpoints/, final/ (SGLang EAGLE-3 draft), best/ (best validation simulated tau)",
     "train-eagle3.1/": "with --method eagle3.1: the EAGLE-3.1 drafter's run, as train/",
+    "train-p-eagle/": "with --method p-eagle: the P-EAGLE drafter's run, as train/",
     "train-eagle2/": "with --ablation: the EAGLE-2-style drafter (last hidden state, ttt_steps 1)",
     "eval.json": "acceptance-length results (eagle3.evaluate --json): chain, tree, prompt lookup",
     "results.md": "the table printed at the end, and what its speedups mean",
@@ -214,7 +215,8 @@ def stage_commands(args: argparse.Namespace, run: Path) -> list[tuple[str, list[
     final = run / train_dir(args) / "final"
     drafts = [  # the EAGLE-2-style ablation as a chain only: its ratio compares chains
         str(final),
-        *([f"tree:{final}"] if args.tree else []),  # row "train/final [tree]"
+        # row "train/final [tree]"; P-EAGLE drafts one chain a pass (vLLM serves no trees of it)
+        *([f"tree:{final}"] if args.tree and args.method != "p-eagle" else []),
         *([str(run / "train-eagle2" / "final")] if args.ablation else []),
     ]
     return [
@@ -386,8 +388,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--method",
         choices=METHODS,
         default="eagle3",
-        help="the draft method trained (model.draft.method): eagle3, or eagle3.1 (an RMSNorm per "
-        "aux state before fc, the post-norm state chained; vLLM serves both as eagle3)",
+        help="the draft method trained (model.draft.method): eagle3; eagle3.1 (an RMSNorm per aux "
+        "state before fc, the post-norm state chained; vLLM serves both as eagle3); p-eagle "
+        "(parallel drafting: all chain tokens in one forward, chain only)",
     )
     p.add_argument(
         "--bench",

@@ -239,3 +239,6 @@ def test_quickstart_method_is_one_value_with_its_own_run(tmp_path):
     )
     assert "model.draft.method=eagle3" in default["train"]
     assert f"train.out_dir={tmp_path / 'train'}" in default["train"]
+    peagle = quickstart.parse_args(["--run-dir", str(tmp_path), "--method", "p-eagle"])
+    evaluate = dict(quickstart.stage_commands(peagle, tmp_path))["evaluate"]
+    assert not any(arg.startswith("tree:") for arg in evaluate)  # chains only
