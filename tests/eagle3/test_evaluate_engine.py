@@ -1,5 +1,6 @@
 """`python -m eagle3.evaluate --engine vllm`: acceptance in a REAL vLLM-CPU server agrees with
-the in-house decoder's at T=0 on the embedded target (within 3%), in the same table."""
+the in-house decoder's at T=0 on the embedded target (within 3%), in the same table, and its
+acceptance by context position counts the counters' own steps."""
 
 from __future__ import annotations
 
@@ -56,3 +57,11 @@ def test_engine_tau_agrees_with_in_house(engine, embedded_drafter, tmp_path, cap
     assert vllm["tokens"] == vllm["plain_tokens"] == house["tokens"]  # T=0: the same answers
     assert vllm["engine"]["num_draft_tokens"] == STEPS * vllm["engine"]["num_drafts"]
     assert vllm["speedup"] > 0 and batched["speedup"] > 0
+    # tau by context position from each response's per-step counts: the counters' own steps
+    for row in (vllm, batched):
+        buckets, drafts = row["by_context"], row["engine"]["num_drafts"]
+        assert sum(b["steps"] for b in buckets) == row["engine"]["per_step_steps"] == drafts
+        assert row["engine"]["per_step_unaccounted_tokens"] == 0
+        assert sum(b["tau"] * b["steps"] for b in buckets) / drafts == pytest.approx(row["tau"])
+    # T=0, the same answers: the steps fall in the same buckets as in-house, with about its tau
+    assert [b["label"] for b in vllm["by_context"]] == [b["label"] for b in house["by_context"]]
