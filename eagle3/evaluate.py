@@ -136,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="long_context: the longest prompt (default: the target's context less "
         "--max-new-tokens)",
     )
+    p.add_argument(
+        "--long-context-min",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="long_context: the shortest prompt (default: the longest / 32)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, help="default: bf16 on cuda, fp32 on cpu")
@@ -264,7 +271,8 @@ def load_bench(bench: str, source: str, tokenizer, context: int | None, args) ->
             f"--long-context-max {longest} + --max-new-tokens {args.max_new_tokens} exceeds the "
             f"target's context ({context}); lower one of them"
         )
-    return long_context_prompts(tokenizer, longest, args.limit or DEFAULT_PROMPTS)
+    n = args.limit or DEFAULT_PROMPTS
+    return long_context_prompts(tokenizer, longest, n, shortest=args.long_context_min)
 
 
 def prompt_lengths(tokenizer, prompts: list) -> dict[str, Any]:

@@ -123,7 +123,7 @@ def benchmark_texts() -> Iterator[str]:
 
 
 def target_lengths(n: int, longest: int, least: int = 1) -> list[int]:
-    """n token targets, log-spaced from longest / SPAN (at least `least`) to longest."""
+    """n token targets, log-spaced from longest / SPAN (or `least` where more) to longest."""
     if n < 1:
         return []
     shortest = max(least, longest // SPAN)
@@ -173,11 +173,13 @@ def _render(j: int, excerpt: str, files: list[str]) -> list[dict[str, str]]:
     return [{"role": "user", "content": body}]
 
 
-def long_context_prompts(tokenizer: Any, longest: int, n: int = DEFAULT_PROMPTS) -> list[Prompt]:
-    """n prompts of log-spaced lengths up to `longest` tokens as `tokenizer`'s chat template
-    renders them (each at most its target, within a few percent of it where a line end allows).
-    Deterministic for a given Python and tokenizer. Each prompt's id is
-    ``NNN-module-TOKENS`` (TOKENS: its own rendered length)."""
+def long_context_prompts(
+    tokenizer: Any, longest: int, n: int = DEFAULT_PROMPTS, shortest: int | None = None
+) -> list[Prompt]:
+    """n prompts of log-spaced lengths from `shortest` (default: longest / 32) to `longest`
+    tokens as `tokenizer`'s chat template renders them (each at most its target, within a few
+    percent of it where a line end allows). Deterministic for a given Python and tokenizer.
+    Each prompt's id is ``NNN-module-TOKENS`` (TOKENS: its own rendered length)."""
     least = least_tokens(tokenizer)
     if longest < least:
         raise PromptError(
@@ -185,9 +187,15 @@ def long_context_prompts(tokenizer: Any, longest: int, n: int = DEFAULT_PROMPTS)
             f"(twice the prompt without its excerpt), got {longest}; raise --long-context-max "
             "(or lower --max-new-tokens, which leaves the prompts the rest of the context)"
         )
+    if shortest is not None and not least <= shortest <= longest:
+        raise PromptError(
+            f"long_context: the shortest prompt must be {least}..{longest} tokens (at least "
+            f"twice the prompt without its excerpt, at most the longest), got {shortest}"
+        )
     docs = documents()
     out = []
-    for j, goal in enumerate(target_lengths(n, longest, least)):
+    # from the given shortest, else from longest / SPAN (never under `least`)
+    for j, goal in enumerate(target_lengths(n, longest, shortest or least)):
         overhead = len(prompt_ids(tokenizer, _render(j, "", ["x.py"])))
         chars, best = max(4 * (goal - overhead), 64), None
         for _ in range(FIT_ROUNDS):

@@ -53,6 +53,11 @@ def test_prompts_fit_their_lengths_deterministically(tokenizer):
     assert f"# ---- file: Lib/{path} ----" in first and "```\n\n" in first
     with pytest.raises(PromptError, match="--long-context-max"):
         long_context_prompts(tokenizer, 4, n=2)
+    # from a given shortest: the lengths of one doubling only
+    sizes = [int(p.id.rsplit("-", 1)[1]) for p in long_context_prompts(tokenizer, 600, 4, 300)]
+    assert 0.85 * 300 <= sizes[0] <= 300 and 0.85 * 600 <= sizes[-1] <= 600
+    with pytest.raises(PromptError, match="shortest prompt must be"):
+        long_context_prompts(tokenizer, 600, n=2, shortest=700)
 
 
 def test_a_long_prompt_spans_several_files(tokenizer):
