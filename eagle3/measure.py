@@ -20,6 +20,12 @@ the same temperature; tau and alpha_i come from vLLM's spec-decode counters over
 (one window over all requests: no per-prompt counts). Each pass runs one request at a time and
 `--engine-batch` N at a time, against plain vLLM run the same way. Engine flags:
 eagle3.engine.server.add_engine_args.
+
+Acceptance by context position: every in-house step is logged with its context (the tokens
+before its first drafted token; `Tally.prompt_stats`, per prompt). The drafter servers run with
+`--per-request-spec-decode-metrics detailed`, so each response carries its steps' accepted and
+drafted counts in order (:func:`request_steps` rebuilds their contexts): the same steps as the
+counters' window, per prompt and per step.
 """
 
 from __future__ import annotations
