@@ -360,7 +360,7 @@ def log_wandb(
                     run.summary[f"{prefix}/turn{turn['turn']}/tau"] = turn["tau"]
                     run.summary[f"{prefix}/turn{turn['turn']}/speedup"] = turn["speedup"]
                 for b in r.get("by_context") or ():  # tau by the context before each step
-                    where = f"{prefix}/context_{b['label']}"
+                    where = f"{prefix}/context_from_{b['context_lo']}"  # the bucket's edge
                     run.summary[f"{where}/tau"] = b["tau"]
                     run.summary[f"{where}/steps"] = b["steps"]
                     for side, value in zip(("lo", "hi"), b.get("tau_ci95") or ()):
