@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--bench",
         default="mt_bench,humaneval",
-        help="mt_bench,humaneval,NAME=FILE.jsonl,FILE.jsonl",
+        help="mt_bench,humaneval,long_context,NAME=FILE.jsonl,FILE.jsonl",
     )
     add_decode_args(p)
     p.add_argument(
@@ -172,6 +172,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     benches = parse_benches(args.bench)
     specs = [s.strip() for item in args.draft for s in item.split(",") if s.strip()]
     model = resolve(args.target)  # once: every loader below takes this value
+    context = context_of(model)
+    edges = (
+        parse_context_edges(args.context_buckets)
+        if args.context_buckets
+        else default_context_edges(context)
+    )
     if args.engine_only:  # every forward runs in the engine: its files, not its weights
         target = describe_target(model)
     else:
@@ -210,12 +216,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "results": [],
     }
     warmed = False
-    context = context_of(model)
-    edges = (
-        parse_context_edges(args.context_buckets)
-        if args.context_buckets
-        else default_context_edges(context)
-    )
     report["config"]["context_buckets"] = edges
     report["benchmarks"] = {}
     loaded = []
