@@ -25,6 +25,15 @@ from vLLM's spec-decode counters over that window (alpha_i conditional, as in-ho
 window over all requests: no per-prompt counts, so no interval). Rows "[vllm]" run one
 request at a time, rows "[vllm xN]" N at a time (`--engine-batch`), each against plain vLLM
 run the same way. Engine flags: eagle3.engine.server.add_engine_args.
+
+Acceptance by context position: every row's `by_context` (and the second table) holds tau and
+alpha_i of the verification steps in buckets of the context before each step (prompt +
+tokens generated so far; `--context-buckets`, default 0, 512, 1024, ... doubling below the
+target's context), 95% intervals bootstrapped over the prompts with steps in a bucket. The
+engine rows get theirs from each response's per-step counts (vLLM
+--per-request-spec-decode-metrics detailed, set on the drafter servers). `--bench
+long_context` is the benchmark for it: standard-library source files with a task, prompts
+log-spaced up to the target's context (eagle3.data.long_context).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -41,13 +51,17 @@ from typing import Any
 import torch
 
 from eagle3.cli import EXIT_OK, HelpFormatter, run_cli
+from eagle3.data.chat import prompt_ids
 from eagle3.data.decontaminate import parse_benches
-from eagle3.data.prompts import load_prompts
+from eagle3.data.long_context import DEFAULT_PROMPTS, long_context_prompts
+from eagle3.data.long_context import NAME as LONG_CONTEXT
+from eagle3.data.prompts import load_prompts, user_turns
 from eagle3.engine.server import EngineSettings, add_engine_args
 from eagle3.errors import Eagle3Error
 from eagle3.measure import (
     add_decode_args,
     check_drafter,
+    context_of,
     decode_config,
     decodes,
     drafter_name,
@@ -59,7 +73,15 @@ from eagle3.measure import (
     warm_up,
 )
 from eagle3.progress import Progress, count
-from eagle3.report import engine_row, format_table, log_wandb, result_row
+from eagle3.report import (
+    CONTEXT_NOTE,
+    engine_row,
+    format_context_table,
+    format_table,
+    log_wandb,
+    result_row,
+)
+from eagle3.statistics import default_context_edges, parse_context_edges
 from eagle3.target import (
     check_fits,
     describe_target,
@@ -89,10 +111,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--bench",
         default="mt_bench,humaneval",
-        help="mt_bench,humaneval,NAME=FILE.jsonl,FILE.jsonl",
+        help="mt_bench,humaneval,long_context,NAME=FILE.jsonl,FILE.jsonl",
     )
     add_decode_args(p)
-    p.add_argument("--limit", type=int, default=None, help="prompts per benchmark")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help=f"prompts per benchmark (long_context: its number of lengths, default "
+        f"{DEFAULT_PROMPTS})",
+    )
+    p.add_argument(
+        "--context-buckets",
+        default=None,
+        metavar="0,E1,E2,...",
+        help="lower edges of the context buckets of tau by position (default: 0,512,1024,... "
+        "doubling below the target's context)",
+    )
+    p.add_argument(
+        "--long-context-max",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="long_context: the longest prompt (default: the target's context less "
+        "--max-new-tokens)",
+    )
+    p.add_argument(
+        "--long-context-min",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="long_context: the shortest prompt (default: the longest / 32)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, help="default: bf16 on cuda, fp32 on cpu")
@@ -122,6 +172,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     benches = parse_benches(args.bench)
     specs = [s.strip() for item in args.draft for s in item.split(",") if s.strip()]
     model = resolve(args.target)  # once: every loader below takes this value
+    context = context_of(model)
+    edges = (
+        parse_context_edges(args.context_buckets)
+        if args.context_buckets
+        else default_context_edges(context)
+    )
     if args.engine_only:  # every forward runs in the engine: its files, not its weights
         target = describe_target(model)
     else:
@@ -160,12 +216,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "results": [],
     }
     warmed = False
+    report["config"]["context_buckets"] = edges
+    report["benchmarks"] = {}
     loaded = []
     for bench, source in benches:
-        prompts = load_prompts(source, dataset=bench, limit=args.limit)
+        prompts = load_bench(bench, source, target.tokenizer, context, args)
         if not prompts:
             raise Eagle3Error(f"benchmark {bench} ({source}) has no prompts")
         loaded.append((bench, prompts))
+        report["benchmarks"][bench] = prompt_lengths(target.tokenizer, prompts)
     inhouse = [] if args.engine_only else loaded
     # every turn of every prompt, plainly and by each drafter: what the time goes with
     where = {"bench": f"plain + {len(drafters)} drafters on {len(inhouse)} benchmarks"}
@@ -179,7 +238,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         plain, spec = run_benchmark(target, drafters, prompts, cfg, args.seed, progress)
         for name, tally in spec.items():
             k = own_config(drafters[name], cfg).max_depth  # a tree: row's alpha_i to its depth
-            report["results"].append(result_row(name, bench, plain, tally, k))
+            report["results"].append(result_row(name, bench, plain, tally, k, edges))
     progress.close()
     if args.engine:
         try:
@@ -191,8 +250,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 log.warning("the in-house rows are in %s; rerun with --engine-only for the "
                             "engine's", args.json)  # fmt: skip
             raise
-        report["results"] += [engine_row(m, cfg.max_depth) for m in measured]
+        report["results"] += [engine_row(m, cfg.max_depth, edges) for m in measured]
     return report
+
+
+def load_bench(bench: str, source: str, tokenizer, context: int | None, args) -> list:
+    """A benchmark's prompts: long_context built for this target's tokenizer and context,
+    the others read from their source."""
+    if source != LONG_CONTEXT:
+        return load_prompts(source, dataset=bench, limit=args.limit)
+    longest = args.long_context_max
+    if longest is None:
+        if not context:
+            raise Eagle3Error(
+                "long_context: the target's context is unknown; give --long-context-max TOKENS"
+            )
+        longest = context - args.max_new_tokens
+    elif context and longest + args.max_new_tokens > context:
+        raise Eagle3Error(
+            f"--long-context-max {longest} + --max-new-tokens {args.max_new_tokens} exceeds the "
+            f"target's context ({context}); lower one of them"
+        )
+    n = args.limit or DEFAULT_PROMPTS
+    return long_context_prompts(tokenizer, longest, n, shortest=args.long_context_min)
+
+
+def prompt_lengths(tokenizer, prompts: list) -> dict[str, Any]:
+    """How long a benchmark's prompts are: tokens of each first turn as the template renders
+    it (later turns grow with the answers), min / median / max."""
+    first = []
+    for p in prompts:
+        turn = p.messages[: next(i for i, m in enumerate(p.messages) if m["role"] == "user") + 1]
+        first.append(len(prompt_ids(tokenizer, turn)))
+    return {
+        "prompts": len(prompts),
+        "turns": sum(user_turns(p) for p in prompts),
+        "first_turn_tokens": {
+            "min": min(first),
+            "median": statistics.median(first),
+            "max": max(first),
+        },
+    }
 
 
 def write_json(path: str, report: dict[str, Any]) -> None:
@@ -231,6 +329,9 @@ def evaluate(args: argparse.Namespace) -> int:
                 where,
             )
     print(format_table(report["results"]))
+    by_position = format_context_table(report["results"])
+    if by_position:
+        print(f"\nτ by context position\n\n{by_position}\n\n{CONTEXT_NOTE}\n")
     print(produced_line(report, args.json), flush=True)
     return EXIT_OK
 

@@ -20,6 +20,12 @@ the same temperature; tau and alpha_i come from vLLM's spec-decode counters over
 (one window over all requests: no per-prompt counts). Each pass runs one request at a time and
 `--engine-batch` N at a time, against plain vLLM run the same way. Engine flags:
 eagle3.engine.server.add_engine_args.
+
+Acceptance by context position: every in-house step is logged with its context (the tokens
+before its first drafted token; `Tally.prompt_stats`, per prompt). The drafter servers run with
+`--per-request-spec-decode-metrics detailed`, so each response carries its steps' accepted and
+drafted counts in order (:func:`request_steps` rebuilds their contexts): the same steps as the
+counters' window, per prompt and per step.
 """
 
 from __future__ import annotations
@@ -204,6 +210,8 @@ class Tally:
     turns: int = 0
     per_prompt: list[PromptCount] = field(default_factory=list)  # in prompt order
     turn_stats: list[AcceptanceStats] = field(default_factory=list)  # [t]: every prompt's turn t
+    # [j]: prompt j's steps over all its turns, each with its context (acceptance by position)
+    prompt_stats: list[AcceptanceStats] = field(default_factory=list)
 
     @property
     def prompts(self) -> int:
@@ -212,9 +220,11 @@ class Tally:
     def start(self, prompt_id: str) -> None:
         """The turns added from now on are this prompt's."""
         self.per_prompt.append(PromptCount(prompt_id))
+        self.prompt_stats.append(AcceptanceStats())
 
     def add(self, gen: Generation) -> None:
         self.stats.merge(gen.stats)
+        self.prompt_stats[-1].merge(gen.stats)
         self.tokens += len(gen.tokens)
         self.seconds += gen.seconds
         self.turns += 1
@@ -310,6 +320,10 @@ class EngineRun:
     tokens: int = 0
     seconds: float = 0.0
     window: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
+    # [r]: request r's verification steps with their contexts, from the response's per-step
+    # counts (vLLM --per-request-spec-decode-metrics detailed); None where it had none
+    requests: list[AcceptanceStats | None] = field(default_factory=list)
+    unaccounted: int = 0  # new tokens of no reported step (steps without drafts): 0 normally
 
     @property
     def rate(self) -> float:
@@ -328,15 +342,58 @@ class EngineResult:
     plain: EngineRun
     prompts: int
     turns: int
+    owners: list[int] = field(default_factory=list)  # [r]: the prompt request r is a turn of
+
+    def prompt_stats(self) -> list[AcceptanceStats] | None:
+        """Each prompt's verification steps over its turns, with their contexts; None when a
+        request came back without per-step counts (an engine that does not report them)."""
+        if not self.spec.requests or any(r is None for r in self.spec.requests):
+            return None
+        out = [AcceptanceStats() for _ in range(self.prompts)]
+        for owner, stats in zip(self.owners, self.spec.requests):
+            out[owner].merge(stats)
+        return out
 
 
 def engine_generate(server, ids: list[int], cfg: DecodeConfig, eos: list[int]) -> tuple[int, str]:
     """One completion from token ids -> (new tokens, text)."""
-    reply = server.complete(
+    reply = engine_reply(server, ids, cfg, eos)
+    return int(reply["usage"]["completion_tokens"]), reply["choices"][0].get("text") or ""
+
+
+def engine_reply(server, ids: list[int], cfg: DecodeConfig, eos: list[int]) -> dict[str, Any]:
+    """One completion from token ids -> the response JSON."""
+    return server.complete(
         ids, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, stop_token_ids=eos
     )
-    choice = reply["choices"][0]
-    return int(reply["usage"]["completion_tokens"]), choice.get("text") or ""
+
+
+# vLLM >= 0.32: every response carries its own steps' accepted/drafted counts, in order
+PER_STEP_ARGS = ("--per-request-spec-decode-metrics", "detailed")
+
+
+def request_steps(reply: dict[str, Any], prompt_len: int) -> tuple[AcceptanceStats | None, int]:
+    """One vLLM response's verification steps -> (AcceptanceStats with each step's context,
+    new tokens no step accounts for); (None, 0) when the response has no per-step counts.
+
+    vLLM samples the first new token from the prompt's forward, then each step verifies the
+    drafted tokens and adds accepted + 1, so step s's context is prompt_len + 1 + the tokens
+    the steps before it added: the in-house decoder's context (prompt + generated, root
+    included). A step is counted only where it had drafts (vLLM observes no other), so a step
+    without drafts would shift the later contexts by one: the tokens left over count them.
+    alpha as in-house: a step accepting a of d drafts offered depths 1..min(a + 1, d)."""
+    spec = (reply.get("metrics") or {}).get("speculative_decoding") or {}
+    accepted, drafted = spec.get("per_step_accepted"), spec.get("per_step_drafted")
+    if accepted is None or drafted is None:
+        return None, 0
+    stats = AcceptanceStats()
+    context = prompt_len + 1
+    for a, d in zip(accepted, drafted):
+        stats.record(int(a), min(int(a) + 1, int(d)), context)
+        context += int(a) + 1
+    produced = int(reply["usage"]["completion_tokens"])
+    # the last step may add past a stop or max_tokens: only a shortfall is unaccounted
+    return stats, max(produced - (context - prompt_len), 0)
 
 
 def engine_pass(
@@ -345,21 +402,30 @@ def engine_pass(
     """Every turn through `server`, `concurrency` in flight -> tokens, wall seconds, window."""
     from concurrent.futures import ThreadPoolExecutor
 
+    out = EngineRun()
+
     def counted(replies):  # each request's new tokens, counted as it comes back (in order)
-        for n, _ in replies:
+        for ids, reply in zip(turns, replies):
+            stats, left = request_steps(reply, len(ids))
+            out.requests.append(stats)
+            out.unaccounted += left
             if progress is not None:
                 progress.update(1)
-            yield n
+            yield int(reply["usage"]["completion_tokens"])
 
     before = server.spec_decode_metrics()
     t0 = time.perf_counter()
     if concurrency <= 1:
-        tokens = sum(counted(engine_generate(server, ids, cfg, eos) for ids in turns))
+        out.tokens = sum(counted(engine_reply(server, ids, cfg, eos) for ids in turns))
     else:
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            tokens = sum(counted(pool.map(lambda i: engine_generate(server, i, cfg, eos), turns)))
-    seconds = time.perf_counter() - t0
-    return EngineRun(tokens, seconds, server.spec_decode_metrics() - before)
+            out.tokens = sum(counted(pool.map(lambda i: engine_reply(server, i, cfg, eos), turns)))
+    out.seconds = time.perf_counter() - t0
+    out.window = server.spec_decode_metrics() - before
+    if out.unaccounted:
+        log.warning("vLLM: %d new tokens came from steps without drafts; the contexts of the "
+                    "steps after them are that much short", out.unaccounted)  # fmt: skip
+    return out
 
 
 def engine_plain_turns(
@@ -460,6 +526,7 @@ def engine_runs(
             drafter=spec,
             num_speculative_tokens=k,
             max_model_len=max_model_len,
+            extra_args=PER_STEP_ARGS,  # acceptance by context position, from each response
         ) as server:
             log.info("vLLM server with %s up in %.0f s, %s (log %s)", name,
                      server.startup_seconds, server.serving.describe(), server.log_path)  # fmt: skip
@@ -467,9 +534,12 @@ def engine_runs(
             for bench, ids in turns.items():
                 for n in (1, batch):
                     run_ = engine_pass(server, ids, cfg, eos, n, progress)
-                    prompts = len(dict(benches)[bench])
+                    prompts = dict(benches)[bench]
+                    owners = [j for j, p in enumerate(prompts) for _ in range(user_turns(p))]
                     results.append(
-                        EngineResult(name, bench, n, run_, plain[bench, n], prompts, len(ids))
+                        EngineResult(
+                            name, bench, n, run_, plain[bench, n], len(prompts), len(ids), owners
+                        )  # fmt: skip
                     )
     progress.close()
     return results

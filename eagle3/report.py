@@ -9,6 +9,11 @@ benchmark with several turns adds `per_turn`, the same measures over each turn a
 serving engine's: one window of vLLM's counters over all requests, so no per-prompt counts and
 no interval (`ci_note` says so), and an `engine` block with the raw counters. The table adds a
 "plain" row per benchmark (the target alone, the in-house speedups' denominator).
+
+Every row also holds `by_context`: tau and alpha_i of its verification steps in buckets of the
+context before each step (prompt + generated tokens), with intervals over prompts, printed as a
+second table (:func:`format_context_table`); engine rows take theirs from each response's own
+per-step counts.
 """
 
 from __future__ import annotations
@@ -19,7 +24,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3.statistics import bootstrap_ci, engine_alpha, ratio_of_sums, speedup_of_sums
+from eagle3.statistics import (
+    bootstrap_ci,
+    by_context,
+    default_context_edges,
+    engine_alpha,
+    ratio_of_sums,
+    speedup_of_sums,
+)
 from eagle3.tracking import wandb_mode
 
 if TYPE_CHECKING:
@@ -35,10 +47,14 @@ NO_ENGINE_CI = "n/a (one vLLM window)"
 
 
 # -- rows -----------------------------------------------------------------------------------------
-def result_row(drafter: str, bench: str, plain: Tally, spec: Tally, k: int) -> dict[str, Any]:
+def result_row(
+    drafter: str, bench: str, plain: Tally, spec: Tally, k: int, edges: list[int] | None = None
+) -> dict[str, Any]:
     """One drafter on one benchmark, every turn of every prompt; a benchmark with several turns
     (MT-bench) also gets `per_turn`: the same measures over each turn alone (turn 2 follows the
-    target's own first answer, which prompt lookup can copy)."""
+    target's own first answer, which prompt lookup can copy). `by_context`: tau and alpha_i of
+    the steps in each bucket of context length before the step (`edges`: the buckets' lower
+    edges, default doubling from 512), intervals over prompts (eagle3.statistics.by_context)."""
     drafts = drafter != "none"
     pairs = list(zip(spec.per_prompt, plain.per_prompt))
     row = {
@@ -48,6 +64,8 @@ def result_row(drafter: str, bench: str, plain: Tally, spec: Tally, k: int) -> d
         "prompts": spec.prompts,
         "turns": spec.turns,
     }
+    edges = edges or default_context_edges(None)
+    row["by_context"] = by_context(spec.prompt_stats, edges, k, drafts)
     row["per_prompt"] = [
         {
             "id": s.id,
@@ -104,10 +122,15 @@ def _measures(
     }
 
 
-def engine_row(result: EngineResult, k: int) -> dict[str, Any]:
+def engine_row(result: EngineResult, k: int, edges: list[int] | None = None) -> dict[str, Any]:
     """A serving-engine row: drafter "x/final [vllm]" (one request at a time) or
-    "x/final [vllm xN]" (N at a time)."""
+    "x/final [vllm xN]" (N at a time). Its tau and alpha_i are the counters' window; its
+    `by_context` comes from each response's own per-step counts (the same steps, with their
+    contexts rebuilt from the prompt's length: eagle3.measure.request_steps), None where the
+    engine returned none."""
     run_, base, n = result.spec, result.plain, result.concurrency
+    prompt_stats = result.prompt_stats()
+    edges = edges or default_context_edges(None)
     return {
         "drafter": f"{result.drafter} [vllm]" if n == 1 else f"{result.drafter} [vllm x{n}]",
         "bench": result.bench,
@@ -127,7 +150,14 @@ def engine_row(result: EngineResult, k: int) -> dict[str, Any]:
         "spec_seconds": run_.seconds,
         "plain_seconds": base.seconds,
         "per_prompt": None,
-        "engine": {"name": "vllm", "concurrency": n, **run_.window.as_dict()},
+        "by_context": None if prompt_stats is None else by_context(prompt_stats, edges, k),
+        "engine": {
+            "name": "vllm",
+            "concurrency": n,
+            **run_.window.as_dict(),
+            "per_step_steps": None if prompt_stats is None else sum(s.steps for s in prompt_stats),
+            "per_step_unaccounted_tokens": run_.unaccounted,
+        },
     }
 
 
@@ -191,6 +221,36 @@ def _table_line(r: dict[str, Any], bench: str, k: int) -> str:
         str(r["tokens"]),
     ]
     return "| " + " | ".join(cells) + " |"
+
+
+def format_context_table(results: list[dict[str, Any]]) -> str:
+    """Markdown: tau and alpha_i by the context before each verification step, one line per
+    drafter x benchmark x context bucket ("none" left out: tau 1 by definition); "" when no
+    row has them. 95% intervals bootstrapped over the prompts with steps in the bucket."""
+    rows = [r for r in results if r.get("by_context") and r["drafter"] != "none"]
+    if not rows:
+        return ""
+    k = max((len(r["alpha"]) for r in rows), default=0)
+    head = ["drafter", "bench", "context", "steps", "prompts", "τ", "τ 95% CI"]
+    head += [f"α{i + 1}" for i in range(k)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        for b in r["by_context"]:
+            alphas = [b["alpha"][i] if i < len(b["alpha"]) else None for i in range(k)]
+            ci = b.get("tau_ci95")
+            cells = [r["drafter"], r["bench"], b["label"], str(b["steps"]), str(b["prompts"])]
+            cells += [f"{b['tau']:.2f}", f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "–"]
+            cells += ["–" if a is None else f"{a:.2f}" for a in alphas]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+CONTEXT_NOTE = (
+    "context: tokens before a verification step's first drafted token (prompt + tokens "
+    "generated so far); τ and α of the steps in that bucket, 95% intervals bootstrapped over "
+    "the prompts with steps in it. [vllm] rows: each response's own per-step counts, the "
+    "contexts rebuilt from its prompt length."
+)
 
 
 def speedup_note(report: dict[str, Any]) -> str:
@@ -299,6 +359,15 @@ def log_wandb(
                 for turn in r.get("per_turn") or ():  # MT-bench: turn 2 follows turn 1's answer
                     run.summary[f"{prefix}/turn{turn['turn']}/tau"] = turn["tau"]
                     run.summary[f"{prefix}/turn{turn['turn']}/speedup"] = turn["speedup"]
+                for b in r.get("by_context") or ():  # tau by the context before each step
+                    where = f"{prefix}/context_from_{b['context_lo']}"  # the bucket's edge
+                    run.summary[f"{where}/tau"] = b["tau"]
+                    run.summary[f"{where}/steps"] = b["steps"]
+                    for side, value in zip(("lo", "hi"), b.get("tau_ci95") or ()):
+                        run.summary[f"{where}/tau_ci95_{side}"] = value
+                    for i, a in enumerate(b["alpha"]):
+                        if a is not None:
+                            run.summary[f"{where}/alpha_{i + 1}"] = a
             columns = [
                 "drafter",
                 "bench",
@@ -309,11 +378,28 @@ def log_wandb(
                 "prompts",
                 "tokens",
             ]
+            ctx_columns = ["drafter", "bench", "context_lo", "context_hi", "steps", "prompts",
+                           "tau", "tau_ci95_lo", "tau_ci95_hi"]  # fmt: skip
+            ctx_data = [
+                [
+                    r["drafter"],
+                    r["bench"],
+                    b["context_lo"],
+                    b["context_hi"],
+                    b["steps"],
+                    b["prompts"],
+                    b["tau"],
+                    *(b.get("tau_ci95") or (None, None)),
+                ]  # fmt: skip
+                for r in rows
+                for b in r.get("by_context") or ()
+            ]
             run.log(
                 {
                     "eval/results": wandb.Table(
                         columns=columns, data=[[r[c] for c in columns] for r in rows]
-                    )
+                    ),
+                    "eval/by_context": wandb.Table(columns=ctx_columns, data=ctx_data),
                 }
             )
             if run.dir and Path(run.dir).is_dir():

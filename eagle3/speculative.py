@@ -190,9 +190,15 @@ class AcceptanceStats:
     accepted_total: int = 0
     accepted_at: list[int] = field(default_factory=list)  # [i-1]: steps with >= i accepted
     offered_at: list[int] = field(default_factory=list)  # [i-1]: steps offering depth i
+    # (context, accepted, offered) of every step recorded with its context: the tokens before
+    # the step's first drafted token (prompt + generated so far); eagle3.statistics buckets them
+    step_log: list[tuple[int, int, int]] = field(default_factory=list)
 
-    def record(self, accepted: int, offered: int) -> None:
-        """offered: deepest depth d such that depths 1..d were on offer along the path."""
+    def record(self, accepted: int, offered: int, context: int | None = None) -> None:
+        """offered: deepest depth d such that depths 1..d were on offer along the path;
+        context: tokens before the first drafted token (None: not known, not logged)."""
+        if context is not None:
+            self.step_log.append((context, accepted, offered))
         self.steps += 1
         self.accepted_total += accepted
         need = max(accepted, offered)
@@ -206,6 +212,7 @@ class AcceptanceStats:
     def merge(self, other: AcceptanceStats) -> None:
         self.steps += other.steps
         self.accepted_total += other.accepted_total
+        self.step_log.extend(other.step_log)
         for name in ("accepted_at", "offered_at"):
             mine, theirs = getattr(self, name), getattr(other, name)
             mine.extend([0] * (len(theirs) - len(mine)))
@@ -532,7 +539,8 @@ class SpeculativeDecoder:
         self.last_path = path
         last = path[-1] if path else -1
         has_children = any(p == last for p in tree.parents)
-        self.stats.record(len(path), len(path) + int(has_children))
+        # context: x_0..x_L (prompt + generated, the root included) precede the first draft
+        self.stats.record(len(path), len(path) + int(has_children), context=L + 1)
         keep_cache_entries(self.cache, L + 1, [L + 1 + i for i in path])
         self.tokens += [tree.tokens[i] for i in path] + [bonus]
         self._check_done()

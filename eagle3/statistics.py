@@ -1,16 +1,21 @@
 """The statistics of an evaluation: 95% intervals bootstrapped over prompts (all turns of a
-prompt move together), and vLLM's spec-decode counters read as the in-house decoder reads
-acceptance."""
+prompt move together), vLLM's spec-decode counters read as the in-house decoder reads
+acceptance, and acceptance by context position (:func:`by_context`: tau and alpha_i of the
+verification steps in buckets of the context before each step)."""
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from eagle3.errors import Eagle3Error
+
 if TYPE_CHECKING:
     from eagle3.engine.metrics import SpecDecodeMetrics
+    from eagle3.speculative import AcceptanceStats
 
 BOOTSTRAP_RESAMPLES = 2000  # of the prompts, for the 95% intervals
 BOOTSTRAP_SEED = 0
@@ -66,3 +71,98 @@ def engine_alpha(window: SpecDecodeMetrics, k: int) -> list[float | None]:
     counts = [window.num_drafts, *window.accepted_per_position]
     counts += [0.0] * (k + 1 - len(counts))
     return [counts[i + 1] / counts[i] if counts[i] else None for i in range(k)]
+
+
+# -- acceptance by context position ---------------------------------------------------------------
+FIRST_BUCKET_EDGE = 512  # default buckets: [0, 512), [512, 1024), ... doubling
+UNKNOWN_CONTEXT = 1 << 20  # where the target's context is unknown: buckets up to 2^20
+
+
+def default_context_edges(context: int | None) -> list[int]:
+    """The default lower edges of the context buckets: 0, 512, 1024, ... doubling, every edge
+    below the target's context (the last bucket runs to it)."""
+    top = context or UNKNOWN_CONTEXT
+    edges, edge = [0], FIRST_BUCKET_EDGE
+    while edge < top:
+        edges.append(edge)
+        edge *= 2
+    return edges
+
+
+def parse_context_edges(spec: str, flag: str = "--context-buckets") -> list[int]:
+    """'0,1024,4096' -> [0, 1024, 4096]: the buckets' lower edges, increasing, from 0."""
+    try:
+        edges = [int(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        raise Eagle3Error(
+            f"{flag} {spec!r}: give increasing token counts from 0, e.g. {flag} 0,1024,2048,4096"
+        ) from None
+    if not edges or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
+        raise Eagle3Error(
+            f"{flag} {spec!r}: the edges must start at 0 and increase, e.g. {flag} 0,1024,2048,4096"
+        )
+    return edges
+
+
+def bucket_label(lo: int, hi: int | None) -> str:
+    """[lo, hi) as a table cell: '1024-2047', the open last bucket '>=4096'."""
+    return f">={lo}" if hi is None else f"{lo}-{hi - 1}"
+
+
+def split_by_context(stats: AcceptanceStats, edges: Sequence[int]) -> list[AcceptanceStats]:
+    """One AcceptanceStats per bucket [edges[b], edges[b+1]) (the last open) from the steps
+    `stats` logged with their context; steps recorded without one are in no bucket."""
+    from eagle3.speculative import AcceptanceStats
+
+    out = [AcceptanceStats() for _ in edges]
+    for context, accepted, offered in stats.step_log:
+        out[bisect_right(edges, context) - 1].record(accepted, offered, context)
+    return out
+
+
+def by_context(
+    per_prompt: Sequence[AcceptanceStats], edges: Sequence[int], k: int, drafts: bool = True
+) -> list[dict[str, Any]]:
+    """tau and alpha_1..alpha_k of the verification steps in each context bucket (the context
+    before a step: prompt + generated tokens before its first drafted token), over every
+    prompt's logged steps; buckets without a step are left out. The 95% intervals are
+    bootstrapped over the prompts with steps in the bucket (a prompt's steps move together:
+    they share its document and its drafts' history), tau as a ratio of sums, each alpha_i as
+    accepted at depth i / steps offering depth i, like the totals."""
+    from eagle3.speculative import AcceptanceStats
+
+    split = [split_by_context(s, edges) for s in per_prompt]  # [prompt][bucket]
+    rows = []
+    for b, lo in enumerate(edges):
+        mine = [p[b] for p in split if p[b].steps]
+        if not mine:
+            continue
+        total = AcceptanceStats()
+        for s in mine:
+            total.merge(s)
+        hi = edges[b + 1] if b + 1 < len(edges) else None
+        alpha_ci = []
+        for i in range(k if drafts else 0):
+            cols = [[_at(s.accepted_at, i), _at(s.offered_at, i)] for s in mine]
+            alpha_ci.append(bootstrap_ci(cols, ratio_of_sums))
+        rows.append(
+            {
+                "context_lo": lo,
+                "context_hi": hi,  # exclusive; None: the last bucket, open
+                "label": bucket_label(lo, hi),
+                "steps": total.steps,
+                "prompts": len(mine),
+                "accepted": total.accepted_total,
+                "tau": total.tau,
+                "tau_ci95": bootstrap_ci(
+                    [[s.accepted_total + s.steps, s.steps] for s in mine], ratio_of_sums
+                ),
+                "alpha": total.alpha(k) if drafts else [],
+                "alpha_ci95": alpha_ci,
+            }
+        )
+    return rows
+
+
+def _at(counts: list[int], i: int) -> int:
+    return counts[i] if i < len(counts) else 0

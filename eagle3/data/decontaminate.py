@@ -33,7 +33,8 @@ MIN_WORDS = 4  # shorter benchmark texts ("Hello") would match everything: left 
 # Raw record fields that hold a benchmark's reference answer (GSM8K, HumanEval, MT-bench refs).
 ANSWER_KEYS = ("answer", "canonical_solution", "reference", "references", "solution")
 
-EMBEDDED_BENCHES = ("mt_bench", "humaneval")
+# long_context: Python's standard-library sources with tasks (eagle3.data.long_context)
+EMBEDDED_BENCHES = ("mt_bench", "humaneval", "long_context")
 # a file named like this takes its directory's name as the benchmark's: gsm8k/test.jsonl -> gsm8k
 GENERIC_STEMS = {"test", "train", "question", "questions", "data", "prompts", "validation"}
 
@@ -60,8 +61,8 @@ def parse_benches(spec: str, flag: str = "--bench") -> list[tuple[str, str]]:
             )
         else:
             raise Eagle3Error(
-                f"unknown benchmark {item!r} in {flag}: use mt_bench, humaneval, NAME=FILE.jsonl "
-                "or an existing prompts file"
+                f"unknown benchmark {item!r} in {flag}: use mt_bench, humaneval, long_context, "
+                "NAME=FILE.jsonl or an existing prompts file"
             )
     if not out:
         raise Eagle3Error(f"{flag} is empty; e.g. {flag} mt_bench,humaneval")
@@ -86,6 +87,11 @@ def _texts(value: Any) -> Iterator[str]:
 
 def benchmark_texts(source: str) -> Iterator[str]:
     """Every question turn and reference answer of a benchmark source (name or file)."""
+    if source == "long_context":  # built per tokenizer: every text any of its prompts holds
+        from eagle3.data.long_context import benchmark_texts as long_context_texts
+
+        yield from long_context_texts()
+        return
     records, report = open_source(source)
     for raw in records:
         if not isinstance(raw, dict):

@@ -428,3 +428,43 @@ def test_engine_context_is_the_longest_conversation_at_most_the_targets():
     per_turn = 100 + ANSWER_SLACK
     assert engine_context(Chars(), benches, 100, None) == 8 + 2 * per_turn
     assert engine_context(Chars(), benches, 100, 200) == 200
+
+
+def test_long_context_benchmark_reports_tau_by_context_position(chat_target_dir, tmp_path, capsys):
+    """In-house on the tiny chat target, the long_context benchmark up to 300 tokens: every
+    step in one context bucket, overall tau the step-weighted mean of the buckets'. ~4 s."""
+    ckpt = make_ckpt(chat_target_dir, tmp_path / "exp" / "final")
+    out = tmp_path / "eval.json"
+    argv = [
+        "--target", str(chat_target_dir), "--device", "cpu",
+        "--draft", str(ckpt), "--draft", "prompt-lookup,none",
+        "--bench", "long_context", "--limit", "6", "--long-context-max", "300",
+        "--max-new-tokens", "12", "--steps", "3", "--context-buckets", "0,200,250",
+        "--json", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["config"]["context_buckets"] == [0, 200, 250]
+    lengths = report["benchmarks"]["long_context"]
+    assert lengths["prompts"] == 6 and lengths["first_turn_tokens"]["max"] <= 300
+    rows = {r["drafter"]: r for r in report["results"]}
+    for name in ("exp/final", "prompt-lookup"):
+        row = rows[name]
+        buckets = row["by_context"]
+        assert sum(b["steps"] for b in buckets) == row["verify_steps"]
+        weighted = sum(b["tau"] * b["steps"] for b in buckets) / row["verify_steps"]
+        assert weighted == pytest.approx(row["tau"])
+        assert sum(b["accepted"] for b in buckets) == sum(p["accepted"] for p in row["per_prompt"])
+        assert [b["context_lo"] for b in buckets] == sorted(b["context_lo"] for b in buckets)
+        assert all(len(b["alpha"]) == 3 and b["prompts"] >= 1 for b in buckets)
+        for b in buckets:
+            assert (
+                f"| {name} | long_context | {b['label']} | {b['steps']} | {b['prompts']} |" in table
+            )
+    # prompts from about 300 / 32 (at least twice the template) to 300 tokens: more than one bucket
+    assert len(rows["exp/final"]["by_context"]) >= 2
+    assert (
+        "τ by context position" in table
+        and "| none | long_context |" not in table.split("τ by context position")[1]
+    )

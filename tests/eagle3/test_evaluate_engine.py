@@ -75,6 +75,15 @@ def test_engine_tau_agrees_with_in_house_eagle3_eagle3_1_and_peagle(
         assert vllm["tokens"] == vllm["plain_tokens"] == house["tokens"]  # T=0: same answers
         assert vllm["engine"]["num_draft_tokens"] == STEPS * vllm["engine"]["num_drafts"]
         assert vllm["speedup"] > 0 and batched["speedup"] > 0
+        # tau by context position from each response's per-step counts: the counters' steps
+        for row in (vllm, batched):
+            buckets, drafts = row["by_context"], row["engine"]["num_drafts"]
+            assert sum(b["steps"] for b in buckets) == row["engine"]["per_step_steps"] == drafts
+            assert row["engine"]["per_step_unaccounted_tokens"] == 0
+            total = sum(b["tau"] * b["steps"] for b in buckets)
+            assert total / drafts == pytest.approx(row["tau"])
+        # T=0, the same answers: the steps fall in the same buckets as in-house
+        assert [b["label"] for b in vllm["by_context"]] == [b["label"] for b in house["by_context"]]
     assert rows["train-peagle/final"]["alpha"][1] > 0.2  # depths >= 1 drafted from the mask too
     text = engine_log.read_text()
     loaded = re.findall(r"Loaded weight (\S*fc_norm\.\d\.weight)", text)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from eagle3.measure import Tally
-from eagle3.report import format_table, result_row, speedup_note
+from eagle3.report import format_context_table, format_table, result_row, speedup_note
 from eagle3.speculative import AcceptanceStats, Generation
 
 
@@ -162,3 +162,30 @@ def test_speedup_note_says_what_was_measured_where(device, engine, tree, turns, 
         assert text in note
     for text in absent:
         assert text not in note
+
+
+def test_context_table_lists_each_bucket_of_each_drafter_but_none():
+    """format_context_table and the rows' by_context (well under a second)."""
+    plain, spec = Tally(), Tally()
+    for i, contexts in enumerate([(5, 9, 14), (30, 33)]):
+        plain.start(f"p{i}")
+        spec.start(f"p{i}")
+        stats = AcceptanceStats()
+        for c in contexts:
+            stats.record(1, 2, c)
+        spec.add(Generation([0] * 2 * len(contexts), stats, 1.0))
+        plain.add(_gen([0] * 2 * len(contexts), 2 * len(contexts), 1.0))
+    row = result_row("x/final", "long_context", plain, spec, 2, [0, 16, 32])
+    assert [(b["label"], b["steps"], b["prompts"]) for b in row["by_context"]] == [
+        ("0-15", 3, 1),
+        ("16-31", 1, 1),
+        (">=32", 1, 1),
+    ]
+    none = {**row, "drafter": "none"}  # tau 1 by definition: not in the table
+    engine = {**row, "drafter": "x/final [vllm]", "by_context": None}  # no per-step counts
+    lines = format_context_table([row, none, engine]).splitlines()
+    assert lines[0] == "| drafter | bench | context | steps | prompts | τ | τ 95% CI | α1 | α2 |"
+    assert lines[2] == "| x/final | long_context | 0-15 | 3 | 1 | 2.00 | – | 1.00 | 0.00 |"
+    assert lines[4].startswith("| x/final | long_context | >=32 | 1 | 1 | 2.00 |")
+    assert len(lines) == 5
+    assert format_context_table([engine]) == ""

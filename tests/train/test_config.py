@@ -138,7 +138,9 @@ def test_eagle3_1_method_is_one_value_and_checked():
             check_paths=False,
         )
         assert cfg.model.draft.method == "eagle3.1"
-    with pytest.raises(ConfigError, match="model.draft.method must be one of eagle3, eagle3.1, p-eagle"):
+    with pytest.raises(
+        ConfigError, match="model.draft.method must be one of eagle3, eagle3.1, p-eagle"
+    ):
         load_config(None, ["data.shard_dirs=[x]", "model.draft.method=eagle4"], check_paths=False)
     with pytest.raises(ConfigError, match="method eagle3.1 reads each aux state"):
         load_config(
