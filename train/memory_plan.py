@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,6 +104,9 @@ class Plan:
     ranks: int = 1  # the node's GPUs: the sequence-parallel sizes there are
     heads: int = 1  # the draft's attention heads (a sequence-parallel size must divide them)
     sp_exchange_bytes: float = 0.0  # the all-to-all copies per local token under sequence parallel
+    # False for P-EAGLE, whose one-pass training (dense per-depth attention over its
+    # subsampled slots) this plan does not model: printed as an estimate, never a refusal
+    modelled: bool = True
 
     @property
     def total(self) -> float:
@@ -118,6 +122,8 @@ class Plan:
         for name, value in self.parts.items():
             lines.append(f"  {name:<22} {value / GB:7.2f} GB  {self.notes.get(name, '')}")
         verdict = "fits" if self.fits else "does NOT fit"
+        if not self.modelled:
+            verdict += " (P-EAGLE: activations estimated as TTT steps, not enforced)"
         lines.append(
             f"  {'total':<22} {self.total / GB:7.2f} GB  {verdict}; "
             f"{(self.card_bytes - self.total) / GB:+.2f} GB left"
@@ -130,10 +136,10 @@ def parameter_counts(draft_cfg: DraftConfig) -> tuple[int, int]:
     """(trainable, frozen) parameters of the draft, counted on the meta device (no memory)."""
     import torch
 
-    from eagle3.model import Eagle3Draft
+    from eagle3.parallel_draft import draft_for
 
     with torch.device("meta"):
-        draft = Eagle3Draft(draft_cfg)
+        draft = draft_for(draft_cfg)  # P-EAGLE's plain layers and mask_hidden too
     trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in draft.parameters() if not p.requires_grad)
     return trainable, frozen
@@ -250,6 +256,9 @@ def plan_memory(
         note += f" + flex's concatenated K/V {flex_tok / 2**20:.2f} MiB/token"
     else:  # one tile's fp32 scores, probabilities and gradient
         acts += 3 * 4 * draft_cfg.num_attention_heads * TILE_ROWS * TILE_KEYS
+    if draft_cfg.method == "p-eagle":  # an estimate only (Plan.modelled)
+        p.modelled = False
+        note += "; p-eagle: its one-pass depths and dense per-depth masks are not modelled"
     p.parts["activations"] = acts
     p.notes["activations"] = f"{note} ({run.attention_path})" + (
         f", 1/{sp} of each record (sequence parallel)" if sp > 1 else ""
@@ -344,6 +353,14 @@ def check_fits(plan: Plan, online: bool) -> None:
             + elsewhere
         )
     if plan.fits:
+        return
+    if not plan.modelled:
+        print(
+            f"memory plan: {plan.total / GB:.1f} GB a rank estimated for a P-EAGLE run the plan "
+            "does not model; not refused (watch the first steps' peak_mem_gb)",
+            file=sys.stderr,
+            flush=True,
+        )
         return
     over = (plan.total - plan.card_bytes) / GB
     options = []

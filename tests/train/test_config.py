@@ -150,7 +150,9 @@ def test_eagle3_1_method_is_one_value_and_checked():
         )
 
 
-def test_eagle3_1_kimi_recipes_train_it():
-    for name in ("kimi-k2.5-offline.yaml", "kimi-k2.5-online.yaml"):
+def test_eagle3_1_kimi_recipes_name_their_method():
+    """The Kimi recipes say the method they train (eagle3: results/README.md, "Draft methods")."""
+    for name in ("kimi-k2.5-offline.yaml", "kimi-k2.5-online.yaml", "kimi-k2.5-offline-long.yaml"):
         cfg = load_config(REPO / "configs" / "train" / name, check_paths=False)
-        assert (cfg.model.draft.method, cfg.model.draft.attention) == ("eagle3.1", "mla"), name
+        assert (cfg.model.draft.method, cfg.model.draft.attention) == ("eagle3", "mla"), name
+        assert "method: eagle3" in (REPO / "configs" / "train" / name).read_text()

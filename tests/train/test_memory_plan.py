@@ -17,6 +17,8 @@ from train.config import load_config
 from train.memory_plan import (
     GB,
     Node,
+    Plan,
+    RunShape,
     activation_bytes_per_token,
     check_fits,
     fitting_length,
@@ -245,3 +247,25 @@ def test_fp32_accum_in_the_zero2_config_as_deepspeed_reads_it():
     parsed = deepspeed_config.DeepSpeedConfig(ds)
     assert (parsed.grad_accum_dtype, parsed.zero_optimization_stage) == ("fp32", 2)
     assert "fp32 accumulation" in plan_of("offline", 96).notes["gradients"]
+
+
+def test_peagle_plan_counts_its_layers_and_is_an_estimate_not_a_refusal(capsys):
+    """A P-EAGLE draft's parameters are its num_layers layers and mask_hidden; its activations
+    are not modelled, so an over-card plan prints one line instead of refusing (~0.1 s)."""
+    from train.memory_plan import parameter_counts
+
+    base = dict(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=100, draft_vocab_size=50, target_hidden_size=64,
+        aux_layer_ids=[0, 1, 2],
+    )  # fmt: skip
+    one = parameter_counts(DraftConfig(**base))[0]
+    three = parameter_counts(
+        DraftConfig(**base, method="p-eagle", num_layers=3, parallel_depth=4, mask_token_id=0)
+    )[0]
+    assert three > one + 2 * 64 * 64  # two more decoder layers and mask_hidden
+    shape = RunShape(max_length=1024, batch_size=1, grad_accum=1, ttt_steps=4, bf16=True)
+    plan = Plan(card_bytes=1.0, run=shape, modelled=False)
+    plan.parts["activations"] = 2.0
+    check_fits(plan, online=False)  # over the card, but no refusal
+    assert "P-EAGLE run the plan does not model" in capsys.readouterr().err
