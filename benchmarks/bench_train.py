@@ -119,6 +119,12 @@ def main() -> None:
     vocab_size = facts["vocab_size"]
     dv = min(cfg.model.draft_vocab_size, vocab_size)
     draft_cfg = recipe_draft_config(cfg, facts, dv, aux_ids)
+    if draft_cfg.method == "p-eagle":  # its one-pass training (train/parallel_drafting.py)
+        raise SystemExit(
+            "bench_train: times the TTT unroll (eagle3, eagle3.1); model.draft.method=p-eagle "
+            "trains in one pass that this benchmark does not build: compare tokens_per_s in "
+            "its run's metrics.jsonl instead"
+        )
     torch.manual_seed(0)
     draft = Eagle3Draft(draft_cfg)
     t2d = torch.zeros(vocab_size, dtype=torch.bool)

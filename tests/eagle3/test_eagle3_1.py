@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from eagle3.checkpoint import load_config, load_draft, save_draft
 from eagle3.errors import Eagle3Error
 from eagle3.model import DraftConfig, Eagle3Draft
-from tests.eagle3.test_mla_draft import MLA
+from tests.eagle3.test_mla_draft import MLA, check_round_trip
 from tests.eagle3.test_model import check_ttt_equals_decoding
 
 KINDS = {"gqa": {}, "mla": MLA}
@@ -108,12 +108,7 @@ def test_eagle3_1_checkpoint_carries_the_switches_vllm_reads(kind, tiny_config, 
     assert raw["eagle_config"]["method"] == "eagle3.1" and "method" not in raw
     names = set(load_file(tmp_path / "model.safetensors"))
     assert {f"fc_norm.{i}.weight" for i in range(3)} <= names
-    back = load_draft(tmp_path, embed_weight=model.embed_tokens.weight)
-    assert back.config == model.config
-    ids, aux = torch.randint(0, 50, (1, 7)), torch.randn(1, 7, 96)
-    with torch.no_grad():
-        for a, b in zip(model.ttt_forward(ids, aux, 2), back.ttt_forward(ids, aux, 2)):
-            assert torch.equal(a, b)
+    check_round_trip(model, tmp_path)
 
 
 def test_eagle3_checkpoint_keeps_the_switches_off(tiny_config, tmp_path):
