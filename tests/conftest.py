@@ -18,6 +18,16 @@ def seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one thread is far faster than several competing for shared cores. A module
+    opts in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def transformers_warnings():
     """The messages transformers logs during the test. Its warning_once cache is cleared first,

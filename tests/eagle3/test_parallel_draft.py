@@ -23,13 +23,7 @@ from tests.eagle3.test_speculative import tiny_target
 V, H, HT = 40, 32, 24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread is far faster than several competing for shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_peagle(num_layers: int = 3, depth: int = 4, seed: int = 0, **kw) -> PEagleDraft:

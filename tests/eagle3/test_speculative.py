@@ -27,13 +27,7 @@ CHAIN = dict(mode="chain", steps=4)
 TREE = dict(mode="tree", topk=3, total_tokens=12, depth=4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread is far faster than several competing for shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_target(vocab: int = 16, layers: int = 4, sharpness: float = 10.0, seed: int = 0) -> Target:
