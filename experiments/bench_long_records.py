@@ -41,6 +41,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from train_arms import REPO, markdown_table, train_arm
 
 from eagle3.data.chat import render_conversation
@@ -48,6 +49,7 @@ from eagle3.data.decontaminate import BenchmarkIndex
 from eagle3.data.long_context import MODULES, stdlib_dir
 from eagle3.data.prompts import Prompt
 from eagle3.data.records import ResultStore, make_record
+from eagle3.data.windows import split_windows
 from eagle3.target.facts import load_tokenizer
 
 TARGET = "smollm2-135m-q4"
@@ -135,8 +137,8 @@ def run(cmd: list[str], log: Path) -> None:
 
 
 def windows_per_record(record_tokens: int, window: int) -> int:
-    """How many windows of `window` tokens (context window // 2) a record of that length is."""
-    return 1 + -(-(record_tokens - window) // (window - window // 2))
+    """How many windows of `window` tokens (default context) a record of that length is."""
+    return len(split_windows(torch.ones(record_tokens), window))
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ def test_windows_per_record_is_what_split_windows_makes():
         for n in (window + 1, 3 * window - 7, 7 * window + window // 2, 8000):
             want = len(split_windows(torch.ones(n), window))
             assert windows_per_record(n, window) == want, (n, window)
+    assert windows_per_record(8000, 1024) == 15  # 1 + ceil((8000 - 1024) / 512)
 
 
 def test_candidates_leave_out_the_benchmark_modules_and_tables():
