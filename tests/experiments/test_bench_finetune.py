@@ -1,0 +1,59 @@
+"""experiments/bench_finetune.py: its targeted prompts stay off HumanEval and its arms differ
+only where the comparison says. ~2 s (two standard-library packages parsed, HumanEval's n-gram
+index)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from bench_finetune import ARMS, arm_overrides, function_prompts, write_domain_prompts
+
+from eagle3.data.decontaminate import BenchmarkIndex
+from eagle3.data.long_context import stdlib_dir
+
+
+def test_domain_prompts_are_public_stdlib_functions_none_sharing_text_with_humaneval(tmp_path):
+    """Every prompt names a public function of the module it cites, with its docstring; a rerun
+    keeps the file; none shares a 13-word run with HumanEval's prompts or solutions."""
+    root = stdlib_dir() / "email"  # a package of many documented functions: the rule, cheaply
+    every = function_prompts(root)
+    assert len(every) > 20 and len({p["id"] for p in every}) == len(every)
+    for p in every:  # "write `name(args)` of `module`", the id being module.name
+        module, name = p["id"].rsplit(".", 1)
+        assert f"`{name}(" in p["prompt"] and f"`{module}` module" in p["prompt"]
+    assert all(not p["id"].rsplit(".", 1)[1].startswith("_") for p in every)
+    out = tmp_path / "domain.jsonl"
+    write_domain_prompts(out, 20, seed=0, root=root)
+    first = out.read_text()
+    write_domain_prompts(
+        out, 30, seed=1, root=root
+    )  # exists: kept as it is (a resumed run's prompts)
+    assert out.read_text() == first
+    prompts = [json.loads(line) for line in first.splitlines()]
+    assert len(prompts) == 20
+    index = BenchmarkIndex.from_sources(["humaneval"])
+    assert not any(index.hit([{"content": p["prompt"]}]) for p in prompts)
+
+
+def test_the_arms_share_the_targeted_shards_and_epochs_and_differ_by_one_setting(tmp_path):
+    """scratch / finetune / anchor / replay: the same shards and epochs; finetune adds the
+    start and its lr, anchor adds the anchor, replay adds the generic shards' fraction."""
+    args = argparse.Namespace(start_epochs=2, epochs=4, lr_ratio=4.0, anchor=0.01, replay=0.25)
+    arms = {arm: arm_overrides(arm, tmp_path, args) for arm in ARMS}
+    assert f"data.shard_dirs=[{tmp_path / 'shards-generic'}]" in arms["start"]
+    for arm in ARMS[1:]:
+        assert arms[arm][:2] == [
+            f"data.shard_dirs=[{tmp_path / 'shards-domain'}]",
+            "train.epochs=4",
+        ]
+    assert set(arms["finetune"]) - set(arms["scratch"]) == {
+        f"model.init_from={tmp_path / 'start' / 'final'}",
+        "optim.lr=0.0005",
+        "optim.warmup_steps=0",
+    }
+    assert set(arms["anchor"]) - set(arms["finetune"]) == {"train.anchor_l2=0.01"}
+    assert set(arms["replay"]) - set(arms["anchor"]) == {
+        f"data.replay_shard_dirs=[{tmp_path / 'shards-generic'}]",
+        "data.replay_fraction=0.25",
+    }
