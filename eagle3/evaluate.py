@@ -371,7 +371,8 @@ def load_bench(bench: str, source: str, tokenizer, context: int | None, args) ->
 
 def prompt_lengths(tokenizer, prompts: list) -> dict[str, Any]:
     """How long a benchmark's prompts are: tokens of each first turn as the template renders
-    it (later turns grow with the answers), min / median / max."""
+    it (later turns grow with the answers; a held-out conversation's one turn holds its earlier
+    answers), min / median / max."""
     first = [len(prompt_ids(tokenizer, next_turns(p, []))) for p in prompts]
     return {
         "prompts": len(prompts),
