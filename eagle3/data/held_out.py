@@ -36,7 +36,9 @@ def conversation_prompt(record: dict[str, Any]) -> Prompt | None:
     """The record's conversation before its last assistant turn, ending in a user turn (None
     when it has no such turn: nothing to answer)."""
     messages = record.get("messages")
-    if not isinstance(messages, list):
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") for m in messages
+    ):  # not a datagen conversation: passed over (counted), never a crash mid-evaluation
         return None
     last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
     if last is None or last == 0 or messages[last - 1].get("role") != "user":
@@ -57,7 +59,7 @@ class DatasetPick:
     records: int = 0  # records of the dataset
     held_out: int = 0  # of them in the validation split
     too_long: int = 0  # held out, passed over: the prompt does not fit (`fits`)
-    unusable: int = 0  # held out, passed over: no user turn before the last answer
+    unusable: int = 0  # held out, passed over: no user turn before the last answer, bad roles
     prompts: list[Prompt] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:

@@ -81,6 +81,7 @@ def test_a_conversation_is_asked_its_last_turn_with_earlier_answers_as_context()
     assert next_turns(prompt, [*asked, {"role": "assistant", "content": "new"}]) is None
     assert next_turns(prompt, asked) == asked  # not answered yet: asked again
     assert conversation_prompt({"id": "x", "messages": [{"role": "user", "content": "q"}]}) is None
+    assert conversation_prompt({"id": "x", "messages": [{"role": "tool"}, "text"]}) is None
 
     records = [record(f"r{i}", "alpha", turns=1 + i % 2) for i in range(40)]
     records += [{"id": f"bad{i}", "dataset": "alpha", "messages": []} for i in range(40)]
@@ -90,3 +91,14 @@ def test_a_conversation_is_asked_its_last_turn_with_earlier_answers_as_context()
     pick = picks["alpha"]
     assert len(pick.prompts) == 3 and all(len(p.messages) == 2 for p in pick.prompts)
     assert pick.too_long + pick.unusable > 0  # passed over on the way, and counted
+
+
+def test_evaluate_defaults_to_trainings_split_settings():
+    """~0.5 s (imports). `eagle3.evaluate --val-fraction / --val-seed` default to training's
+    data.val_fraction / data.val_seed: a run left at its defaults is measured on its own
+    validation conversations."""
+    from eagle3.evaluate import build_parser
+    from train.config import DataConfig
+
+    args = build_parser().parse_args(["--target", "t", "--draft", "none"])
+    assert (args.val_fraction, args.val_seed) == (DataConfig().val_fraction, DataConfig().val_seed)
