@@ -34,6 +34,14 @@ engine rows get theirs from each response's per-step counts (vLLM
 --per-request-spec-decode-metrics detailed, set on the drafter servers). `--bench
 long_context` is the benchmark for it: standard-library source files with a task, prompts
 log-spaced up to the target's context (eagle3.data.long_context).
+
+The user's own conversations: `--held-out DIR` (datagen records, DIR/<dataset>.jsonl) adds a
+benchmark per dataset, "held_out/<dataset>", of --held-out-prompts conversations that
+training holds out (--val-fraction / --val-seed: its data.val_fraction / data.val_seed; the
+rule is eagle3.data.held_out), each asked up to its last user turn with its earlier answers
+as context. Their rows carry `dataset`; the JSON's `held_out` says which records were taken
+and `weakest` (and the last table) ranks each drafter's datasets by tau, lowest first: where
+the budget goes (`datagen.openrouter --weight-by`).
 """
 
 from __future__ import annotations
@@ -51,11 +59,14 @@ from typing import Any
 import torch
 
 from eagle3.cli import EXIT_OK, HelpFormatter, run_cli
-from eagle3.data.chat import prompt_ids
+from eagle3.data.chat import next_turns, prompt_ids
 from eagle3.data.decontaminate import parse_benches
+from eagle3.data.held_out import PREFIX as HELD_OUT
+from eagle3.data.held_out import pick_held_out, rule
 from eagle3.data.long_context import DEFAULT_PROMPTS, long_context_prompts
 from eagle3.data.long_context import NAME as LONG_CONTEXT
 from eagle3.data.prompts import load_prompts, user_turns
+from eagle3.data.records import read_records
 from eagle3.engine.server import EngineSettings, add_engine_args
 from eagle3.errors import Eagle3Error
 from eagle3.measure import (
@@ -75,11 +86,14 @@ from eagle3.measure import (
 from eagle3.progress import Progress, count
 from eagle3.report import (
     CONTEXT_NOTE,
+    WEAKEST_NOTE,
     engine_row,
     format_context_table,
     format_table,
+    format_weakest_table,
     log_wandb,
     result_row,
+    weakest,
 )
 from eagle3.statistics import default_context_edges, parse_context_edges
 from eagle3.target import (
@@ -143,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOKENS",
         help="long_context: the shortest prompt (default: the longest / 32)",
     )
+    add_held_out_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, help="default: bf16 on cuda, fp32 on cpu")
@@ -169,7 +184,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.engine_only and not args.engine:
         raise Eagle3Error("--engine-only needs --engine vllm (it keeps only the engine's rows)")
     cfg = decode_config(args)
-    benches = parse_benches(args.bench)
+    # --bench '' with --held-out: only the user's own conversations
+    benches = parse_benches(args.bench) if args.bench or not args.held_out else []
     specs = [s.strip() for item in args.draft for s in item.split(",") if s.strip()]
     model = resolve(args.target)  # once: every loader below takes this value
     context = context_of(model)
@@ -225,6 +241,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise Eagle3Error(f"benchmark {bench} ({source}) has no prompts")
         loaded.append((bench, prompts))
         report["benchmarks"][bench] = prompt_lengths(target.tokenizer, prompts)
+    if args.held_out:
+        held, report["held_out"] = held_out_benches(args, target.tokenizer, context)
+        for bench, prompts in held:
+            loaded.append((bench, prompts))
+            report["benchmarks"][bench] = prompt_lengths(target.tokenizer, prompts)
     inhouse = [] if args.engine_only else loaded
     # every turn of every prompt, plainly and by each drafter: what the time goes with
     where = {"bench": f"plain + {len(drafters)} drafters on {len(inhouse)} benchmarks"}
@@ -251,7 +272,80 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             "engine's", args.json)  # fmt: skip
             raise
         report["results"] += [engine_row(m, cfg.max_depth, edges) for m in measured]
+    if args.held_out:
+        for row in report["results"]:  # a held-out dataset's rows name it: no name parsing later
+            if row["bench"].startswith(HELD_OUT):
+                row["dataset"] = row["bench"][len(HELD_OUT) :]
+        report["weakest"] = weakest(report["results"])
     return report
+
+
+def add_held_out_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--held-out",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="datagen records (DIR/<dataset>.jsonl; repeatable): tau per dataset on the "
+        "conversations training holds out, rows held_out/<dataset>",
+    )
+    p.add_argument(
+        "--held-out-prompts",
+        type=int,
+        default=20,
+        metavar="N",
+        help="held-out conversations per dataset",
+    )
+    # training's defaults (train/config.py, data.val_fraction / data.val_seed): give the
+    # trained run's values, so no trained conversation is measured
+    p.add_argument("--val-fraction", type=float, default=0.05, help="training's data.val_fraction")
+    p.add_argument("--val-seed", type=int, default=0, help="training's data.val_seed")
+
+
+def held_out_benches(
+    args: argparse.Namespace, tokenizer, context: int | None
+) -> tuple[list[tuple[str, list]], dict[str, Any]]:
+    """One benchmark per dataset of the --held-out records ("held_out/<dataset>"), and what
+    was taken (the JSON's `held_out`). A prompt that leaves no room for --max-new-tokens in
+    the target's context is passed over (counted), the next by the rule taken instead."""
+    if not 0 < args.val_fraction <= 1:
+        raise Eagle3Error(f"--val-fraction must be in (0, 1], got {args.val_fraction}")
+    if args.held_out_prompts <= 0:
+        raise Eagle3Error(f"--held-out-prompts must be positive, got {args.held_out_prompts}")
+    records = read_records(args.held_out)
+    if not records:
+        raise Eagle3Error(f"--held-out {' '.join(args.held_out)}: no records; pass datagen output "
+                          "directories (DIR/<dataset>.jsonl)")  # fmt: skip
+
+    def fits(prompt) -> bool:
+        return (
+            not context
+            or len(prompt_ids(tokenizer, prompt.messages)) + args.max_new_tokens <= context
+        )
+
+    picks = pick_held_out(records, args.held_out_prompts, args.val_fraction, args.val_seed, fits)
+    info = {
+        "dirs": args.held_out,
+        "val_fraction": args.val_fraction,
+        "val_seed": args.val_seed,
+        "per_dataset": args.held_out_prompts,
+        "rule": rule(args.held_out_prompts, args.val_fraction, args.val_seed),
+        "datasets": {name: pick.as_dict() for name, pick in picks.items()},
+    }
+    for name, pick in picks.items():
+        if len(pick.prompts) < args.held_out_prompts:
+            log.warning("held out %s: %d of %d prompts (%d records, %d held out, %d too long, "
+                        "%d without a user turn to answer)", name, len(pick.prompts),
+                        args.held_out_prompts, pick.records, pick.held_out, pick.too_long,
+                        pick.unusable)  # fmt: skip
+    benches = [(HELD_OUT + name, pick.prompts) for name, pick in picks.items() if pick.prompts]
+    if not benches:
+        raise Eagle3Error(
+            f"--held-out: none of {len(records)} records is held out by training's split "
+            f"(--val-fraction {args.val_fraction}, --val-seed {args.val_seed}) with a prompt "
+            "that fits; give more records or the fraction the training run used"
+        )
+    return benches, info
 
 
 def load_bench(bench: str, source: str, tokenizer, context: int | None, args) -> list:
@@ -277,11 +371,9 @@ def load_bench(bench: str, source: str, tokenizer, context: int | None, args) ->
 
 def prompt_lengths(tokenizer, prompts: list) -> dict[str, Any]:
     """How long a benchmark's prompts are: tokens of each first turn as the template renders
-    it (later turns grow with the answers), min / median / max."""
-    first = []
-    for p in prompts:
-        turn = p.messages[: next(i for i, m in enumerate(p.messages) if m["role"] == "user") + 1]
-        first.append(len(prompt_ids(tokenizer, turn)))
+    it (later turns grow with the answers; a held-out conversation's one turn holds its earlier
+    answers), min / median / max."""
+    first = [len(prompt_ids(tokenizer, next_turns(p, []))) for p in prompts]
     return {
         "prompts": len(prompts),
         "turns": sum(user_turns(p) for p in prompts),
@@ -332,6 +424,9 @@ def evaluate(args: argparse.Namespace) -> int:
     by_position = format_context_table(report["results"])
     if by_position:
         print(f"\nτ by context position\n\n{by_position}\n\n{CONTEXT_NOTE}\n")
+    if report.get("weakest"):
+        print(f"\nwhere each drafter is weakest: τ per held-out dataset, lowest first\n\n"
+              f"{format_weakest_table(report['weakest'])}\n\n{WEAKEST_NOTE}\n")  # fmt: skip
     print(produced_line(report, args.json), flush=True)
     return EXIT_OK
 

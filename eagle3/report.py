@@ -245,6 +245,52 @@ def format_context_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+BASELINES = ("none", "prompt-lookup")  # no trained drafter: not where a budget could go
+
+
+def weakest(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each trained drafter's held-out datasets (rows with `dataset`), lowest tau first, with
+    its interval and how far behind that drafter's best dataset it is: where the start drafter
+    is weakest (`datagen.openrouter --weight-by` reads the rows themselves)."""
+    rows = [r for r in results if r.get("dataset") and r["drafter"] not in BASELINES]
+    out = []
+    for drafter in dict.fromkeys(r["drafter"] for r in rows):
+        mine = sorted((r for r in rows if r["drafter"] == drafter), key=lambda r: r["tau"])
+        best = mine[-1]["tau"]
+        out += [
+            {
+                "drafter": drafter,
+                "dataset": r["dataset"],
+                "tau": r["tau"],
+                "tau_ci95": r.get("tau_ci95"),
+                "prompts": r["prompts"],
+                "behind_best": best - r["tau"],
+            }
+            for r in mine
+        ]
+    return out
+
+
+def format_weakest_table(summary: list[dict[str, Any]]) -> str:
+    """Markdown of :func:`weakest`: one line per drafter x held-out dataset, lowest τ first."""
+    head = ["drafter", "dataset", "τ", "τ 95% CI", "behind best", "prompts"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for w in summary:
+        ci = w.get("tau_ci95")
+        cells = [w["drafter"], w["dataset"], f"{w['tau']:.2f}"]
+        cells += [f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else NO_ENGINE_CI]
+        cells += [f"{w['behind_best']:.2f}", str(w["prompts"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+WEAKEST_NOTE = (
+    "held-out datasets: conversations training holds out (its validation split), asked up to "
+    "their last user turn; 95% intervals bootstrapped over prompts. Tilt the next datagen budget "
+    "toward the low ones: python -m datagen.openrouter --plan --weight-by EVAL.json"
+)
+
+
 CONTEXT_NOTE = (
     "context: tokens before a verification step's first drafted token (prompt + tokens "
     "generated so far); τ and α of the steps in that bucket, 95% intervals bootstrapped over "

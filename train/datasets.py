@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import ConcatDataset, Dataset
 
 from eagle3.data.chat import RenderError, render_record
+from eagle3.data.held_out import in_validation
 from eagle3.data.prompts import unit_hash
 from eagle3.data.records import read_records
 from eagle3.data.shards import ShardDataset, identity_mismatches
@@ -54,13 +55,13 @@ def concat(parts: list[Dataset]) -> tuple[ConcatDataset, list[int]]:
 def split_validation(
     parts: list[Dataset], fraction: float, seed: int
 ) -> tuple[list[Dataset], list[Dataset]]:
-    """(train parts, validation parts): a record is held out iff unit_hash("val<seed>", id) <
-    fraction, so every copy of a conversation (several dirs, regenerated and off-policy) falls
-    on one side, the side never depends on the other records, and the salt keeps this split
-    independent of datagen's train/eval prompt split (which hashes the bare seed)."""
+    """(train parts, validation parts): a record is held out iff
+    eagle3.data.held_out.in_validation(id, fraction, seed), so every copy of a conversation
+    (several dirs, regenerated and off-policy) falls on one side, the side never depends on the
+    other records, and `eagle3.evaluate --held-out` measures on exactly these conversations."""
     train, val = [], []
     for part in parts:  # by conversation: every window of one record on the same side
-        held = [unit_hash(f"val{seed}", record_of(rid)) < fraction for rid in part.ids]
+        held = [in_validation(record_of(rid), fraction, seed) for rid in part.ids]
         train.append(part.subset([i for i, h in enumerate(held) if not h]))
         val.append(part.subset([i for i, h in enumerate(held) if h]))
     return [p for p in train if len(p)], [p for p in val if len(p)]

@@ -4,7 +4,7 @@
         [--config datagen/openrouter/kimi-k2.5.yaml] [--prompts FILE.jsonl ...] [--out DIR] \\
         [--concurrency 2000] [--max-tokens N] [--tokens-per-dataset N] [--model SLUG] \\
         [--base-url URL] [--plan] [--audit-every N [--audit-target NAME_OR_PATH]] \\
-        [--no-wait-for-orphans]
+        [--no-wait-for-orphans] [--weight-by EVAL.json [--weight-drafter NAME]]
 
 Reads the model's endpoints, keeps only providers at or above the native precision (see
 datagen.openrouter.providers), and generates every prompt of the config's dataset mix, or with
@@ -12,7 +12,9 @@ datagen.openrouter.providers), and generates every prompt of the config's datase
 ``DIR/<dataset>.jsonl``; every charged request goes to ``DIR/ledger.jsonl``. ``--budget`` is
 what DIR may spend over all runs; re-running the same command resumes. ``--plan`` prints the
 provider table and what the budget buys (without and with prompt caching), and sends no chat
-request.
+request. ``--weight-by EVAL.json`` (an ``eagle3.evaluate --held-out DIR --json`` file) tilts
+the datasets' output-token budgets toward those with the lowest held-out tau and prints old
+and new (datagen.openrouter.plan.weight_by), for the plan and the run alike.
 
 The API key goes with every request. ``--plan`` runs without one (OpenRouter's endpoint
 listing is public); a server that wants one for it gets a one-line error. Before its first chat
@@ -53,6 +55,7 @@ from pathlib import Path
 
 from datagen.openrouter.client import PUBLIC_BASE_URL
 from datagen.openrouter.config import DEFAULT_CONFIG, GenConfig, load_config
+from datagen.openrouter.plan import weight_by
 from datagen.openrouter.run import run
 from eagle3.cli import EXIT_TEMPFAIL, HelpFormatter, run_cli
 from eagle3.errors import ConfigError
@@ -99,6 +102,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="when only a killed run's requests of unknown cost hold the budget, exit 75 naming "
         "the time to resume instead of waiting for OpenRouter's figures to settle them",
     )
+    ap.add_argument(
+        "--weight-by",
+        default=None,
+        metavar="EVAL.json",
+        help="tilt the datasets' token budgets toward low held-out tau (eagle3.evaluate "
+        "--held-out DIR --json EVAL.json); the plan prints old and new",
+    )
+    ap.add_argument(
+        "--weight-drafter",
+        default=None,
+        metavar="NAME",
+        help="--weight-by: the drafter whose tau counts, when the file holds several",
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return ap.parse_args(argv)
 
@@ -128,6 +144,8 @@ def apply_overrides(cfg: GenConfig, args: argparse.Namespace) -> GenConfig:
     if args.tokens_per_dataset is not None:
         for d in cfg.datasets:
             d.tokens = None  # the flag overrides every dataset
+    if args.weight_drafter is not None and args.weight_by is None:
+        problems.append("--weight-drafter needs --weight-by EVAL.json")
     if args.audit_every < 0:
         problems.append(f"--audit-every must be >= 0 (0 = off), got {args.audit_every}")
     if args.audit_target is not None:
@@ -172,7 +190,12 @@ def run_sync(args: argparse.Namespace) -> int:
     """The run the flags ask for, on a new event loop. A ConfigError (exit 2) or a RemoteError
     from OpenRouter (exit 69) goes up to ``run_cli``, which prints it as one line."""
     try:
-        cfg = apply_overrides(load_config(args.config), args)
+        cfg = load_config(args.config)
+        mix = [d.name for d in cfg.datasets]  # the whole mix, before --datasets / --prompts
+        cfg = apply_overrides(cfg, args)
+        if args.weight_by is not None:  # the datasets this run generates are tilted
+            lines = weight_by(cfg, args.weight_by, args.weight_drafter, mix)
+            print("\n".join(lines), flush=True)
         base_url, api_key = connection(args)
         return asyncio.run(
             run(

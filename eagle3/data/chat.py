@@ -35,7 +35,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from eagle3.data.prompts import Prompt
+from eagle3.data.prompts import Prompt, open_turns
 from eagle3.errors import Eagle3Error
 
 # Tags that close a reasoning block, in the order tried.
@@ -71,14 +71,20 @@ class Rendered:
 
 
 def next_turns(prompt: Prompt, conversation: list[dict]) -> list[dict] | None:
-    """The prompt's messages that come before the next assistant answer (up to and including
-    the next user turn), or None when every user turn has its answer."""
-    answered = sum(1 for m in conversation if m["role"] == "assistant")
-    users = [i for i, m in enumerate(prompt.messages) if m["role"] == "user"]
-    if answered >= len(users):
-        return None
-    start = users[answered - 1] + 1 if answered else 0
-    return [dict(m) for m in prompt.messages[start : users[answered] + 1]]
+    """The prompt's messages that come before the next generated answer (up to and including
+    the next open user turn: eagle3.data.prompts.open_turns), or None when every open turn has
+    its answer. `conversation` is what was asked so far, each ask followed by its one answer
+    message: a prompt's own assistant turns (a held-out conversation's earlier answers) are
+    asked as context, so asks are counted by length, not by assistant turns. An ask not yet
+    answered is returned again."""
+    start = used = 0
+    for i in open_turns(prompt.messages):
+        ask = prompt.messages[start : i + 1]
+        if used + len(ask) + 1 > len(conversation):  # this ask has no answer yet
+            return [dict(m) for m in ask]
+        used += len(ask) + 1
+        start = i + 1
+    return None
 
 
 def load_chat_template(value: str | None) -> str | None:

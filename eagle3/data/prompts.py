@@ -123,10 +123,24 @@ class PromptList(list):
     report: LoadReport
 
 
+def open_turns(messages: list[dict]) -> list[int]:
+    """Indices of the user turns a decoder answers: those no assistant turn of `messages`
+    answers already. A prompt source keeps no assistant turns, so every user turn; a held-out
+    conversation's prompt (eagle3.data.held_out) keeps its earlier answers as context, so only
+    its last."""
+    return [
+        i
+        for i, m in enumerate(messages)
+        if m["role"] == "user"
+        and (i + 1 == len(messages) or messages[i + 1]["role"] != "assistant")
+    ]
+
+
 def user_turns(prompt: Prompt) -> int:
-    """Turns a prompt is answered in: one per user turn, each answered with the ones before
-    (MT-bench: 2). A generation's requests, an evaluation's decodes per prompt."""
-    return sum(m["role"] == "user" for m in prompt.messages)
+    """Turns a prompt is answered in: one per open user turn (:func:`open_turns`), each
+    answered with the ones before (MT-bench: 2). A generation's requests, an evaluation's
+    decodes per prompt."""
+    return len(open_turns(prompt.messages))
 
 
 # --------------------------------------------------------------------------- normalisation

@@ -463,3 +463,74 @@ def test_long_context_benchmark_reports_tau_by_context_position(chat_target_dir,
         "τ by context position" in table
         and "| none | long_context |" not in table.split("τ by context position")[1]
     )
+
+
+def write_records(out: Path, per_dataset: int = 12) -> Path:
+    """A datagen output directory: DIR/<dataset>.jsonl, one and two answered turns."""
+    out.mkdir(parents=True, exist_ok=True)
+    for dataset in ("alpha", "beta"):
+        with open(out / f"{dataset}.jsonl", "w") as f:
+            for i in range(per_dataset):
+                messages = []
+                for t in range(1 + i % 2):
+                    messages.append({"role": "user", "content": f"what is {i} + {t} ?"})
+                    messages.append({"role": "assistant", "content": f"{i} + {t} is a number",
+                                     "reasoning": ""})  # fmt: skip
+                f.write(json.dumps({"id": f"{dataset}{i}", "dataset": dataset,
+                                    "messages": messages}) + "\n")  # fmt: skip
+    return out
+
+
+def test_held_out_conversations_give_tau_per_dataset_from_their_prompts_counts(
+    chat_target_dir, tmp_path, capsys
+):
+    """~3 s. `--held-out DIR --bench ''`: one row per dataset ("held_out/<dataset>", with
+    `dataset`), each prompt a held-out record asked its last turn only; a dataset's tau is
+    its prompts' counts pooled, its prompts the ones `held_out` names, all in training's
+    validation split; `weakest` and the last table rank each trained drafter's datasets."""
+    from eagle3.data.held_out import in_validation
+
+    ckpt = make_ckpt(chat_target_dir, tmp_path / "exp" / "final")
+    records = write_records(tmp_path / "records")
+    out = tmp_path / "eval.json"
+    argv = [
+        "--target", str(chat_target_dir), "--device", "cpu",
+        "--draft", str(ckpt), "--draft", "prompt-lookup", "--bench", "",
+        "--held-out", str(records), "--held-out-prompts", "2", "--val-fraction", "0.5",
+        "--val-seed", "1", "--max-new-tokens", "6", "--steps", "2", "--json", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["held_out"]["val_fraction"] == 0.5 and report["held_out"]["val_seed"] == 1
+    rows = {(r["drafter"], r["bench"]): r for r in report["results"]}
+    assert set(rows) == {
+        (d, f"held_out/{s}") for d in ("exp/final", "prompt-lookup") for s in ("alpha", "beta")
+    }
+    for (_, bench), row in rows.items():
+        dataset = bench.split("/")[1]
+        assert row["dataset"] == dataset
+        ids = [p["id"] for p in row["per_prompt"]]
+        assert ids == report["held_out"]["datasets"][dataset]["ids"] and len(ids) == 2
+        assert all(in_validation(i, 0.5, 1) for i in ids)
+        assert all(len(p["per_turn"]) == 1 for p in row["per_prompt"])  # the last turn only
+        accepted = sum(p["accepted"] for p in row["per_prompt"])
+        steps = sum(p["steps"] for p in row["per_prompt"])
+        assert row["tau"] == pytest.approx((accepted + steps) / steps)
+        assert row["tau_ci95"][0] <= row["tau"] <= row["tau_ci95"][1]
+    assert report["benchmarks"]["held_out/alpha"]["turns"] == 2
+    weakest = report["weakest"]
+    assert [w["drafter"] for w in weakest] == ["exp/final"] * 2  # baselines left out
+    assert weakest[0]["tau"] <= weakest[1]["tau"] and weakest[1]["behind_best"] == 0
+    assert "where each drafter is weakest" in table
+    assert f"| exp/final | {weakest[0]['dataset']} | {weakest[0]['tau']:.2f} |" in table
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for bad, why in (
+        (["--held-out", str(empty)], "--held-out"),
+        (["--held-out", str(records), "--val-fraction", "0"], "--val-fraction must be in (0, 1]"),
+    ):
+        assert main([*argv[: argv.index("--held-out")], *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("error: ") and why in err

@@ -131,3 +131,121 @@ def test_prompt_caching_in_the_plan_and_the_ledger(tmp_path, fake, cli, h):
     paid = re.findall(r"\$([0-9.]+)/M out paid \(plan \$([0-9.]+)/M\)", stderr)
     assert paid and paid[-1][1] == f"{plain / out * 1e6:.2f}" == "2.46"
     assert float(paid[-1][0]) > 0
+
+
+# -- --weight-by: the mix tilted toward low held-out tau ---------------------------------------
+def test_tilted_budgets_is_pure_keeps_the_total_and_favours_low_tau():
+    """~0 s. The rule of datagen.openrouter.plan.tilted_budgets by hand: base x (tau_max - tau
+    + floor), the measured total kept, unmeasured kept, equal taus change nothing, the input
+    is not touched."""
+    from datagen.openrouter.plan import TILT_FLOOR, tilted_budgets
+
+    base = {"a": 1000, "b": 1000, "c": 2000, "d": 500}
+    tau = {"a": 3.0, "b": 2.5, "c": 3.0}
+    new = tilted_budgets(base, tau)
+    assert base == {"a": 1000, "b": 1000, "c": 2000, "d": 500}  # pure
+    scores = {"a": 1000 * TILT_FLOOR, "b": 1000 * (0.5 + TILT_FLOOR), "c": 2000 * TILT_FLOOR}
+    norm = sum(scores.values())
+    assert new == {**{k: round(4000 * s / norm) for k, s in scores.items()}, "d": 500}
+    assert new["b"] > new["c"] > new["a"] and abs(sum(new.values()) - 4500) <= 2
+    assert tilted_budgets(base, {"a": 2.0, "b": 2.0}) == base
+    assert tilted_budgets(base, {}) == base and tilted_budgets(base, tau) == new
+
+
+def eval_json(path, rows: list[tuple[str, str, float]]) -> str:
+    """An eagle3.evaluate --json file holding (drafter, dataset, tau) rows."""
+    results = [
+        {"drafter": d, "bench": f"held_out/{s}", "dataset": s, "tau": t,
+         "tau_ci95": [t - 0.1, t + 0.1] if isinstance(t, float) else None, "prompts": 20}
+        for d, s, t in rows
+    ]  # fmt: skip
+    results.append({"drafter": "exp/final", "bench": "mt_bench", "tau": 2.0, "prompts": 80})
+    path.write_text(json.dumps({"results": results}))
+    return str(path)
+
+
+def mix_config(tmp_path, h) -> str:
+    cfg = h.write_config(tmp_path / "c.yaml", tokens_per_dataset=10_000)
+    for name in ("alpha", "beta", "gamma"):
+        h.write_prompts(tmp_path / f"{name}.jsonl", 4, prefix=name)
+    with open(cfg, "a") as f:
+        f.write("datasets:\n")
+        for name in ("alpha", "beta", "gamma"):
+            tokens = "    tokens: 20000\n" if name == "gamma" else ""
+            f.write(f"  - name: {name}\n    source: {tmp_path / f'{name}.jsonl'}\n{tokens}")
+    return str(cfg)
+
+
+def test_plan_weight_by_prints_old_and_new_weights_and_plans_the_new(
+    tmp_path, fake, h, cli, monkeypatch
+):
+    """~0.5 s. --plan --weight-by EVAL.json: the tilt table (tau, old and new budgets) and the
+    projection's token budget column carry the tilted budgets; an unmeasured dataset keeps its
+    own; --weight-drafter picks one of several drafters."""
+    from datagen.openrouter.plan import tilted_budgets
+
+    monkeypatch.delenv("OPENROUTER_API_KEY")
+    server = fake()
+    cfg = mix_config(tmp_path, h)
+    rows = [
+        ("exp/final", "alpha", 2.2),
+        ("exp/final", "beta", 3.0),
+        ("prompt-lookup", "alpha", 1.5),
+    ]
+    evaluation = eval_json(tmp_path / "eval.json", rows)
+    base = ["--budget", 10, "--config", cfg, "--out", tmp_path / "out", "--base-url",
+            server.server.url, "--plan"]  # fmt: skip
+    code, stdout, stderr = cli(*base, "--weight-by", evaluation)
+    assert code == 0, stderr
+    assert server.stats.chat == 0
+    new = tilted_budgets(
+        {"alpha": 10_000, "beta": 10_000, "gamma": 20_000}, {"alpha": 2.2, "beta": 3.0}
+    )
+    assert new["alpha"] + new["beta"] == 20_000 and new["alpha"] > new["beta"]
+    assert f"weights by held-out tau of exp/final ({evaluation})" in stdout
+    rest = stdout.partition("weights by held-out tau")[2]
+    tilt_table = rest.split("providers of")[0].splitlines()[2:]  # after its line and header
+    tilt = {line.split()[0]: line.split() for line in tilt_table}
+    assert tilt["alpha"][1:7] == ["2.20", "[2.10,", "2.30]", "10,000", "25.0%", f"{new['alpha']:,}"]
+    assert tilt["gamma"][1:3] == ["-", "-"] and tilt["gamma"][5] == "20,000"
+    plan_rows = {c[0]: c for c in (line.split() for line in stdout.splitlines()) if len(c) == 11}
+    assert (
+        plan_rows["alpha"][4] == f"{new['alpha']:,}" and plan_rows["beta"][4] == f"{new['beta']:,}"
+    )
+
+    two = eval_json(tmp_path / "two.json", [*rows, ("exp2/final", "alpha", 2.9)])
+    code, stdout, stderr = cli(*base, "--weight-by", two, "--weight-drafter", "exp2/final")
+    assert code == 0, stderr
+    assert "weights by held-out tau of exp2/final" in stdout
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ("{not json", "not JSON"),
+        (None, "No such file"),
+        ([("prompt-lookup", "alpha", 1.5)], "no tau per dataset in it"),
+        (
+            [("exp/final", "alpha", 2.0), ("exp/final", "delta", 2.5)],
+            "datasets the mix lacks: delta",
+        ),
+        ([("exp/final", "alpha", 2.0), ("exp2/final", "alpha", 2.5)], "--weight-drafter NAME"),
+        ([("exp/final", "alpha", "high")], "not a number >= 1"),
+    ],
+)
+def test_weight_by_refuses_a_file_without_usable_tau_in_one_line(
+    content, why, tmp_path, h, cli, monkeypatch
+):
+    """~0.1 s each. Exit 2 and one `error: --weight-by ...` line, before any request."""
+    monkeypatch.delenv("OPENROUTER_API_KEY")
+    cfg = mix_config(tmp_path, h)
+    path = tmp_path / "eval.json"
+    if isinstance(content, str):
+        path.write_text(content)
+    elif content is not None:
+        eval_json(path, content)
+    code, _, stderr = cli("--budget", 1, "--config", cfg, "--plan", "--weight-by", path,
+                          "--base-url", "http://127.0.0.1:9")  # fmt: skip
+    assert code == 2 and "Traceback" not in stderr
+    line = stderr.strip().splitlines()[-1]
+    assert line.startswith(("error: --weight-by", "error: --weight-drafter")) and why in line

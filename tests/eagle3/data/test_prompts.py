@@ -382,4 +382,6 @@ def test_a_prompt_is_answered_once_per_user_turn():
     system = {"role": "system", "content": "be brief"}
     user, answer = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}
     assert user_turns(Prompt("a", "d", [system, user])) == 1
-    assert user_turns(Prompt("b", "d", [system, user, answer, user])) == 2  # MT-bench's shape
+    assert user_turns(Prompt("b", "d", [system, user, user])) == 2  # MT-bench's shape
+    # a held-out conversation's earlier answer is context: only the last user turn is open
+    assert user_turns(Prompt("c", "d", [system, user, answer, user])) == 1
