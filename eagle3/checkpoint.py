@@ -42,6 +42,11 @@ model.safetensors
     Exactly fc.weight, midlayer.* (norms, q/k/v/o_proj, gate/up/down_proj), norm.weight,
     lm_head.weight [draft_vocab, H], d2t (int64 [draft_vocab]: target id = draft id + d2t)
     and t2d (bool [target vocab]). No embed_tokens: the drafter uses the target's embeddings.
+    A draft over the whole target vocab (draft_vocab_size = vocab_size) has no d2t and t2d:
+    vLLM 0.32 fails to load a d2t beside a full-size lm_head.
+
+Drafters published by other trainers (TorchSpec, SpecForge, speculators) load through
+eagle3.published, which reads their layouts onto this one; saving always writes this format.
 
 The MLA draft (DraftConfig.attention "mla") is the same directory for vLLM's
 `Eagle3DeepseekV3ForCausalLM` (vllm/model_executor/models/deepseek_eagle3.py):
@@ -78,12 +83,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3.errors import Eagle3Error
 from eagle3.model import METHODS, MLA_FIELDS, DraftConfig, Eagle3Draft
 from eagle3.parallel_draft import draft_for
+from eagle3.published import project_config, project_state, read_tensors, tensor_shapes
 from eagle3.rope import deepseek_rope_scaling
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # the GQA draft
@@ -252,13 +257,21 @@ def save_draft(
         for key, value in model.state_dict().items()
         if key != EMBED_KEY
     }
+    if model.config.draft_vocab_size == model.config.vocab_size:
+        # the whole target vocab in order: vLLM refuses a d2t beside a full-size lm_head
+        del tensors["d2t"], tensors["t2d"]
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
-def load_config(ckpt_dir: str | Path) -> tuple[DraftConfig, dict[str, Any]]:
-    """-> (DraftConfig, the raw config.json dict); Eagle3Error naming any missing field."""
+def load_config(
+    ckpt_dir: str | Path, target_layers: int | None = None
+) -> tuple[DraftConfig, dict[str, Any]]:
+    """-> (DraftConfig, the config.json dict in this project's keys); Eagle3Error naming any
+    missing field. A published drafter's layout (eagle3.published) is read onto ours;
+    `target_layers` (the target's decoder layer count) gives the engines' default aux layers
+    to a draft that names none."""
     path = Path(ckpt_dir) / CONFIG_FILE
     if not path.is_file():
         raise Eagle3Error(f"{path} not found: {ckpt_dir} is not a drafter checkpoint directory")
@@ -266,6 +279,7 @@ def load_config(ckpt_dir: str | Path) -> tuple[DraftConfig, dict[str, Any]]:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise Eagle3Error(f"{path} is not valid JSON ({err}); re-export the checkpoint") from err
+    raw = project_config(path, raw, tensor_shapes(ckpt_dir), target_layers)
     architectures = raw.get("architectures") or []
     if ARCHITECTURE in architectures:
         attention = "gqa"
@@ -418,8 +432,10 @@ def load_draft(
     embed_weight: torch.Tensor | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
+    target_layers: int | None = None,
 ) -> Eagle3Draft:
-    """Rebuild the drafter from a checkpoint directory.
+    """Rebuild the drafter from a checkpoint directory: ours, or a published layout
+    (eagle3.published; `target_layers` as for load_config).
 
     `embed_weight` is the target's embedding matrix [V, H] (`Target.embed_weight` or
     `eagle3.target.load_embeddings`); without it the embeddings stay randomly initialised,
@@ -427,18 +443,12 @@ def load_draft(
     checkpoint's `torch_dtype`; exports are bf16 by default, so pass torch.float32 to train on).
     Missing, unexpected or mis-shaped tensors raise Eagle3Error naming the tensor.
     """
-    cfg, raw = load_config(ckpt_dir)
+    cfg, raw = load_config(ckpt_dir, target_layers)
     weights = Path(ckpt_dir) / WEIGHTS_FILE
-    if not weights.is_file():
-        raise Eagle3Error(f"{weights} not found: the checkpoint is incomplete; re-export it")
-    file_dtype = getattr(torch, raw.get("torch_dtype", "float32"))
+    file_dtype = getattr(torch, raw.get("torch_dtype") or "float32")
     model = draft_for(cfg).to(file_dtype)
     expected = {k: v for k, v in model.state_dict().items() if k != EMBED_KEY}
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            state = {key: f.get_tensor(key) for key in f.keys()}
-    except Exception as err:  # safetensors raises its own error types for a corrupt header
-        raise Eagle3Error(f"{weights} cannot be read ({err}); re-export the checkpoint") from err
+    state = project_state(read_tensors(ckpt_dir), cfg.vocab_size, cfg.draft_vocab_size, weights)
     file_embed = state.pop(EMBED_KEY, None)  # some exporters include it; use it if no target given
     _check_fc_norm(weights, cfg, state)
     _check_method_tensors(weights, cfg, state)
