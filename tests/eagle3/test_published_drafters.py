@@ -265,7 +265,8 @@ def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_published_layout_lands_in_the_right_parameters(tmp_path, layout):
-    """~0.3 s each. Every published tensor lands in the parameter of our name (layers.0. ->
+    """~0.1 s each (the speculators one ~3 s more the first time: it imports transformers for
+    LlamaConfig's defaults). Every published tensor lands in the parameter of our name (layers.0. ->
     midlayer.), embeddings from the file, aux ids in our convention (vLLM's minus 1 where the
     export added 1), the d2t mapping (identity for the whole vocab), and fc / norm / lm_head
     computed from the raw tensors give the loaded draft's projection and logits."""
@@ -301,6 +302,48 @@ def test_published_layout_lands_in_the_right_parameters(tmp_path, layout):
         assert torch.allclose(got, logits, atol=1e-4)
         best = got.argmax(-1)
         assert torch.equal(draft.draft_to_target(best), best + want_d2t[best])
+
+
+def reference_logits(raw: dict, cfg, token: int, h: torch.Tensor) -> torch.Tensor:
+    """The draft layer's logits for one token at position 0, from the raw tensors alone: one
+    key, so attention returns its value (rotary at 0 only scales q and k), per head."""
+    w = {our_name(k): v.float() for k, v in raw.items()}
+    eps = cfg.rms_norm_eps
+    x = torch.cat(
+        [
+            rms(w["embed_tokens.weight"][token], w["midlayer.input_layernorm.weight"], eps),
+            rms(h, w["midlayer.hidden_norm.weight"], eps),
+        ]
+    )
+    if cfg.attention == "mla":  # values from the latent: kv_b_proj(kv_a_layernorm(c_kv))
+        c_kv = (w["midlayer.self_attn.kv_a_proj_with_mqa.weight"] @ x)[: cfg.kv_lora_rank]
+        kv = w["midlayer.self_attn.kv_b_proj.weight"] @ rms(
+            c_kv, w["midlayer.self_attn.kv_a_layernorm.weight"], eps
+        )
+        heads = kv.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        value = heads[:, cfg.qk_nope_head_dim :].reshape(-1)
+    else:  # as many KV heads as heads in these miniatures
+        value = w["midlayer.self_attn.v_proj.weight"] @ x
+    out = h + w["midlayer.self_attn.o_proj.weight"] @ value
+    y = rms(out, w["midlayer.post_attention_layernorm.weight"], eps)
+    gate, up = w["midlayer.mlp.gate_proj.weight"] @ y, w["midlayer.mlp.up_proj.weight"] @ y
+    out = out + w["midlayer.mlp.down_proj.weight"] @ (torch.nn.functional.silu(gate) * up)
+    return w["lm_head.weight"] @ rms(out, w["norm.weight"], eps)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_step_forward_equals_the_raw_tensors_computation(tmp_path, layout):
+    """~0.2 s each. The loaded draft's logits for one token at position 0 equal the same layer
+    computed from the published file's tensors by their names (attention reduces to the value
+    path there): the wiring of every layer tensor, not only that it is loaded."""
+    ckpt, raw = make_layout(tmp_path, layout)
+    draft = load_draft(ckpt, target_layers=L, dtype=torch.float32)
+    h = torch.randn(H)
+    with torch.no_grad():
+        _, logits, _ = draft(
+            torch.tensor([[7]]), h[None, None], torch.zeros(1, 1, dtype=torch.long)
+        )
+    assert torch.allclose(logits[0, 0], reference_logits(raw, draft.config, 7, h), atol=1e-4)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -384,7 +427,8 @@ def test_a_switch_read_as_other_maths_is_refused_in_one_line(tmp_path, layout, k
 
 def test_ambiguous_or_missing_aux_ids_and_vocab_mapping_are_refused(tmp_path):
     """~0.2 s. One line each: eagle_config ids beside layers.0.* of a non-kimi_k2 draft (which
-    convention?), no ids without the target's layer count, a reduced vocab without d2t."""
+    convention?) or disagreeing with vLLM's top-level key, no ids without the target's layer
+    count, a reduced vocab without d2t."""
     ckpt, raw = make_layout(tmp_path, "torchspec-llama")
     config = torchspec_llama_config()
     with pytest.raises(Eagle3Error, match="eagle_aux_hidden_state_layer_ids.*target"):
@@ -392,6 +436,10 @@ def test_ambiguous_or_missing_aux_ids_and_vocab_mapping_are_refused(tmp_path):
     config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": PROJECT_AUX}
     write(ckpt, config, {our_name(k).replace("midlayer.", "layers.0."): v for k, v in raw.items()})
     with pytest.raises(Eagle3Error, match="eagle_config.eagle_aux_hidden_state_layer_ids"):
+        load_config(ckpt, target_layers=L)
+    config["eagle_aux_hidden_state_layer_ids"] = PROJECT_AUX  # vLLM's key, naming other layers
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Eagle3Error, match="name different layers"):
         load_config(ckpt, target_layers=L)
     mla, raw = make_layout(tmp_path, "torchspec-mla")
     write(
