@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,7 @@ MASK_KEY = "mask_hidden"  # P-EAGLE's learned stand-in for the aux states, [1, 3
 
 
 DEFAULT_EXPORT_DTYPE = torch.bfloat16
+log = logging.getLogger(__name__)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -426,6 +428,14 @@ def _check_method_tensors(weights: Path, cfg: DraftConfig, state: dict) -> None:
         )
 
 
+def _same_embeddings(file_embed: torch.Tensor, target_embed: torch.Tensor) -> bool:
+    """Equal up to a bf16 rounding of either (exports are bf16)."""
+    if file_embed.shape != target_embed.shape:
+        return False  # set_embeddings names the shapes
+    a, b = file_embed.float().cpu(), target_embed.detach().float().cpu()
+    return torch.allclose(a, b, rtol=1e-2, atol=1e-3)
+
+
 def load_draft(
     ckpt_dir: str | Path,
     *,
@@ -467,6 +477,14 @@ def load_draft(
     model.load_state_dict(state, strict=False)
     if embed_weight is None:
         embed_weight = file_embed
+    elif file_embed is not None and not _same_embeddings(file_embed, embed_weight):
+        # vLLM serves a draft's own embed_tokens when they differ from the target's; our
+        # export never carries them, so the drafter runs (and serves) on the target's
+        log.warning(
+            "%s: embed_tokens.weight differs from the target's embeddings; the drafter uses "
+            "the target's (check that it was trained for this target)",
+            weights,
+        )
     if embed_weight is not None:
         model.set_embeddings(embed_weight)
     if dtype is not None:

@@ -39,7 +39,10 @@ Anything that would be read as other maths than eagle3.model computes is refused
 naming the key: a layer switch of another value than our layer's (LAYER_SWITCHES),
 `mla_use_nope` true (an MLA layer without rotary), `norm_before_fc` (one norm over the
 concatenated aux states), biases, a layer config other than Llama's (speculators' Qwen3 layer
-normalises q and k), more than one layer.
+normalises q and k), more than one layer, speculators' `embed_requires_grad` (trained
+embeddings). A file's own `embed_tokens.weight` is used only without a target; beside one that
+differs, eagle3.checkpoint.load_draft warns (the drafter runs, and our export serves, on the
+target's).
 """
 
 from __future__ import annotations
@@ -72,8 +75,9 @@ LAYER_SWITCHES = {
 
 
 def is_ours(raw: dict[str, Any]) -> bool:
-    """A config.json this project wrote: every export records eagle_config.method."""
-    return "method" in (raw.get("eagle_config") or {})
+    """A config.json this project wrote: its exports record eagle_config.method and, top-level,
+    every DraftConfig field (`feature` among them), which no other trainer writes."""
+    return "method" in (raw.get("eagle_config") or {}) or "feature" in raw
 
 
 def engine_default_aux_ids(num_layers: int) -> list[int]:
@@ -115,10 +119,13 @@ def tensor_shapes(ckpt_dir: str | Path) -> dict[str, tuple[int, ...]]:
     shapes = {}
     files = _weight_files(Path(ckpt_dir))
     for file in sorted(set(files.values())):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if files.get(name) == file:
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if files.get(name) == file:
+                        shapes[name] = tuple(f.get_slice(name).get_shape())
+        except Exception as err:  # safetensors raises its own error types for a corrupt header
+            raise Eagle3Error(f"{file} cannot be read ({err}); re-export the checkpoint") from err
     return shapes
 
 
@@ -162,12 +169,7 @@ def project_config(
         out["draft_vocab_size"] = lm_head[0]  # TorchSpec's Llama config: the whole vocab
     if "target_hidden_size" not in out and fc is not None:
         out["target_hidden_size"] = fc[1] // 3  # fc fuses 3 aux states
-    eagle = dict(out.get("eagle_config") or {})
-    out["eagle_config"] = {
-        "eagle_aux_hidden_state_layer_ids": aux,
-        "use_aux_hidden_state": True,
-        **({"method": eagle["method"]} if "method" in eagle else {}),
-    }
+    out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True}
     out.pop("eagle_aux_hidden_state_layer_ids", None)  # now in eagle_config, in our convention
     return out
 
@@ -280,6 +282,11 @@ def _from_speculators(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
             out[key] = raw[key]
     for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
         out[key] = bool(raw.get(key, False))
+    if raw.get("embed_requires_grad"):  # vLLM would serve its own trained embed_tokens
+        raise Eagle3Error(
+            f"{path}: embed_requires_grad is true: its embeddings were trained, and this "
+            "project's drafter uses the target's, frozen; it cannot be loaded as trained"
+        )
     if out.get("target_hidden_size") is None:
         out.pop("target_hidden_size", None)  # speculators' fc is 3 x the layer's width
     return out

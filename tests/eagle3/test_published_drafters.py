@@ -377,6 +377,21 @@ def test_reexport_writes_our_format_and_round_trips(tmp_path, layout):
             assert torch.equal(a, b)
 
 
+def test_file_embeddings_other_than_the_targets_are_named_in_a_warning(tmp_path, caplog):
+    """~0.1 s. A published file's embed_tokens that differ from the target's: the draft takes
+    the target's (what our export serves) and one warning says so; equal ones (up to bf16) pass
+    silently."""
+    ckpt, raw = make_layout(tmp_path, "torchspec-llama")
+    same = raw["embed_tokens.weight"].float()
+    with caplog.at_level("WARNING", logger="eagle3.checkpoint"):
+        load_draft(ckpt, embed_weight=same, target_layers=L)
+        assert not caplog.records
+        other = torch.randn(V, H)
+        draft = load_draft(ckpt, embed_weight=other, target_layers=L)
+    assert torch.equal(draft.embed_tokens.weight.float(), other.to(torch.bfloat16).float())
+    assert len(caplog.records) == 1 and "differs from the target's" in caplog.records[0].message
+
+
 def test_speculators_eagle3_1_switches_load_as_eagle3_1(tmp_path):
     """~0.3 s. speculators' fc_norm + norm_output (EAGLE-3.1) become our method eagle3.1 with
     the fc_norm.{0,1,2} weights in place."""
@@ -411,6 +426,7 @@ def _edit(config: dict, path: str, value) -> None:
         ("speculators", "transformer_layer_config.model_type", "qwen3"),
         ("speculators", "transformer_layer_config.num_hidden_layers", 2),
         ("speculators", "speculators_model_type", "dflash"),
+        ("speculators", "embed_requires_grad", True),  # vLLM would serve its own embeddings
     ],
 )
 def test_a_switch_read_as_other_maths_is_refused_in_one_line(tmp_path, layout, key, value):
