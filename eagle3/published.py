@@ -3,10 +3,12 @@
 eagle3.checkpoint reads a checkpoint directory through two functions of this module:
 `project_config` turns the config.json of any accepted layout into the config this project
 writes (eagle3.checkpoint's docstring), and `project_state` does the same for the tensors. Our
-own exports (they carry `eagle_config.method`) pass through unchanged, and a re-export of a
-drafter loaded from any layout writes our format (eagle3.checkpoint.save_draft).
+own exports (is_ours) pass through unchanged, and a re-export of a drafter loaded from any
+layout writes our format (eagle3.checkpoint.save_draft).
 
 Layouts accepted (read from the trainers' and vLLM 0.32's sources):
+- SpecForge's and other SGLang-format exports: our layout without our own keys (no
+  `eagle_config.method`; `draft_vocab_size`, `d2t`/`t2d` and `eagle_config` as they wrote them).
 - TorchSpec's Llama head (lightseekorg/kimi-k2.5-eagle3): `LlamaForCausalLMEagle3` with no
   `draft_vocab_size`, `target_hidden_size` or `eagle_config`; its own rope (theta, YaRN);
   `embed_tokens.weight` in the file; the whole target vocab with no `d2t`/`t2d`.
