@@ -429,10 +429,13 @@ def _check_method_tensors(weights: Path, cfg: DraftConfig, state: dict) -> None:
 
 
 def _same_embeddings(file_embed: torch.Tensor, target_embed: torch.Tensor) -> bool:
-    """Equal up to a bf16 rounding of either (exports are bf16)."""
+    """Equal up to a bf16 rounding of either (exports are bf16), on up to 4096 spread rows: a
+    Kimi-size matrix compared whole would cost several GB more on every rank."""
     if file_embed.shape != target_embed.shape:
         return False  # set_embeddings names the shapes
-    a, b = file_embed.float().cpu(), target_embed.detach().float().cpu()
+    rows = torch.linspace(0, file_embed.shape[0] - 1, min(file_embed.shape[0], 4096)).long()
+    a = file_embed[rows].float().cpu()
+    b = target_embed.detach()[rows.to(target_embed.device)].float().cpu()
     return torch.allclose(a, b, rtol=1e-2, atol=1e-3)
 
 
