@@ -42,6 +42,11 @@ model.safetensors
     Exactly fc.weight, midlayer.* (norms, q/k/v/o_proj, gate/up/down_proj), norm.weight,
     lm_head.weight [draft_vocab, H], d2t (int64 [draft_vocab]: target id = draft id + d2t)
     and t2d (bool [target vocab]). No embed_tokens: the drafter uses the target's embeddings.
+    A draft over the whole target vocab (draft_vocab_size = vocab_size) has no d2t and t2d:
+    vLLM 0.32 fails to load a d2t beside a full-size lm_head.
+
+Drafters published by other trainers (TorchSpec, SpecForge, speculators) load through
+eagle3.published, which reads their layouts onto this one; saving always writes this format.
 
 The MLA draft (DraftConfig.attention "mla") is the same directory for vLLM's
 `Eagle3DeepseekV3ForCausalLM` (vllm/model_executor/models/deepseek_eagle3.py):
@@ -73,17 +78,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3.errors import Eagle3Error
 from eagle3.model import METHODS, MLA_FIELDS, DraftConfig, Eagle3Draft
 from eagle3.parallel_draft import draft_for
+from eagle3.published import project_config, project_state, read_tensors, tensor_shapes
 from eagle3.rope import deepseek_rope_scaling
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # the GQA draft
@@ -102,6 +108,7 @@ MASK_KEY = "mask_hidden"  # P-EAGLE's learned stand-in for the aux states, [1, 3
 
 
 DEFAULT_EXPORT_DTYPE = torch.bfloat16
+log = logging.getLogger(__name__)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -252,13 +259,21 @@ def save_draft(
         for key, value in model.state_dict().items()
         if key != EMBED_KEY
     }
+    if model.config.draft_vocab_size == model.config.vocab_size:
+        # the whole target vocab in order: vLLM refuses a d2t beside a full-size lm_head
+        del tensors["d2t"], tensors["t2d"]
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
-def load_config(ckpt_dir: str | Path) -> tuple[DraftConfig, dict[str, Any]]:
-    """-> (DraftConfig, the raw config.json dict); Eagle3Error naming any missing field."""
+def load_config(
+    ckpt_dir: str | Path, target_layers: int | None = None
+) -> tuple[DraftConfig, dict[str, Any]]:
+    """-> (DraftConfig, the config.json dict in this project's keys); Eagle3Error naming any
+    missing field. A published drafter's layout (eagle3.published) is read onto ours;
+    `target_layers` (the target's decoder layer count) gives the engines' default aux layers
+    to a draft that names none."""
     path = Path(ckpt_dir) / CONFIG_FILE
     if not path.is_file():
         raise Eagle3Error(f"{path} not found: {ckpt_dir} is not a drafter checkpoint directory")
@@ -266,6 +281,7 @@ def load_config(ckpt_dir: str | Path) -> tuple[DraftConfig, dict[str, Any]]:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise Eagle3Error(f"{path} is not valid JSON ({err}); re-export the checkpoint") from err
+    raw = project_config(path, raw, tensor_shapes(ckpt_dir), target_layers)
     architectures = raw.get("architectures") or []
     if ARCHITECTURE in architectures:
         attention = "gqa"
@@ -412,14 +428,27 @@ def _check_method_tensors(weights: Path, cfg: DraftConfig, state: dict) -> None:
         )
 
 
+def _same_embeddings(file_embed: torch.Tensor, target_embed: torch.Tensor) -> bool:
+    """Equal up to a bf16 rounding of either (exports are bf16), on up to 4096 spread rows: a
+    Kimi-size matrix compared whole would cost several GB more on every rank."""
+    if file_embed.shape != target_embed.shape:
+        return False  # set_embeddings names the shapes
+    rows = torch.linspace(0, file_embed.shape[0] - 1, min(file_embed.shape[0], 4096)).long()
+    a = file_embed[rows].float().cpu()
+    b = target_embed.detach()[rows.to(target_embed.device)].float().cpu()
+    return torch.allclose(a, b, rtol=1e-2, atol=1e-3)
+
+
 def load_draft(
     ckpt_dir: str | Path,
     *,
     embed_weight: torch.Tensor | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
+    target_layers: int | None = None,
 ) -> Eagle3Draft:
-    """Rebuild the drafter from a checkpoint directory.
+    """Rebuild the drafter from a checkpoint directory: ours, or a published layout
+    (eagle3.published; `target_layers` as for load_config).
 
     `embed_weight` is the target's embedding matrix [V, H] (`Target.embed_weight` or
     `eagle3.target.load_embeddings`); without it the embeddings stay randomly initialised,
@@ -427,18 +456,12 @@ def load_draft(
     checkpoint's `torch_dtype`; exports are bf16 by default, so pass torch.float32 to train on).
     Missing, unexpected or mis-shaped tensors raise Eagle3Error naming the tensor.
     """
-    cfg, raw = load_config(ckpt_dir)
+    cfg, raw = load_config(ckpt_dir, target_layers)
     weights = Path(ckpt_dir) / WEIGHTS_FILE
-    if not weights.is_file():
-        raise Eagle3Error(f"{weights} not found: the checkpoint is incomplete; re-export it")
-    file_dtype = getattr(torch, raw.get("torch_dtype", "float32"))
+    file_dtype = getattr(torch, raw.get("torch_dtype") or "float32")
     model = draft_for(cfg).to(file_dtype)
     expected = {k: v for k, v in model.state_dict().items() if k != EMBED_KEY}
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            state = {key: f.get_tensor(key) for key in f.keys()}
-    except Exception as err:  # safetensors raises its own error types for a corrupt header
-        raise Eagle3Error(f"{weights} cannot be read ({err}); re-export the checkpoint") from err
+    state = project_state(read_tensors(ckpt_dir), cfg.vocab_size, cfg.draft_vocab_size, weights)
     file_embed = state.pop(EMBED_KEY, None)  # some exporters include it; use it if no target given
     _check_fc_norm(weights, cfg, state)
     _check_method_tensors(weights, cfg, state)
@@ -457,6 +480,14 @@ def load_draft(
     model.load_state_dict(state, strict=False)
     if embed_weight is None:
         embed_weight = file_embed
+    elif file_embed is not None and not _same_embeddings(file_embed, embed_weight):
+        # vLLM serves a draft's own embed_tokens when they differ from the target's; our
+        # export never carries them, so the drafter runs (and serves) on the target's
+        log.warning(
+            "%s: embed_tokens.weight differs from the target's embeddings; the drafter uses "
+            "the target's (check that it was trained for this target)",
+            weights,
+        )
     if embed_weight is not None:
         model.set_embeddings(embed_weight)
     if dtype is not None:

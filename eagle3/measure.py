@@ -151,7 +151,7 @@ def check_drafter(spec: str, target) -> None:
         raise Eagle3Error(
             f"--draft {spec}: no such checkpoint directory (or use prompt-lookup / none)"
         )
-    draft_cfg, raw = load_config(spec)
+    draft_cfg, raw = load_config(spec, target_layers=target.num_layers)
     check_compatible(draft_cfg, raw, target, spec)
 
 
@@ -168,10 +168,11 @@ def load_drafter(spec: str, target, cfg: DecodeConfig):
     from eagle3.checkpoint import load_draft
 
     check_drafter(spec, target)
-    draft = load_draft(spec)
-    draft.set_embeddings(target.embed_weight.detach().cpu())
+    draft = load_draft(spec, target_layers=target.num_layers)  # a published layout too
     dtype = target.model.dtype if target.device.type == "cuda" else torch.float32
     draft = draft.to(device=target.device, dtype=dtype)
+    # after the cast: a bf16 export would otherwise round the target's fp32 embeddings
+    draft.set_embeddings(target.embed_weight.detach())
     if draft.config.method == "p-eagle":  # vLLM's parallel drafting: K drafts from one pass
         from eagle3.parallel_draft import ParallelDrafter
 

@@ -86,3 +86,30 @@ def vocab_from_d2t(d2t: torch.Tensor, vocab_size: int) -> DraftVocab:
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[draft_ids] = True
     return DraftVocab(d2t=d2t.long(), t2d=t2d, draft_ids=draft_ids)
+
+
+def carry_rows(
+    weight: torch.Tensor, old_ids: torch.Tensor, new_ids: torch.Tensor, fresh: torch.Tensor
+) -> torch.Tensor:
+    """lm_head rows for a re-chosen vocab: row i is the old row of target token new_ids[i] when
+    the old vocab (old_ids, ascending, one per row of `weight`) has it, else fresh[i]."""
+    out = fresh.clone()
+    pos = torch.searchsorted(old_ids, new_ids).clamp(max=old_ids.numel() - 1)
+    kept = old_ids[pos] == new_ids
+    out[kept] = weight[pos[kept]].to(out.dtype)
+    return out
+
+
+def revocab_summary(counts: torch.Tensor, new: DraftVocab, old: DraftVocab) -> str:
+    """One line: what a re-chosen vocab covers of the data's tokens (counts under the loss mask)
+    and of the old vocab, against the old vocab's own coverage."""
+    total = max(int(counts.sum()), 1)
+    covers = int(counts[new.draft_ids].sum()) / total
+    old_covers = int(counts[old.draft_ids].sum()) / total
+    shared = int((new.t2d & old.t2d).sum())
+    return (
+        f"draft vocab re-chosen from the data: {new.size} tokens cover {covers:.1%} of its "
+        f"loss-masked tokens (the start's {old.size} covered {old_covers:.1%}); {shared} of them "
+        f"are in the start's vocab ({shared / max(old.size, 1):.1%} of it), whose lm_head rows "
+        "are carried over"
+    )

@@ -151,7 +151,11 @@ class ModelConfig:
     draft_vocab: str | None = (
         None  # reuse a vocab: a run dir, draft_vocab.safetensors, or a checkpoint
     )
-    init_from: str | None = None  # fine-tune: start from this SGLang-format draft checkpoint
+    # fine-tune: start from this draft checkpoint, ours or a published layout (eagle3.published)
+    init_from: str | None = None
+    # with init_from: re-choose the draft vocab (draft_vocab_size tokens) from this run's data,
+    # carrying lm_head rows of tokens in both vocabs; false keeps init_from's vocab
+    revocab: bool = False
     ttt_steps: int = 7  # training-time-test unroll length
     # aux: EAGLE-3's fused low/mid/high features. last: the target's final hidden state only
     # (EAGLE-1/2's feature; with ttt_steps 1 this is the EAGLE-2-style ablation).
@@ -322,6 +326,11 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
         "features): set model.feature=aux",
     )
     need(0 < m.step_weight <= 1, f"model.step_weight must be in (0, 1], got {m.step_weight}")
+    need(
+        not m.revocab or (m.init_from is not None and m.draft_vocab is None),
+        "model.revocab re-chooses model.init_from's vocab from the data: set model.init_from "
+        "and leave model.draft_vocab null (or set model.revocab=false)",
+    )
     _check_draft_shape(m.draft, need)
     need(
         cfg.target.aux_layer_ids is None or len(cfg.target.aux_layer_ids) == 3,

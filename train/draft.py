@@ -3,13 +3,15 @@ vocab, shaped by model.draft (nulls derived from the target), or model.init_from
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from eagle3.checkpoint import load_draft
 from eagle3.errors import Eagle3Error
 from eagle3.model import MLA_FIELDS, DraftConfig, Eagle3Draft
 from eagle3.parallel_draft import draft_for
-from eagle3.vocab import DraftVocab
+from eagle3.vocab import DraftVocab, carry_rows
 from train.config import Config
 from train.train_data import TrainData
 
@@ -71,8 +73,18 @@ def _build_draft(cfg: Config, facts: dict, vocab: DraftVocab, data: TrainData) -
         return draft
     # exports are bf16 by default: train on fp32 master weights (mixed precision casts later)
     draft = load_draft(
-        cfg.model.init_from, embed_weight=data.embed.float().cpu(), dtype=torch.float32
+        cfg.model.init_from,
+        embed_weight=data.embed.float().cpu(),
+        dtype=torch.float32,
+        target_layers=facts["num_layers"],  # a published draft may name no aux layers
     )
+    if list(draft.config.aux_layer_ids) != list(data.aux_layer_ids):
+        raise Eagle3Error(
+            f"model.init_from {cfg.model.init_from} reads aux layers "
+            f"{list(draft.config.aux_layer_ids)} but the training records hold "
+            f"{list(data.aux_layer_ids)} (output of decoder layer k): capture them with "
+            f"target.aux_layer_ids={list(draft.config.aux_layer_ids)}"
+        )
     if draft.config.method != cfg.model.draft.method:
         raise Eagle3Error(
             f"model.init_from {cfg.model.init_from} is a {draft.config.method} drafter but "
@@ -84,4 +96,21 @@ def _build_draft(cfg: Config, facts: dict, vocab: DraftVocab, data: TrainData) -
             f"model.init_from {cfg.model.init_from} takes feature {draft.config.feature!r} but "
             f"model.feature is {cfg.model.feature!r}; set model.feature={draft.config.feature}"
         )
+    if cfg.model.revocab:
+        draft = with_vocab(draft, vocab)
     return draft
+
+
+def with_vocab(draft: Eagle3Draft, vocab: DraftVocab) -> Eagle3Draft:
+    """`draft` over another draft vocab (model.revocab): lm_head rows of tokens in both vocabs
+    carried over, the others freshly initialised; every other weight as it was."""
+    new = draft_for(dataclasses.replace(draft.config, draft_vocab_size=vocab.size))
+    state = draft.state_dict()
+    old_ids = draft.d2t + torch.arange(draft.d2t.numel())
+    fresh = new.lm_head.weight.detach()
+    state["lm_head.weight"] = carry_rows(
+        state["lm_head.weight"], old_ids, vocab.draft_ids, fresh.to(draft.lm_head.weight.dtype)
+    )
+    state["d2t"], state["t2d"] = vocab.d2t, vocab.t2d
+    new.load_state_dict(state)
+    return new.to(draft.lm_head.weight.dtype)

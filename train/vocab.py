@@ -2,7 +2,8 @@
 
 It is saved as `draft_vocab.safetensors` in train.out_dir before any training step, so a
 resumed run, a restarted one and a fine-tuning run on model.init_from train over the same
-draft tokens; `read_vocab` also takes it out of an exported SGLang draft.
+draft tokens (unless model.revocab re-chooses them from the data); `read_vocab` also takes it
+out of an exported draft, ours or a published layout.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import Dataset
 
 from eagle3.errors import Eagle3Error
-from eagle3.vocab import DraftVocab, build_draft_vocab, vocab_from_d2t
+from eagle3.published import vocab_offsets
+from eagle3.vocab import DraftVocab, build_draft_vocab, revocab_summary, vocab_from_d2t
 from train.config import Config
 from train.datasets import token_counts
 
@@ -23,16 +25,17 @@ VOCAB_FILE = "draft_vocab.safetensors"
 
 
 def read_vocab(path: Path, vocab_size: int) -> DraftVocab:
-    """A vocab from a run dir, a draft_vocab.safetensors file, or an SGLang checkpoint dir."""
+    """A vocab from a run dir, a draft_vocab.safetensors file, or a draft checkpoint dir."""
     if path.is_dir() and (path / VOCAB_FILE).is_file():
         path = path / VOCAB_FILE
-    elif path.is_dir():
-        path = path / "model.safetensors"
-    if not path.is_file():
+    if path.is_dir():  # a checkpoint: its d2t, or the whole vocab for a draft without one
+        d2t = vocab_offsets(path)
+    elif path.is_file():
+        d2t = load_file(str(path))["d2t"]
+    else:
         raise Eagle3Error(
             f"no draft vocab at {path}: pass a run dir, {VOCAB_FILE} or a draft checkpoint"
         )
-    d2t = load_file(str(path))["d2t"]
     top = int((d2t.long() + torch.arange(d2t.numel())).max())  # the largest target id it maps
     if top >= vocab_size:  # checked before vocab_from_d2t, which would index past the end
         raise Eagle3Error(
@@ -48,7 +51,8 @@ def setup_vocab(
     """The run's draft vocab: its saved one (resume), else model.draft_vocab / model.init_from's,
     else built from the training data on the main process; saved once, read by every rank."""
     saved = out_dir / VOCAB_FILE
-    source = cfg.model.draft_vocab or cfg.model.init_from
+    revocab = cfg.model.revocab  # with init_from: choose anew from the data (train.draft maps)
+    source = cfg.model.draft_vocab or (None if revocab else cfg.model.init_from)
     exists = saved.is_file()
     accelerator.wait_for_everyone()  # every rank looked before the main process writes it
     if exists:  # resume (or a restarted run): the run's own vocab wins
@@ -65,7 +69,11 @@ def setup_vocab(
         how = f"copied from {source}"
     else:
         if accelerator.is_main_process:
-            vocab = build_draft_vocab(token_counts(dataset, vocab_size), cfg.model.draft_vocab_size)
+            counts = token_counts(dataset, vocab_size)
+            vocab = build_draft_vocab(counts, cfg.model.draft_vocab_size)
+            if revocab:
+                start = read_vocab(Path(cfg.model.init_from), vocab_size)
+                print(revocab_summary(counts, vocab, start), flush=True)
         how = "built from the training data's loss-masked tokens"
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
