@@ -361,3 +361,30 @@ def test_flex_fallback_compile_failure_on_one_rank_moves_both(tmp_path):
     assert len(rank0_logs) == 1 and not rank1_logs
     assert "OutOfResources" in rank0_logs[0] and "rank(s) 1 of 2" in rank0_logs[0]
     assert "all ranks use 'chunked'" in rank0_logs[0]
+
+
+def test_flex_fallback_forced_kernel_options_reach_flex_on_any_device(monkeypatch):
+    """<1 s: inside forced_kernel_options (gpu_check --small-smem) flex gets those options
+    whatever the device (the innermost block wins, and each block restores the one outside);
+    outside, a CPU gets none."""
+    from eagle3.ttt_attention import flex as flex_module
+
+    seen = []
+
+    def attend(q, k, v, *, kernel_options=None, **kwargs):
+        seen.append(kernel_options)
+        return torch.zeros(q.shape[:-1] + v.shape[-1:])
+
+    monkeypatch.setattr(flex_module, "flex_attention", attend)
+    q, keys, values = inputs(T=16)
+
+    def call():
+        flex_module.flex_ttt(q, keys, values, scale=0.2, compile=False)
+
+    with ttt_module.forced_kernel_options(SMALL_SMEM_FLEX_OPTIONS):
+        call()
+        with ttt_module.forced_kernel_options({"fwd_BLOCK_M": 64}):
+            call()
+        call()
+    call()
+    assert seen == [SMALL_SMEM_FLEX_OPTIONS, {"fwd_BLOCK_M": 64}, SMALL_SMEM_FLEX_OPTIONS, None]
