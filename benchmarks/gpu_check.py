@@ -282,7 +282,7 @@ def check_small_smem_tiles(run: Run) -> dict:
         ttt_module.ttt_attention(q, keys, values, scale=q.shape[-1] ** -0.5, impl="chunked")
     )
     chunked = forward_backward("chunked", q, keys, values, grad_out, repeats=3)
-    result = {
+    result = run.report["small_smem_tiles"] = {  # saved choice by choice
         "tokens": T,
         "ttt_step": steps,
         "sm120_shared_memory_per_block": SM120_SMEM,
