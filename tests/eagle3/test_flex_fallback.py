@@ -315,16 +315,23 @@ for case, nh in (("fails", 4), ("works", 2)):
     result[case] = {"chunked": [torch.equal(o, want) for o in outs],
                     "flex": [torch.equal(o, want + 1) for o in outs],
                     "gathers": len(gathers), "calls": len(calls)}
+if rank == 0:  # a forward without grad on one rank alone (evaluation): decided locally
+    gathers.clear()
+    with torch.no_grad():
+        m.ttt_attention(torch.randn(1, 6, 40, 24), [torch.randn(1, 6, 40, 24)],
+                        [torch.randn(1, 6, 40, 16)], scale=0.2)
+    result["alone_no_grad_gathers"] = len(gathers)
 print("RESULT", json.dumps(result), flush=True)
 dist.destroy_process_group()
 """
 
 
 def test_flex_fallback_compile_failure_on_one_rank_moves_both(tmp_path):
-    """~6 s (two gloo processes, ~3 s of imports each): a compile failure on rank 1 moves both
+    """~7 s (two gloo processes, ~3 s of imports each): a compile failure on rank 1 moves both
     ranks to "chunked" at that shape (rank 0's working flex output is dropped), with one
     all_gather at the first call and none after; rank 0 logs one line naming the error class
-    and the failing rank, rank 1 none. Where flex works on both, both keep it."""
+    and the failing rank, rank 1 none. Where flex works on both, both keep it. A forward
+    without grad on rank 0 alone (evaluation) decides without a collective (else it hangs)."""
     import socket
 
     with socket.socket() as sock:
@@ -356,6 +363,7 @@ def test_flex_fallback_compile_failure_on_one_rank_moves_both(tmp_path):
         assert result["fails"]["chunked"] == [True] * 3
         assert result["works"]["flex"] == [True] * 3
         assert result["fails"]["gathers"] == result["works"]["gathers"] == 1
+        assert result.get("alone_no_grad_gathers", 0) == 0
     rank0_logs = [x for x in outputs[0] if x.startswith("LOG")]
     rank1_logs = [x for x in outputs[1] if x.startswith("LOG")]
     assert len(rank0_logs) == 1 and not rank1_logs
