@@ -1,8 +1,13 @@
 """The first thing to run on a new GPU node (and whenever a GPU is lent): does the training step
 work here, and does the memory plan (train/memory_plan.py) predict what it uses? JSON out.
 
-    python benchmarks/gpu_check.py --json gpu_check.json            # ~5-9 min on one GPU
+    python benchmarks/gpu_check.py --json gpu_check.json            # ~5-8 min on one GPU
+    python benchmarks/gpu_check.py --json gpu_check.json --small-smem   # + sm_120's flex tiles
     python benchmarks/gpu_check.py --device cpu --tiny               # seconds: the script itself
+
+The JSON is rewritten after every check and every length of the memory sweep, so a crash (or a
+kill) loses nothing already measured. Its header holds the card: total memory, shared memory
+per block (and the opt-in maximum a kernel may ask for), SM count.
 
 Checks, each a key of the JSON (an error in one is recorded there and the rest still run):
 - soft_label_grad: eagle3.loss.soft_cross_entropy's values and logits gradients on the device
@@ -10,22 +15,41 @@ Checks, each a key of the JSON (an error in one is recorded there and the rest s
 - flex_vs_chunked: TTT attention at the Kimi MLA draft's dims (64 heads, q/k 192, v 128),
   bf16, forward and backward: flex against chunked (max abs differences), and which path
   "auto" chose after its self-test (with why, if not flex).
+- small_smem_tiles (with --small-smem): flex with sm_120's kernel options and two other tile
+  choices meant to fit its 101,376 B of shared memory per block, each against chunked forward
+  and backward (max abs differences), timed, with the shared memory its compiled Triton
+  kernels ask for (their launchers' `shared`, read from inductor's live CachingAutotuner
+  objects; where torch does not expose it the JSON says so).
 - recompiles: the graphs torch compiles for flex attention over 8 varying lengths (dynamic
   shapes: should stay well under torch's recompile limit of 8).
 - memory: the full-size Kimi MLA draft (configs/train/kimi-k2.5-offline.yaml's, shape from
-  eagle3/targets/kimi-k2.5.yaml) trained one step at 2k / 8k / 12,288 tokens (bf16 autocast,
-  AdamW, one GPU, no DeepSpeed): peak allocated and step time, against the plan's prediction
-  for the same single-GPU setup (weights, Adam, gradients, activations, one micro-batch's soft
-  labels and hidden states). A length whose prediction exceeds the free memory is skipped
-  with the reason. The goal: measured within 15% of the plan.
+  eagle3/targets/kimi-k2.5.yaml) trained one step at 2k / 8k / 12,288 tokens on the
+  attention path "auto" chose (flex, or chunked where flex failed its self-test), planned for
+  that same path. --mode deepspeed (the default) trains as DeepSpeed's bf16 does and as the
+  plan's activation terms are counted: a bf16 module, no autocast, fp32 master copies that
+  AdamW steps, each bf16 gradient added into an fp32 one as backward makes it; --mode autocast
+  is an fp32 module under bf16 autocast. Each length: peak allocated and peak reserved,
+  seconds, tokens/s, beside the plan's parts for the same single-GPU setup (weights, master +
+  Adam, gradients, activations, one micro-batch's soft labels and hidden states). The CUDA
+  cache is emptied before each length, and a length is skipped only when its plan exceeds
+  all the memory this process could use (free + reserved) by more than the plan's 15%
+  tolerance; an out-of-memory is recorded at its length and the next length still runs. The
+  goal: measured within 15% of the plan.
+--small-smem forces sm_120's flex kernel options (flex_kernel_options((12, 0), 192, 128)) for
+every check, on whatever GPU runs it: a lent H200 then compiles and runs the node's tiles.
 --tiny shrinks every shape (hidden 64, 4 heads, lengths 64 / 128 / 192) so that a CPU runs the
-whole script in seconds; on a CPU flex is recorded as unavailable and memory as RSS-free.
+whole script in seconds; on a CPU flex is recorded as unavailable and the peaks as null (the
+caching allocator whose peaks torch reports is CUDA's).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
+import os
+import statistics
 import sys
 import time
 import traceback
@@ -47,6 +71,44 @@ FULL_LENGTHS = [2048, 8192, 12288]
 TINY_LENGTHS = [64, 128, 192]
 RECOMPILE_LENGTHS = [384, 500, 640, 777, 1024, 1300, 1536, 2000]
 PLAN_TOLERANCE = 0.15
+GIB = 2**30
+SM120_SMEM = 101_376  # bytes of shared memory per block on sm_120 (RTX PRO 6000 Blackwell)
+MODES = ("deepspeed", "autocast")
+# Tile choices for sm_120 at MLA's head dims (q/k 192 padded to 256, v 128, bf16), each meant
+# to fit 101,376 B: the node's options (eagle3/ttt_attention/flex.py), a two-stage forward with
+# 64-row tiles, and the configs reported to fit in pytorch issues 180278 / 198224.
+SM120_TILES = {
+    "node": ttt_module.flex_kernel_options((12, 0), 192, 128),
+    "fwd64x32-2stage": {
+        "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 32, "fwd_num_stages": 2, "fwd_num_warps": 4,
+        "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 32, "bwd_BLOCK_M2": 32, "bwd_BLOCK_N2": 32,
+        "bwd_num_stages": 1, "bwd_num_warps": 4,
+    },
+    "reported": {
+        "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 32, "fwd_num_stages": 2, "fwd_num_warps": 8,
+        "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 32, "bwd_BLOCK_M2": 32, "bwd_BLOCK_N2": 32,
+        "bwd_num_stages": 2, "bwd_num_warps": 4,
+    },
+}  # fmt: skip
+
+
+class Run:
+    """What every check gets: the device and flags, and the report it saves as it goes."""
+
+    def __init__(self, args: argparse.Namespace, report: dict):
+        self.device = torch.device(args.device)
+        self.tiny: bool = args.tiny
+        self.mode: str = args.mode
+        self.report = report
+        self.path: Path | None = args.json
+
+    def save(self) -> None:
+        """The report so far, written whole and renamed into place (never half a file)."""
+        if self.path is None:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.report, indent=1, default=str))
+        os.replace(tmp, self.path)
 
 
 def sync(device: torch.device) -> None:
@@ -54,10 +116,30 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def check_soft_label_grad(device: torch.device, tiny: bool) -> dict:
+def card(device: torch.device) -> dict:
+    """The card's memory and shared memory per block (the opt-in maximum is what a kernel may
+    ask for: 101,376 B on sm_120, ~227 KiB on an H200)."""
+    if device.type != "cuda":
+        return {"note": "CPU: no card"}
+    props = torch.cuda.get_device_properties(device)
+    return {
+        "name": props.name,
+        "capability": [props.major, props.minor],
+        "total_memory_bytes": props.total_memory,
+        "total_memory_gib": props.total_memory / GIB,
+        "multi_processor_count": props.multi_processor_count,
+        "shared_memory_per_block": getattr(props, "shared_memory_per_block", None),
+        "shared_memory_per_block_optin": getattr(props, "shared_memory_per_block_optin", None),
+        "shared_memory_per_multiprocessor": getattr(
+            props, "shared_memory_per_multiprocessor", None
+        ),
+    }
+
+
+def check_soft_label_grad(run: Run) -> dict:
     """soft_cross_entropy vs F.cross_entropy: values and gradients."""
-    out = {}
-    T, V = (64, 500) if tiny else (2048, 32000)
+    device, out = run.device, {}
+    T, V = (64, 500) if run.tiny else (2048, 32000)
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
         logits = torch.randn(1, T, V, device=device, dtype=dtype)
@@ -90,8 +172,31 @@ def attention_inputs(device, tiny: bool, T: int, steps: int, dtype=torch.bfloat1
     return q, keys, values
 
 
-def check_flex_vs_chunked(device: torch.device, tiny: bool) -> dict:
+def forward_backward(impl: str, q, keys, values, grad_out, repeats: int = 1) -> tuple:
+    """(output, input gradients, seconds of each run) of TTT attention by `impl`."""
+    leaves, seconds = [q, *keys, *values], []
+    for _ in range(repeats):
+        for x in leaves:
+            x.grad = None
+        sync(q.device)
+        start = time.perf_counter()
+        out = ttt_module.ttt_attention(q, keys, values, scale=q.shape[-1] ** -0.5, impl=impl)
+        out.backward(grad_out)
+        sync(q.device)
+        seconds.append(time.perf_counter() - start)
+    return out.detach().float(), [x.grad.float() for x in leaves], seconds
+
+
+def differences(a: tuple, b: tuple) -> dict:
+    return {
+        "max_abs_out": (a[0] - b[0]).abs().max().item(),
+        "max_abs_grad": max((x - y).abs().max().item() for x, y in zip(a[1], b[1])),
+    }
+
+
+def check_flex_vs_chunked(run: Run) -> dict:
     """flex against chunked at MLA dims, bf16, forward and backward; auto's choice."""
+    device, tiny = run.device, run.tiny
     T, steps = (96, 2) if tiny else (2048, 3)
     q, keys, values = attention_inputs(device, tiny, T, steps)
     scale = q.shape[-1] ** -0.5
@@ -101,39 +206,112 @@ def check_flex_vs_chunked(device: torch.device, tiny: bool) -> dict:
         else "flex needs CUDA"
     )
     result = {"auto_chooses": "flex" if verdict is None else "chunked", "why_not_flex": verdict}
+    result["kernel_options"] = ttt_module.kernel_options_for(
+        device, q.shape[-1], values[0].shape[-1]
+    )
     if verdict is not None:
         return result
-    leaves = [q, *keys, *values]
     grad_out = torch.randn_like(
         ttt_module.ttt_attention(q, keys, values, scale=scale, impl="chunked")
     )
-    runs = {}
-    for impl in ("chunked", "flex"):
-        for x in leaves:
-            x.grad = None
-        sync(device)
-        start = time.perf_counter()
-        out = ttt_module.ttt_attention(q, keys, values, scale=scale, impl=impl)
-        out.backward(grad_out)
-        sync(device)
-        runs[impl] = (
-            out.detach().float(),
-            [x.grad.float() for x in leaves],
-            time.perf_counter() - start,
-        )
-    (o_c, g_c, t_c), (o_f, g_f, t_f) = runs["chunked"], runs["flex"]
-    result.update(
-        max_abs_out=(o_c - o_f).abs().max().item(),
-        max_abs_grad=max((a - b).abs().max().item() for a, b in zip(g_c, g_f)),
-        seconds={"chunked": t_c, "flex (first call: compile)": t_f},
-    )
+    chunked = forward_backward("chunked", q, keys, values, grad_out)
+    flex = forward_backward("flex", q, keys, values, grad_out)
+    result.update(differences(chunked, flex))
+    result["seconds"] = {"chunked": chunked[2][0], "flex (first call: compile)": flex[2][0]}
     return result
 
 
-def check_recompiles(device: torch.device, tiny: bool) -> dict:
+def live_template_kernels() -> dict[int, object] | str:
+    """inductor's compiled Triton template kernels alive now (flex's forward and backward are
+    templates: "triton_tem_*"), by id, or why they cannot be read."""
+    try:
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    except ImportError as err:
+        return f"not reachable: {err}"
+    gc.collect()
+    found = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, CachingAutotuner):
+            name = getattr(obj, "inductor_meta", {}).get("kernel_name") or getattr(
+                getattr(obj, "fn", None), "__name__", ""
+            )
+            if "_tem_" in str(name):
+                found[id(obj)] = obj
+    return found
+
+
+def kernel_shared_memory(before: dict | str) -> list[dict] | str:
+    """The shared memory (bytes) each template kernel compiled since `before` asks for, with
+    its warps and stages, or why torch did not expose it."""
+    after = live_template_kernels()
+    if isinstance(after, str):
+        return after
+    rows = []
+    for key, obj in after.items():
+        if isinstance(before, dict) and key in before:
+            continue
+        name = obj.inductor_meta.get("kernel_name") or obj.fn.__name__
+        for launcher in getattr(obj, "launchers", []):
+            shared = getattr(launcher, "shared", None)
+            config = getattr(launcher, "config", None)
+            rows.append({
+                "kernel": name,
+                "shared_bytes": shared,
+                "fits_sm120": None if shared is None else shared <= SM120_SMEM,
+                "num_warps": getattr(config, "num_warps", None),
+                "num_stages": getattr(config, "num_stages", None),
+            })  # fmt: skip
+    if not rows:
+        return (
+            "not reachable: no compiled Triton template kernel with launchers among inductor's "
+            "live CachingAutotuner objects (torch may have moved them)"
+        )
+    return rows
+
+
+def check_small_smem_tiles(run: Run) -> dict:
+    """sm_120's flex tiles and two other choices meant to fit its shared memory: each against
+    chunked forward and backward, timed (median of 3 after the compiling call), with the
+    shared memory its compiled kernels ask for."""
+    device, tiny = run.device, run.tiny
+    if device.type != "cuda":
+        return {"skipped": "flex needs CUDA", "choices": SM120_TILES}
+    T, steps = (96, 2) if tiny else (2048, 3)
+    q, keys, values = attention_inputs(device, tiny, T, steps)
+    grad_out = torch.randn_like(
+        ttt_module.ttt_attention(q, keys, values, scale=q.shape[-1] ** -0.5, impl="chunked")
+    )
+    chunked = forward_backward("chunked", q, keys, values, grad_out, repeats=3)
+    result = run.report["small_smem_tiles"] = {  # saved choice by choice
+        "tokens": T,
+        "ttt_step": steps,
+        "sm120_shared_memory_per_block": SM120_SMEM,
+        "chunked_seconds": statistics.median(chunked[2][1:]),
+    }
+    for name, options in SM120_TILES.items():
+        entry = result[name] = {"options": options}
+        torch._dynamo.reset()  # each choice compiles afresh (and stays under the recompile limit)
+        before = live_template_kernels()
+        try:
+            with ttt_module.forced_kernel_options(options):
+                flex = forward_backward("flex", q, keys, values, grad_out, repeats=4)
+        except Exception as err:  # noqa: BLE001 - record it, try the next choice
+            entry["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:500]
+            continue
+        entry.update(differences(chunked, flex))
+        entry["compile_seconds"] = flex[2][0]
+        entry["seconds"] = statistics.median(flex[2][1:])
+        entry["kernels"] = kernel_shared_memory(before)
+        run.save()
+    torch._dynamo.reset()
+    return result
+
+
+def check_recompiles(run: Run) -> dict:
     """Graphs compiled for flex (or, on CPU, its block mask) over varying lengths."""
     from torch._dynamo.utils import counters
 
+    device, tiny = run.device, run.tiny
     counters.clear()
     lengths = [n // 8 for n in RECOMPILE_LENGTHS] if tiny else RECOMPILE_LENGTHS
     for T in lengths:
@@ -164,77 +342,242 @@ def kimi_draft(tiny: bool) -> tuple[DraftConfig, int]:
     return draft_config(cfg, hf, cfg.model.draft_vocab_size, [1, 29, 57]), cfg.model.ttt_steps
 
 
-def planned_bytes(draft_cfg: DraftConfig, ttt_steps: int, T: int, bf16: bool) -> float:
-    """The plan's parts this single-GPU step has: no DeepSpeed, one micro-batch, no lm_head."""
-    run = RunShape(T, 1, 1, ttt_steps, bf16, "flex" if bf16 else "chunked", labels_held=1)
-    plan = plan_memory(draft_cfg, run, ZeroSetup(), Node(1, 1e15), lm_head_rows=0)
-    kept = ("draft weights", "master + Adam", "gradients", "activations", "soft labels")
-    return sum(plan.parts[k] for k in kept) + plan.parts["hidden-state batches"]
+def attention_dims(cfg: DraftConfig) -> tuple[int, int, int, int]:
+    """(query heads, KV heads, q/k head dim, v head dim) of the draft's TTT attention."""
+    if cfg.attention == "mla":  # every head has its own k and v, expanded from the latent
+        return cfg.num_attention_heads, cfg.num_attention_heads, cfg.head_dim, cfg.v_head_dim
+    return cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim
 
 
-def check_memory(device: torch.device, tiny: bool) -> dict:
-    """Peak memory and step time of the Kimi MLA draft's training step vs the plan."""
-    draft_cfg, K = kimi_draft(tiny)
-    bf16 = device.type == "cuda"
-    torch.manual_seed(0)
-    model = TTTModel(Eagle3Draft(draft_cfg), K).to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    results = {}
-    for T in TINY_LENGTHS if tiny else FULL_LENGTHS:
-        predicted = planned_bytes(draft_cfg, K, T, bf16)
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            held = torch.cuda.memory_allocated(device)
-            if predicted > free + held:
-                results[T] = {
-                    "skipped": f"plan {predicted / GB:.1f} GB > {(free + held) / GB:.1f} GB"
-                }
-                continue
-            torch.cuda.reset_peak_memory_stats(device)
-        ids = torch.randint(0, draft_cfg.vocab_size, (1, T), device=device)
-        aux = torch.randn(
-            1,
-            T,
-            draft_cfg.feature_size,
-            device=device,
-            dtype=torch.bfloat16 if bf16 else torch.float32,
+def auto_path(device: torch.device, cfg: DraftConfig, ttt_steps: int) -> tuple[str, str | None]:
+    """The path "auto" takes for this draft's attention on `device` -> (path, why not flex):
+    flex where its self-test passes at every TTT step's shape (bf16), else chunked."""
+    nh, nkv, dqk, dv = attention_dims(cfg)
+    path = ttt_module.auto_impl(device, dqk, dv)
+    if path != "flex":
+        return path, f"auto on {device.type} at head dims {dqk}/{dv}"
+    like = dict(device=device, dtype=torch.bfloat16)
+    T = ttt_module.SELF_TEST_TOKENS
+    q = torch.randn(1, nh, T, dqk, **like)
+    for steps in range(1, ttt_steps + 1):
+        keys = [torch.randn(1, nkv, T, dqk, **like) for _ in range(steps)]
+        values = [torch.randn(1, nkv, T, dv, **like) for _ in range(steps)]
+        why = ttt_module.flex_verdict(q, keys, values, dqk**-0.5)
+        if why is not None:
+            return "chunked", f"TTT step {steps - 1}: {why}"
+    return "flex", None
+
+
+def planned_parts(cfg: DraftConfig, ttt_steps: int, T: int, mode: str, path: str) -> dict:
+    """The plan's parts this single-GPU step has (GB each): no lm_head, one micro-batch. The
+    deepspeed mode is planned as DeepSpeed bf16 on one rank with fp32 gradient accumulation
+    and no buckets (it has no DeepSpeed to hold them); autocast as the plan's no-DeepSpeed run."""
+    run = RunShape(T, 1, 1, ttt_steps, True, path, labels_held=1)
+    if mode == "deepspeed":
+        zero = ZeroSetup(stage=2, reduce_bucket=0, allgather_bucket=0, grad_accum_fp32=True)
+    else:
+        zero = ZeroSetup()
+    plan = plan_memory(cfg, run, zero, Node(1, 1e15), lm_head_rows=0)
+    kept = ("draft weights", "master + Adam", "gradients", "activations", "soft labels",
+            "hidden-state batches")  # fmt: skip
+    return {name: plan.parts[name] / GB for name in kept}
+
+
+class DeepSpeedLike:
+    """DeepSpeed's bf16 training on one GPU, without DeepSpeed: the module in bf16 (no
+    autocast), fp32 master copies of the trainable weights that AdamW steps, each bf16
+    gradient added into the master's fp32 one as soon as backward makes it (then freed), the
+    new master weights copied back into the module. What the plan's terms count."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.params = [p for p in model.to(torch.bfloat16).parameters() if p.requires_grad]
+        self.master = [p.detach().float().clone() for p in self.params]
+        for p, m in zip(self.params, self.master):
+            m.grad = torch.zeros_like(m)
+            p.register_post_accumulate_grad_hook(self._accumulator(m))
+        self.opt = torch.optim.AdamW(self.master, lr=1e-4)
+        self.dtype = torch.bfloat16
+
+    @staticmethod
+    def _accumulator(master: torch.Tensor):
+        def accumulate(p: torch.Tensor) -> None:
+            master.grad.add_(p.grad)
+            p.grad = None
+
+        return accumulate
+
+    def autocast(self, device: torch.device):
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.opt.step()
+        self.zero_grad()
+        for p, m in zip(self.params, self.master):
+            p.copy_(m)
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        for p, m in zip(self.params, self.master):
+            m.grad.zero_()
+            p.grad = None
+
+
+class Autocast:
+    """An fp32 module under bf16 autocast on CUDA (fp32 on a CPU), AdamW on its weights."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=1e-4)
+        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def autocast(self, device: torch.device):
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def step(self) -> None:
+        self.opt.step()
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+
+def train_step(model, trainer, cfg: DraftConfig, T: int, device: torch.device) -> None:
+    """One optimizer step on one random row of T tokens."""
+    ids = torch.randint(0, cfg.vocab_size, (1, T), device=device)
+    aux = torch.randn(1, T, cfg.feature_size, device=device, dtype=trainer.dtype)
+    probs = torch.randn(1, T, cfg.draft_vocab_size, device=device).softmax(-1)
+    mask = torch.ones(1, T, dtype=torch.long, device=device)
+    with trainer.autocast(device):
+        loss, _ = ttt_loss(model(ids, aux), probs, mask.bool(), mask, 0.8)
+    loss.backward()
+    trainer.step()
+
+
+def memory_peaks(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"peak_allocated_gb": None, "peak_reserved_gb": None}
+    return {
+        "peak_allocated_gb": torch.cuda.max_memory_allocated(device) / GB,
+        "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / GB,
+    }
+
+
+def check_memory(run: Run) -> dict:
+    """Peak memory and step time of the Kimi MLA draft's training step vs the plan, length by
+    length (each saved as it is measured)."""
+    device = run.device
+    cfg, K = kimi_draft(run.tiny)
+    path, why = auto_path(device, cfg, K)
+    result = run.report["memory"] = {
+        "mode": run.mode,
+        "attention_path": path,
+        "why_not_flex": why,
+        "plan_tolerance": PLAN_TOLERANCE,
+        "lengths": {},
+    }
+    if device.type != "cuda":
+        result["peaks_note"] = (
+            "null on a CPU: torch reports peak allocated and reserved memory for CUDA's caching "
+            "allocator only (a CPU has no reserved pool)"
         )
-        probs = torch.randn(1, T, draft_cfg.draft_vocab_size, device=device).softmax(-1)
-        mask = torch.ones(1, T, dtype=torch.long, device=device)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg)
+    draft.midlayer.self_attn.ttt_impl = path  # what auto chose, so the plan is the run's
+    model = TTTModel(draft, K).to(device)
+    trainer = DeepSpeedLike(model) if run.mode == "deepspeed" else Autocast(model, device)
+    lengths = TINY_LENGTHS if run.tiny else FULL_LENGTHS
+    for T in lengths:
+        parts = planned_parts(cfg, K, T, run.mode, path)
+        entry = result["lengths"][str(T)] = {"planned_gb": sum(parts.values()), "plan_gb": parts}
+        entry["unfinished"] = "the process stopped during this length's step"  # until it ends
+        run.save()
+        entry.update(measure_length(model, trainer, cfg, T, device, entry["planned_gb"] * GB))
+        del entry["unfinished"]
+        run.save()
+    return result
+
+
+def measure_length(model, trainer, cfg, T: int, device: torch.device, planned: float) -> dict:
+    """One length's step: its peaks, seconds and tokens/s, or why it was skipped or failed."""
+    entry: dict = {}
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()  # what the last length left cached is usable again
+        torch.cuda.reset_peak_memory_stats(device)
+        free, _ = torch.cuda.mem_get_info(device)
+        usable = free + torch.cuda.memory_reserved(device)  # all this process could hold
+        entry["usable_gb"] = usable / GB
+        if planned > usable * (1 + PLAN_TOLERANCE):
+            entry["skipped"] = (
+                f"plan {planned / GB:.1f} GB > {usable / GB:.1f} GB usable (free + reserved) "
+                f"by more than {PLAN_TOLERANCE:.0%}"
+            )
+            return entry
+    sync(device)
+    start = time.perf_counter()
+    try:
+        train_step(model, trainer, cfg, T, device)
         sync(device)
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss, _ = ttt_loss(model(ids, aux), probs, mask.bool(), mask, 0.8)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync(device)
-        entry = {"seconds": time.perf_counter() - start, "planned_gb": predicted / GB}
+    except torch.OutOfMemoryError as err:
+        entry["out_of_memory"] = str(err).strip().splitlines()[0][:300]
+    except Exception as err:  # noqa: BLE001 - record it, the next length still runs
+        entry["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:500]
+        entry["traceback"] = traceback.format_exc()[-2000:]
+    else:
+        seconds = time.perf_counter() - start
+        entry.update(seconds=seconds, tokens_per_s=T / seconds)
+    entry.update(memory_peaks(device))
+    if "seconds" in entry and entry["peak_allocated_gb"] is not None:
+        ratio = entry["peak_allocated_gb"] * GB / planned
+        entry.update(ratio=ratio, within_15_percent=abs(ratio - 1) <= PLAN_TOLERANCE)
+    if "seconds" not in entry:  # a failed step leaves gradients and cached blocks behind
+        trainer.zero_grad()
+        gc.collect()
         if device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(device)
-            entry.update(peak_gb=peak / GB, ratio=peak / predicted)
-            entry["within_15_percent"] = abs(peak / predicted - 1) <= PLAN_TOLERANCE
-        results[T] = entry
-        del ids, aux, probs, mask, loss
-    return results
+            torch.cuda.empty_cache()
+    return entry
 
 
 CHECKS = {
     "soft_label_grad": check_soft_label_grad,
     "flex_vs_chunked": check_flex_vs_chunked,
+    "small_smem_tiles": check_small_smem_tiles,
     "recompiles": check_recompiles,
     "memory": check_memory,
 }
+DEFAULT_CHECKS = "soft_label_grad,flex_vs_chunked,recompiles,memory"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--tiny", action="store_true", help="small shapes: the script in seconds")
-    p.add_argument("--json", type=Path, help="also write the report here")
-    p.add_argument("--checks", default=",".join(CHECKS), help="comma-separated subset")
+    p.add_argument("--json", type=Path, help="also write the report here (after every step)")
+    p.add_argument(
+        "--checks",
+        help=f"comma-separated subset of {', '.join(CHECKS)} (default: {DEFAULT_CHECKS}, "
+        "plus small_smem_tiles with --small-smem)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="deepspeed",
+        help="the memory sweep's training: deepspeed (default: bf16 module, fp32 master "
+        "copies, no autocast; what the plan counts) or autocast (fp32 module, bf16 autocast)",
+    )
+    p.add_argument(
+        "--small-smem",
+        action="store_true",
+        help="force sm_120's flex kernel options on this GPU, and time its tile choices",
+    )
     args = p.parse_args(argv)
+    names = (args.checks or DEFAULT_CHECKS + (",small_smem_tiles" * args.small_smem)).split(",")
+    unknown = [name for name in names if name not in CHECKS]
+    if unknown:
+        print(f"error: unknown check(s) {', '.join(unknown)}: choose from {', '.join(CHECKS)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print(
@@ -242,28 +585,44 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    forced = SM120_TILES["node"] if args.small_smem else None
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "capability": list(torch.cuda.get_device_capability(device))
         if device.type == "cuda"
         else None,
         "torch": torch.__version__,
+        "triton": triton_version(),
         "tiny": args.tiny,
+        "mode": args.mode,
+        "small_smem_options": forced,
+        "card": card(device),
     }
-    for name in args.checks.split(","):
-        start = time.perf_counter()
-        try:
-            report[name] = CHECKS[name](device, args.tiny)
-        except Exception as err:  # noqa: BLE001 - record it, run the other checks
-            report[name] = {"error": f"{type(err).__name__}: {err}".splitlines()[0][:500],
-                            "traceback": traceback.format_exc()[-2000:]}  # fmt: skip
-        report[name + "_seconds"] = round(time.perf_counter() - start, 2)
-        print(json.dumps({name: report[name]}, default=str), flush=True)
-    text = json.dumps(report, indent=1, default=str)
-    if args.json:
-        args.json.write_text(text)
-    print(text)
+    run = Run(args, report)
+    run.save()
+    with ttt_module.forced_kernel_options(forced) if forced else contextlib.nullcontext():
+        for name in names:
+            start = time.perf_counter()
+            try:
+                report[name] = CHECKS[name](run)
+            except Exception as err:  # noqa: BLE001 - record it, run the other checks
+                partial = report.get(name) if isinstance(report.get(name), dict) else {}
+                report[name] = {**partial,  # what the check measured before it failed
+                                "error": f"{type(err).__name__}: {err}".splitlines()[0][:500],
+                                "traceback": traceback.format_exc()[-2000:]}  # fmt: skip
+            report[name + "_seconds"] = round(time.perf_counter() - start, 2)
+            run.save()
+            print(json.dumps({name: report[name]}, default=str), flush=True)
+    print(json.dumps(report, indent=1, default=str))
     return 0
+
+
+def triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 if __name__ == "__main__":

@@ -47,12 +47,13 @@ from pathlib import Path
 
 from eagle3.errors import Eagle3Error
 from eagle3.model import DraftConfig
+from eagle3.ttt_attention import CUDA_CHUNK_SIZE, CUDA_KEY_BLOCK
 
 GB = 1e9
 CONTEXT_GB = 2.0  # CUDA context + cuBLAS workspace + NCCL buffers per rank
 ALLOCATOR_HEADROOM = 0.05  # of the card: fragmentation across changing lengths
 VLLM_DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization when the recipe gives none
-TILE_ROWS, TILE_KEYS = 128, 512  # the chunked TTT kernel's tile (eagle3/ttt_attention/chunked.py)
+TILE_ROWS, TILE_KEYS = CUDA_CHUNK_SIZE, CUDA_KEY_BLOCK  # the chunked TTT kernel's tile on CUDA
 ATTENTION_PATHS = ("chunked", "flash", "flex")
 
 

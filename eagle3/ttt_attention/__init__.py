@@ -58,10 +58,18 @@ Why each path exists (`ttt_attention(impl=...)`):
   slower than "chunked", 51 vs 65 tokens/s for the Kimi MLA draft's step at T = 1k). If flex
   fails its self-test (forward and backward on random tensors of the real heads, dims and
   dtype, once per shape: a torch whose forward fits the GPU's shared memory but whose backward
-  does not is caught before training), or raises in a forward later, "auto" logs one line
-  naming why and uses "chunked". flex_kernel_options gives the small-shared-memory GPUs
-  (sm_86/89/120: 101,376 B a block) single-stage 32-row tiles at MLA's head dims. Flex has not
-  yet run on a GPU in this project's tests (none was lent).
+  does not is caught before training), or raises in its first real call at that shape, "auto"
+  uses "chunked" at that shape. Only flex's own faults fall back (compile and launch errors:
+  is_flex_fault); an out-of-memory is raised as torch.OutOfMemoryError, so the trainer stops in
+  its one line and resumes, instead of one rank quietly running a slower kernel. Under
+  torch.distributed the ranks agree at each shape's first training call (one all_gather of
+  the verdicts, never again: the comment above auto_flex says why that is enough): if flex
+  failed on any rank, every rank runs "chunked", and rank 0 logs one line naming the error.
+  flex_kernel_options gives the small-shared-memory GPUs (sm_86/89/120: 101,376 B a block)
+  single-stage 32-row tiles at MLA's head dims (forced_kernel_options overrides them: the GPU
+  check compiles sm_120's tiles on another GPU). "chunked" runs larger tiles on CUDA than on
+  CPU (tile_size: chunked.py says why). Flex has not yet run on a GPU in this project's tests
+  (none was lent).
 
 Modules: ``reference`` ("sdpa", "split", the dense ttt_mask), ``chunked``, ``flash``, ``flex``
 (the paths by name). Here: ``ttt_attention`` (which path runs) and "auto"'s choice of flex.
@@ -74,7 +82,15 @@ import logging
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.ttt_attention.chunked import CHUNK_SIZE, KEY_BLOCK, _ChunkedTTT, _documents
+from eagle3.ttt_attention.chunked import (
+    CHUNK_SIZE,
+    CUDA_CHUNK_SIZE,
+    CUDA_KEY_BLOCK,
+    KEY_BLOCK,
+    _ChunkedTTT,
+    _documents,
+    tile_size,
+)
 from eagle3.ttt_attention.chunked import _segment_bounds as _segment_bounds  # for the tests
 from eagle3.ttt_attention.flash import _FLASH_CPU, _FlashTTT
 from eagle3.ttt_attention.flex import (
@@ -83,6 +99,8 @@ from eagle3.ttt_attention.flex import (
     flex_attention,
     flex_kernel_options,
     flex_ttt,
+    forced_kernel_options,
+    kernel_options_for,
     ttt_mask_mod,
 )
 from eagle3.ttt_attention.flex import _compiled_flex as _compiled_flex  # tests, gpu_check.py
@@ -92,7 +110,6 @@ from eagle3.ttt_attention.reference import sdpa_ttt, split_ttt, ttt_mask
 IMPLS = ("auto", "chunked", "flash", "flex", "sdpa", "split")
 
 log = logging.getLogger(__name__)
-_FLEX_FAILED: list[str] = []  # "auto" stops trying flex after its first failure in a process
 
 
 def ttt_attention(
@@ -103,26 +120,22 @@ def ttt_attention(
     scale: float,
     impl: str = "auto",
     segment_ids: torch.Tensor | None = None,
-    chunk_size: int = CHUNK_SIZE,
-    key_block: int = KEY_BLOCK,
+    chunk_size: int | None = None,
+    key_block: int | None = None,
 ) -> torch.Tensor:
     """TTT attention of step k = len(keys) - 1 (the module docstring's maths) -> (B, nh, T, dv).
 
     q (B, nh, T, dqk); keys[j] (B, nkv, T, dqk) and values[j] (B, nkv, T, dv) of steps 0..k;
-    segment_ids (B, T) int or None (one document per row).
+    segment_ids (B, T) int or None (one document per row). chunk_size / key_block: the
+    "chunked" tile (default: tile_size(q.device), CPU and CUDA sizes differ).
     """
     if impl == "auto":
         impl = auto_impl(q.device, q.shape[-1], values[0].shape[-1])
-        if impl == "flex" and flex_verdict(q, keys, values, scale) is not None:
-            impl = "chunked"  # flex failed its self-test at these shapes (logged once)
         if impl == "flex":
-            try:
-                return flex_ttt(q, keys, values, scale=scale, segment_ids=segment_ids)
-            except Exception as err:  # noqa: BLE001 - a GPU/Triton build flex cannot compile for
-                _FLEX_FAILED.append(repr(err))  # the exact linear-memory path still runs
-                log.warning("flex attention failed on this GPU (%s); TTT attention falls back "
-                            "to 'chunked' (exact, linear memory, slower)", err)  # fmt: skip
-                impl = "chunked"
+            out = auto_flex(q, keys, values, scale, segment_ids)
+            if out is not None:
+                return out
+            impl = "chunked"  # flex failed at these shapes, on this rank or another (logged)
     if impl == "flash":
         if q.is_cuda or _FLASH_CPU is None:
             raise Eagle3Error(
@@ -135,6 +148,8 @@ def ttt_attention(
                 return _FlashTTT.apply(q, documents, scale, *keys, *values)
         impl = "chunked"
     if impl == "chunked":  # in the inputs' dtype: autocast would recast its matmuls
+        rows, block = tile_size(q.device)
+        chunk_size, key_block = chunk_size or rows, key_block or block
         with torch.autocast(q.device.type, enabled=False):
             return _ChunkedTTT.apply(q, segment_ids, scale, chunk_size, key_block, *keys, *values)
     if impl == "flex":
@@ -152,22 +167,143 @@ def ttt_attention(
 
 
 def auto_impl(device: torch.device, dqk: int, dv: int) -> str:
-    """What impl "auto" runs on `device` for query/key head dim dqk and value head dim dv (the
-    module docstring says why)."""
+    """What impl "auto" tries first on `device` for query/key head dim dqk and value head dim dv
+    (the module docstring says why); on CUDA "flex" then falls back per shape (auto_flex)."""
     if device.type == "cuda":
-        return "flex" if flex_attention is not None and not _FLEX_FAILED else "chunked"
+        return "flex" if flex_attention is not None else "chunked"
     flash = device.type == "cpu" and _FLASH_CPU is not None and dqk == dv
     return "flash" if flash else "chunked"
 
 
-# -- choosing flex: a forward + backward self-test at the real shapes, once per shape ----------
+# -- whose fault an error is: flex's (fall back) or not (raise) -------------------------------
+def is_out_of_memory(err: BaseException) -> bool:
+    """torch.OutOfMemoryError (torch.cuda.OutOfMemoryError is the same class) anywhere in the
+    error's chain, or a RuntimeError saying "out of memory" (a CUDA launch's "CUDA error: out
+    of memory", or an OOM that inductor wrapped while compiling)."""
+    for e in _chain(err):
+        if isinstance(e, torch.OutOfMemoryError):
+            return True
+        if isinstance(e, RuntimeError) and "out of memory" in str(e).lower():
+            return True
+    return False
+
+
+def is_flex_fault(err: BaseException) -> bool:
+    """A compile or launch failure of flex's kernels, which "chunked" avoids: a RuntimeError
+    (dynamo's and inductor's errors, BackendCompilerFailed and InductorError among them, are
+    RuntimeErrors, as are CUDA launch errors, torch.AcceleratorError) or one of Triton's own
+    (OutOfResources, CompilationError: classes of the `triton` package), other than an
+    out-of-memory. Anything else (a TypeError, a ValueError: our bug or bad input) is not."""
+    if is_out_of_memory(err):
+        return False
+    return any(
+        isinstance(e, RuntimeError) or type(e).__module__.split(".")[0] == "triton"
+        for e in _chain(err)
+    )
+
+
+def raise_unless_flex_fault(err: Exception) -> None:
+    """Re-raise `err` unless it is flex's fault; an out-of-memory as torch.OutOfMemoryError,
+    the class the trainer's one-line stop-and-resume (train/train_drafter.py) recognises."""
+    if is_out_of_memory(err):
+        if isinstance(err, torch.OutOfMemoryError):
+            raise err
+        raise torch.OutOfMemoryError(_first_line(err)) from err
+    if not is_flex_fault(err):
+        raise err
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """err and the errors it was raised from (or while handling), each once."""
+    seen: list[BaseException] = []
+    while err is not None and all(err is not e for e in seen):
+        seen.append(err)
+        err = err.__cause__ or err.__context__ or getattr(err, "inner_exception", None)
+    return seen
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
+
+
+# -- choosing flex: a self-test and a first call per shape, agreed across ranks ----------------
+# Why once per shape is enough. flex fails where its kernels do not compile or launch for a
+# GPU (shared memory, a Triton or inductor bug at some head dims or dtype). Those depend on
+# the shape key below, not on the sequence length: dynamic=True compiles one graph for every
+# length, and kernel options are fixed per head dims. So the first call at a key (its self-test
+# and the real call) is where flex fails if it ever does, and every rank makes that call in
+# the same training forward: the TTT unroll runs steps 0..K-1 (one key each) in the same order
+# on every rank, and a training forward runs in lockstep (each ends in the gradient
+# all-reduce). One collective per key and run (K of them in the first step, none after) then
+# suffices; one per call would cost a collective per TTT step. Forwards without grad
+# (validation, evaluation) may run on some ranks only, so they decide alone and never call a
+# collective; the first training call at the key agrees. A failure after the agreement (a rare
+# recompile) falls back on that rank alone, with a warning saying so.
 _FLEX_VERDICTS: dict[tuple, str | None] = {}  # shape key -> None (flex works) or why not
+_FLEX_AGREED: set[tuple] = set()  # keys whose verdict every rank shares
 SELF_TEST_TOKENS = 256  # tiles and shared memory depend on heads and dims, not on T
+
+
+def flex_shape_key(q, keys, values) -> tuple:
+    """What flex's kernels depend on: heads, KV heads, q/k and v head dims, dtype, TTT step."""
+    return (q.shape[1], keys[0].shape[1], q.shape[-1], values[0].shape[-1], q.dtype, len(keys))
+
+
+def auto_flex(q, keys, values, scale, segment_ids=None) -> torch.Tensor | None:
+    """ "auto" on CUDA: flex's output, or None where "chunked" runs instead because flex
+    failed at these shapes (its self-test or a call), on this rank or, once agreed, on any.
+    An out-of-memory, or an error that is not flex's fault, is raised (raise_unless_flex_fault).
+    """
+    key = flex_shape_key(q, keys, values)
+    agree = torch.is_grad_enabled() and key not in _FLEX_AGREED and _world_size() > 1
+    if key not in _FLEX_VERDICTS:
+        flex_verdict(q, keys, values, scale, log_failure=not agree)
+    why, out = _FLEX_VERDICTS[key], None
+    if why is None:
+        try:
+            out = flex_ttt(q, keys, values, scale=scale, segment_ids=segment_ids)
+        except Exception as err:  # noqa: BLE001 - only flex's own faults fall back
+            raise_unless_flex_fault(err)
+            why = f"forward at {q.shape[2]} tokens: {_first_line(err)}"
+            if not agree:
+                log.warning("TTT attention: flex failed%s (%s); this rank uses 'chunked' at "
+                            "heads %s/%s, dims %s/%s, %s from now on (exact, linear memory, "
+                            "slower)", " after the ranks agreed on it" if key in _FLEX_AGREED
+                            else "", why, *key[:5])  # fmt: skip
+    if agree:
+        why = _agree(key, why)
+        _FLEX_AGREED.add(key)
+    _FLEX_VERDICTS[key] = why
+    return out if why is None else None
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _agree(key: tuple, why: str | None) -> str | None:
+    """Every rank's verdict at `key` (one all_gather_object): None if flex served all of
+    them, else the failures, which rank 0 logs in one line."""
+    dist = torch.distributed
+    whys: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(whys, why)
+    failed = {rank: w for rank, w in enumerate(whys) if w is not None}
+    if not failed:
+        return None
+    first = min(failed)
+    if dist.get_rank() == 0:
+        log.warning("TTT attention: flex failed on rank(s) %s of %s at heads %s/%s, dims %s/%s, "
+                    "%s (rank %s: %s); all ranks use 'chunked' (exact, linear memory, slower)",
+                    ",".join(map(str, failed)), len(whys), *key[:5], first, failed[first])  # fmt: skip
+    return why or f"rank {first}: {failed[first]}"
 
 
 def flex_self_test(q, keys, values, scale) -> str | None:
     """Run flex forward and backward on random tensors of q/keys/values' heads, dims and dtype
-    -> None if both ran, else why not ("forward: ..." or "backward: ...")."""
+    -> None if both ran, else why not ("forward: ..." or "backward: ..."). An out-of-memory or
+    an error that is not flex's fault is raised."""
     B, nh, _, dqk = q.shape
     T, steps = min(q.shape[2], SELF_TEST_TOKENS), len(keys)
     like = dict(device=q.device, dtype=q.dtype)
@@ -180,29 +316,27 @@ def flex_self_test(q, keys, values, scale) -> str | None:
     tv = [leaf(1, values[0].shape[1], T, values[0].shape[-1]) for _ in range(steps)]
     try:
         out = flex_ttt(tq, tk, tv, scale=scale)
-    except Exception as err:  # noqa: BLE001 - any compile or launch failure means: not flex
+    except Exception as err:  # noqa: BLE001 - a compile or launch failure means: not flex
+        raise_unless_flex_fault(err)
         return f"forward: {_first_line(err)}"
     try:
         out.float().sum().backward()
     except Exception as err:  # noqa: BLE001
+        raise_unless_flex_fault(err)
         return f"backward: {_first_line(err)}"
     return None
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
-
-
-def flex_verdict(q, keys, values, scale, self_test=None) -> str | None:
-    """Whether flex serves these shapes (None) or why not, self-tested once per (heads, dims,
-    dtype, steps); a failure is logged in one line naming why and the path used instead."""
-    key = (q.shape[1], keys[0].shape[1], q.shape[-1], values[0].shape[-1], q.dtype, len(keys))
+def flex_verdict(q, keys, values, scale, self_test=None, log_failure: bool = True) -> str | None:
+    """Whether flex serves these shapes (None) or why not, self-tested once per shape key on
+    this rank (flex_shape_key); a failure is logged in one line naming why and the path used
+    instead (unless the ranks are about to agree: then rank 0 logs theirs)."""
+    key = flex_shape_key(q, keys, values)
     if key not in _FLEX_VERDICTS:
         with torch.enable_grad():
             why = (self_test or flex_self_test)(q, keys, values, scale)
         _FLEX_VERDICTS[key] = why
-        if why is not None:
+        if why is not None and log_failure:
             log.warning("TTT attention: flex failed its self-test at heads %s/%s, dims %s/%s, "
                         "%s (%s); using 'chunked' (exact, linear memory, slower)", *key[:5], why)  # fmt: skip
     return _FLEX_VERDICTS[key]
@@ -210,18 +344,28 @@ def flex_verdict(q, keys, values, scale, self_test=None) -> str | None:
 
 __all__ = [
     "CHUNK_SIZE",
+    "CUDA_CHUNK_SIZE",
+    "CUDA_KEY_BLOCK",
     "IMPLS",
     "KEY_BLOCK",
     "SELF_TEST_TOKENS",
     "SMALL_SMEM_FLEX_OPTIONS",
     "SMALL_SMEM_GPUS",
+    "auto_flex",
     "auto_impl",
     "flex_kernel_options",
     "flex_self_test",
+    "flex_shape_key",
     "flex_ttt",
     "flex_verdict",
+    "forced_kernel_options",
+    "is_flex_fault",
+    "is_out_of_memory",
+    "kernel_options_for",
+    "raise_unless_flex_fault",
     "sdpa_ttt",
     "split_ttt",
+    "tile_size",
     "ttt_attention",
     "ttt_mask",
     "ttt_mask_mod",

@@ -21,6 +21,23 @@ import torch
 # step at T = 16k (one thread) did not measurably gain: 122 vs 130 tokens/s (results/README.md).
 CHUNK_SIZE = 128
 KEY_BLOCK = 512
+# On CUDA a tile costs its kernel launches more than its arithmetic at the CPU sizes: ~15
+# launches forward and ~20 backward (score matmul, mask, max, exp, sums, rescale, PV matmul),
+# each ~5-10 us of host time whatever the tile's size. A row of T tokens makes ~T^2 / (2 C W)
+# tiles (causal skipping), so at 128 x 512 a 64k step's forward is ~33k tiles, ~0.5M launches,
+# seconds of launch overhead per TTT step. At 256 x 2048 it is ~4k tiles. A tile then scores
+# nh x 256 x 2048 = 33.5M logits at the Kimi MLA draft's 64 heads (batch 1): ~21 GFLOP of
+# matmuls and ~0.8 GB of fp32 elementwise traffic, ~0.2-0.5 ms on an H200 / RTX PRO 6000
+# against ~0.1-0.2 ms of launches. Its buffers are constant in T: 6 B a logit forward (fp32
+# scores and their bf16 copy), 10 B backward, ~0.2 / ~0.34 GB at 64 heads (1/8 of that at the
+# 8 heads a rank holds under 8-way sequence parallelism). Not yet measured on a GPU.
+CUDA_CHUNK_SIZE = 256
+CUDA_KEY_BLOCK = 2048
+
+
+def tile_size(device: torch.device) -> tuple[int, int]:
+    """(query rows per chunk, step-0 keys per block) of the "chunked" path on `device`."""
+    return (CUDA_CHUNK_SIZE, CUDA_KEY_BLOCK) if device.type == "cuda" else (CHUNK_SIZE, KEY_BLOCK)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -4,7 +4,9 @@ self-test) is :mod:`eagle3.ttt_attention`'s."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 
@@ -75,6 +77,31 @@ def flex_kernel_options(capability: tuple[int, int], dqk: int, dv: int) -> dict:
     return {}
 
 
+_FORCED_OPTIONS: list[dict] = []  # forced_kernel_options' stack: the innermost wins
+
+
+@contextlib.contextmanager
+def forced_kernel_options(options: dict) -> Iterator[None]:
+    """flex runs with these kernel_options on any GPU inside the block, whatever its compute
+    capability: benchmarks/gpu_check.py --small-smem compiles sm_120's tiles on a lent H200
+    (and times other tile choices) this way. Each options set compiles its own kernels."""
+    _FORCED_OPTIONS.append(dict(options))
+    try:
+        yield
+    finally:
+        _FORCED_OPTIONS.pop()
+
+
+def kernel_options_for(device: torch.device, dqk: int, dv: int) -> dict:
+    """The kernel_options flex runs with on `device` at these head dims: the forced ones if
+    any, else flex_kernel_options for the GPU's compute capability ({} off CUDA)."""
+    if _FORCED_OPTIONS:
+        return dict(_FORCED_OPTIONS[-1])
+    if device.type != "cuda":
+        return {}
+    return flex_kernel_options(torch.cuda.get_device_capability(device), dqk, dv)
+
+
 @functools.lru_cache(maxsize=16)
 def _plain_block_mask(seq_len: int, steps: int, device: torch.device):
     """The block mask without segments depends only on (T, k): built once per shape."""
@@ -101,11 +128,7 @@ def flex_ttt(q, keys, values, *, scale, segment_ids=None, compile: bool = True):
         mask_mod = ttt_mask_mod(T, segment_ids, q.device)
         batch = None if segment_ids is None else B
         block_mask = build(mask_mod, batch, None, T, (steps + 1) * T, device=q.device)
-    options = {}
-    if q.is_cuda:  # tiles that fit this GPU's shared memory at these head dims
-        options = flex_kernel_options(
-            torch.cuda.get_device_capability(q.device), q.shape[-1], v.shape[-1]
-        )
+    options = kernel_options_for(q.device, q.shape[-1], v.shape[-1])  # tiles that fit the GPU
     return attend(
         q,
         k,

@@ -356,3 +356,35 @@ def test_flex_matches_chunked_on_cuda(dtype, segments, steps, dims):
     )
     assert got[0].dtype == dtype
     assert_close(got, want, 2e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("segments", [False, True], ids=["plain", "packing"])
+@pytest.mark.parametrize("steps", [0, 3])
+def test_flex_with_sm120_tiles_matches_chunked_on_any_cuda(segments, steps):
+    """sm_120's small single-stage tiles (forced on whatever GPU runs this: what
+    benchmarks/gpu_check.py --small-smem does) compile and match "chunked" at MLA's head dims
+    in bf16, forward and backward."""
+    from eagle3.ttt_attention import SMALL_SMEM_FLEX_OPTIONS, forced_kernel_options
+
+    T, (dqk, dv) = 300, (192, 128)
+    packed = torch.cat([torch.zeros(100), torch.ones(150), torch.full((50,), -1)]).long()
+    segment_ids = torch.stack([packed, packed.flip(0)]).cuda() if segments else None
+    leaves = [
+        x.detach().cuda().requires_grad_()
+        for x in inputs(nh=8, nkv=8, T=T, dqk=dqk, dv=dv, steps=steps, dtype=torch.bfloat16)
+    ]
+    q, keys, values = leaves[0], leaves[1 : steps + 2], leaves[steps + 2 :]
+    grad_out = torch.randn(2, 8, T, dv, device="cuda", dtype=torch.bfloat16)
+    with forced_kernel_options(SMALL_SMEM_FLEX_OPTIONS):
+        got, want = (
+            outputs_and_grads(
+                lambda impl=impl: ttt_attention(
+                    q, keys, values, scale=dqk**-0.5, impl=impl, segment_ids=segment_ids
+                ),
+                leaves,
+                grad_out,
+            )
+            for impl in ("flex", "chunked")
+        )
+    assert_close(got, want, 2e-2)
