@@ -40,7 +40,9 @@ class EngineConfig:
     args: list[str] = field(default_factory=list)  # more vLLM server args, verbatim, last
     port: int | None = None  # null: MASTER_PORT + 1 under accelerate launch, else a free one
     concurrency: int = 16  # requests in flight per rank (the engine batches them)
-    startup_timeout_s: float = 3600.0  # a 1T target takes a while to load
+    # seconds the engine may take to become healthy; null: the target's registry entry's
+    # engine_startup_timeout_s (an hour for kimi-k2.5), else 900 (eagle3.engine.server)
+    startup_timeout_s: float | None = None
     log: str | None = None  # null: <out_dir>/engine-<host>.log
 
 
@@ -383,8 +385,8 @@ def _check_engine(cfg: Config, need: Callable[[bool, str], None]) -> None:
         f"target.engine.port must be a TCP port or null, got {e.port}",
     )
     need(
-        e.startup_timeout_s > 0,
-        f"target.engine.startup_timeout_s must be > 0, got {e.startup_timeout_s}",
+        e.startup_timeout_s is None or e.startup_timeout_s > 0,
+        f"target.engine.startup_timeout_s must be > 0 or null, got {e.startup_timeout_s}",
     )
 
 

@@ -62,6 +62,7 @@ def start_served(cfg: Config, accelerator: Accelerator, served: ServedTarget) ->
     until it answers and then send it their sequences too."""
     e = cfg.target.engine
     port = engine_port(cfg, accelerator)
+    startup_timeout = e.startup_timeout_s or served.startup_timeout  # null: the target's
     if accelerator.is_local_main_process:
         if not port_free(port):  # else this node's ranks could train on another node's server
             raise ConfigError(
@@ -78,14 +79,15 @@ def start_served(cfg: Config, accelerator: Accelerator, served: ServedTarget) ->
             extra_args=e.args,
             log_path=log_path,
             port=port,
-            startup_timeout=e.startup_timeout_s,
+            startup_timeout=startup_timeout,
+            startup_timeout_knob="target.engine.startup_timeout_s",
             dtype=None if cfg.target.dtype == "auto" else cfg.target.dtype,
             say=lambda line: print(line, flush=True),
         )
         return
     client = EngineClient(f"http://127.0.0.1:{port}", served.name)
     # the local main process is starting it (and raises, ending the run, if it fails)
-    if not client.wait_healthy(time.monotonic() + e.startup_timeout_s + 60):
+    if not client.wait_healthy(time.monotonic() + startup_timeout + 60):
         raise RemoteError(
             f"no engine answered on port {port} within the startup timeout: see the local main "
             "process's error and the engine's log"
