@@ -187,6 +187,7 @@ def tokenized_records(
             "engine": cfg.target.engine.kind,
             "model": target.hf_dir,
             "engine_layer_ids": target.engine_layer_ids(),
+            "url": cfg.target.engine.url,  # null: each node's own server
         }  # the dtype and attention backend served are added once it is started
     return parts, val_parts, provenance
 

@@ -535,7 +535,8 @@ def cleanup(run: Run) -> None:
     run.logger.close()
     run.accelerator.wait_for_everyone()  # no rank still needs this node's engine
     if run.data.target is not None and run.data.target.served:
-        report_engines(run.accelerator, run.data.target)  # every rank used its node's server?
+        remote = run.cfg.target.engine.url is not None  # one server for every node
+        report_engines(run.accelerator, run.data.target, remote)  # each used its node's server?
     stop_target(run)
     run.accelerator.end_training()
 
