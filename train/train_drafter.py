@@ -319,7 +319,10 @@ def setup(cfg: Config) -> Run:
         model=model,
         draft_cfg=draft.config,
         out_dir=out_dir,
-        extra=export_extra(cfg, facts, total_steps),
+        extra={  # evaluation compares the fingerprint with the tokenizer it loads
+            **export_extra(cfg, facts, total_steps),
+            "tokenizer_fingerprint": data.provenance["tokenizer_fingerprint"],
+        },
         dtype=cfg.train.export_dtype,
         keep_last=cfg.train.keep_last,
         best=read_best(out_dir),  # once: then kept in memory, alike on every rank
