@@ -344,9 +344,10 @@ def _tiny_chat():
 
 
 def test_a_tokenizer_of_another_class_than_the_registrys_is_refused_in_one_line():
-    """~1.5 s (building the word tokenizer). The registry's tokenizer_class is checked by name along the class's bases, or as
-    transformers' class of that name (its fast tokenizer is TokenizersBackend in 5.x, with
-    PreTrainedTokenizerFast an alias; a subclass in 4.x); another class is one line, exit 2."""
+    """~1.5 s (building the word tokenizer). The registry's tokenizer_class is checked by name
+    along the class's bases, or as transformers' class of that name (its fast tokenizer is
+    TokenizersBackend in 5.x, with PreTrainedTokenizerFast an alias; a subclass in 4.x);
+    another class is one line, exit 2."""
     tok = _tiny_chat().chatml_tokenizer()
     smollm2 = ResolvedTarget("smollm2-135m-q4", "/x", target_spec("smollm2-135m-q4"))
     check_tokenizer_class(tok, smollm2)  # a fast tokenizer, as the registry says
