@@ -70,6 +70,7 @@ from eagle3.data.records import read_records
 from eagle3.engine.server import EngineSettings, add_engine_args
 from eagle3.errors import Eagle3Error
 from eagle3.measure import (
+    TREE,
     add_decode_args,
     check_drafter,
     context_of,
@@ -97,6 +98,7 @@ from eagle3.report import (
 )
 from eagle3.statistics import default_context_edges, parse_context_edges
 from eagle3.target import (
+    check_fingerprint,
     check_fits,
     describe_target,
     device_memory_bytes,
@@ -180,6 +182,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_drafter_tokenizer(spec: str, tokenizer) -> None:
+    """One line (exit 2) when a checkpoint drafter was trained on ids of another tokenizer than
+    the target's loaded here (config.json's extra_config.tokenizer_fingerprint, written by
+    training); one warning line for a drafter without it (trained before it was recorded, or
+    published elsewhere). Not a checkpoint (none, prompt-lookup, a missing directory): nothing
+    to compare here (check_drafter words a missing one)."""
+    config = Path(spec.removeprefix(TREE)) / "config.json"
+    if not config.is_file():
+        return
+    extra = json.loads(config.read_text()).get("extra_config") or {}
+    check_fingerprint(extra.get("tokenizer_fingerprint"), tokenizer,
+                      f"the training data of drafter {spec}", "evaluate it with the target "
+                      "and tokenizer it was trained with")  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.engine_only and not args.engine:
         raise Eagle3Error("--engine-only needs --engine vllm (it keeps only the engine's rows)")
@@ -212,6 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             n += 1
             name = f"{drafter_name(spec)}#{n}"
         names[name] = spec
+        check_drafter_tokenizer(spec, target.tokenizer)
     if args.engine_only:  # checked against the target, never loaded here
         drafters = {}
         for spec in engine_drafters(names).values():

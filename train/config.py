@@ -33,14 +33,23 @@ class EngineConfig:
     """Online training with the target served by a vLLM engine instead of loaded by the
     trainer: the first rank of every node starts one server for its node (spreading the target
     over the node's GPUs), every rank sends its sequences to it and only trains the drafter.
-    The engine captures the next step's batches while the ranks train on this one."""
+    The engine captures the next step's batches while the ranks train on this one. With `url`
+    no server is started: every rank sends to a running capture server on another node."""
 
     kind: str | None = None  # null: the target runs in-process (target.device_map); vllm
+    # A running capture server (`python -m datagen.capture --serve --target T --host 0.0.0.0`
+    # on the node that serves, its --max-length >= data.max_length), e.g. http://n2:8100: the
+    # whole of this node's GPUs train. Its hidden states come back as files by path, so both
+    # nodes need TMPDIR on a filesystem both see, at the same path. null: start one here (the
+    # keys below but concurrency then configure that server)
+    url: str | None = None
     tensor_parallel_size: int | None = None  # GPUs one server spreads the target over (-tp)
     args: list[str] = field(default_factory=list)  # more vLLM server args, verbatim, last
     port: int | None = None  # null: MASTER_PORT + 1 under accelerate launch, else a free one
     concurrency: int = 16  # requests in flight per rank (the engine batches them)
-    startup_timeout_s: float = 3600.0  # a 1T target takes a while to load
+    # seconds the engine may take to become healthy; null: the target's registry entry's
+    # engine_startup_timeout_s (an hour for kimi-k2.5), else 900 (eagle3.engine.server)
+    startup_timeout_s: float | None = None
     log: str | None = None  # null: <out_dir>/engine-<host>.log
 
 
@@ -370,8 +379,16 @@ def _check_engine(cfg: Config, need: Callable[[bool, str], None]) -> None:
         e.kind is None or e.kind in ENGINES,
         f"target.engine.kind must be null or {'/'.join(ENGINES)}, got {e.kind!r}",
     )
+    need(
+        e.url is None or e.kind is not None,
+        "target.engine.url is a vLLM server for online training: set target.engine.kind=vllm too",
+    )
     if e.kind is None:
         return
+    need(
+        e.url is None or e.url.startswith(("http://", "https://")),
+        f"target.engine.url must be an http(s):// address such as http://n2:8100, got {e.url!r}",
+    )
     need(
         cfg.data.mode == "online",
         "target.engine serves the target for online training (data.mode: online); offline "
@@ -392,8 +409,8 @@ def _check_engine(cfg: Config, need: Callable[[bool, str], None]) -> None:
         f"target.engine.port must be a TCP port or null, got {e.port}",
     )
     need(
-        e.startup_timeout_s > 0,
-        f"target.engine.startup_timeout_s must be > 0, got {e.startup_timeout_s}",
+        e.startup_timeout_s is None or e.startup_timeout_s > 0,
+        f"target.engine.startup_timeout_s must be > 0 or null, got {e.startup_timeout_s}",
     )
 
 

@@ -340,8 +340,10 @@ def check_fits(plan: Plan, online: bool) -> None:
     engine's share of it cannot hold the target's weights."""
     run = plan.run
     elsewhere = (
-        "serve the target from another node (target.engine) or train offline (data.mode=offline; "
-        "capture first: python -m datagen.capture)"
+        "serve the target from another node (there: python -m datagen.capture --serve --target "
+        "T --host 0.0.0.0 --port 8100; here: target.engine.url=http://THAT_NODE:8100, TMPDIR on "
+        "a filesystem both see) or train offline (data.mode=offline; capture first: "
+        "python -m datagen.capture)"
     )
     if run.engine_fraction and not engine_loads(plan):
         need = 1.1 * run.engine_weights_bytes / plan.card_bytes
@@ -468,7 +470,12 @@ def recipe_plan(
     check_heads(draft_cfg.num_attention_heads, cfg.train.sequence_parallel)
     mixed = cfg.train.mixed_precision
     tensor_parallel = cfg.target.engine.tensor_parallel_size or node.gpus
-    online_served = cfg.data.mode == "online" and cfg.target.engine.kind == "vllm"
+    # served on these GPUs; a server at target.engine.url is another node's and takes none
+    online_served = (
+        cfg.data.mode == "online"
+        and cfg.target.engine.kind == "vllm"
+        and cfg.target.engine.url is None
+    )
     run = RunShape(
         max_length=(cfg.data.packing and cfg.data.pack_length) or cfg.data.max_length,
         batch_size=cfg.data.batch_size,

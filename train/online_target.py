@@ -2,6 +2,10 @@
 every rank of the node sends its sequences to it, and the next step is captured while the ranks
 train on this one (target.engine.kind: vllm).
 
+With target.engine.url, no server is started: every rank of every node sends to that running
+capture server (python -m datagen.capture --serve on the node that serves, the same client and
+hidden-state files by path as a capture's --engine-url), and rank 0 prints its count once.
+
 A node's ranks find their server at 127.0.0.1 on the node's port: target.engine.port, which
 each node's command line may set on its own (nodes that share a host need different ones; a
 port already taken is refused in one line), else MASTER_PORT + 1, the same on every node.
@@ -45,7 +49,7 @@ def engine_port(cfg: Config, accelerator: Accelerator) -> int:
 def describe_target(cfg: Config, model: ResolvedTarget, aux_ids: list[int]) -> ServedTarget:
     """The served target as its files describe it (tokenizer, shapes, final norm), not started:
     every cheap check of the run happens before an engine spends minutes loading it."""
-    if not engine_available():
+    if cfg.target.engine.url is None and not engine_available():  # a remote one needs none here
         raise Eagle3Error(f"target.engine.kind=vllm needs the vLLM engine venv: {INSTALL_HINT}")
     served = describe_served_target(
         model,
@@ -59,9 +63,17 @@ def describe_target(cfg: Config, model: ResolvedTarget, aux_ids: list[int]) -> S
 
 def start_served(cfg: Config, accelerator: Accelerator, served: ServedTarget) -> None:
     """The first rank of each node starts the node's vLLM server; the node's other ranks wait
-    until it answers and then send it their sequences too."""
+    until it answers and then send it their sequences too. With target.engine.url every rank
+    uses that running server, which must answer now and serve this target (one line if not)."""
     e = cfg.target.engine
+    if e.url:
+        if accelerator.is_main_process:
+            print(f"using the vLLM capture server at {e.url} (target.engine.url) for "
+                  f"{served.name}", flush=True)  # fmt: skip
+        served.attach(e.url)
+        return
     port = engine_port(cfg, accelerator)
+    startup_timeout = e.startup_timeout_s or served.startup_timeout  # null: the target's
     if accelerator.is_local_main_process:
         if not port_free(port):  # else this node's ranks could train on another node's server
             raise ConfigError(
@@ -78,14 +90,15 @@ def start_served(cfg: Config, accelerator: Accelerator, served: ServedTarget) ->
             extra_args=e.args,
             log_path=log_path,
             port=port,
-            startup_timeout=e.startup_timeout_s,
+            startup_timeout=startup_timeout,
+            startup_timeout_knob="target.engine.startup_timeout_s",
             dtype=None if cfg.target.dtype == "auto" else cfg.target.dtype,
             say=lambda line: print(line, flush=True),
         )
         return
     client = EngineClient(f"http://127.0.0.1:{port}", served.name)
     # the local main process is starting it (and raises, ending the run, if it fails)
-    if not client.wait_healthy(time.monotonic() + e.startup_timeout_s + 60):
+    if not client.wait_healthy(time.monotonic() + startup_timeout + 60):
         raise RemoteError(
             f"no engine answered on port {port} within the startup timeout: see the local main "
             "process's error and the engine's log"
@@ -105,14 +118,16 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def report_engines(accelerator: Accelerator, target: ServedTarget) -> None:
+def report_engines(accelerator: Accelerator, target: ServedTarget, remote: bool = False) -> None:
     """Every rank, once none needs its engine any more: the requests in flight finish, then each
     node's first rank asks its server how many it served; rank 0 prints one line per node with
-    that count beside the requests the node's ranks sent (the client's count)."""
+    that count beside the requests the node's ranks sent (the client's count). A server at
+    target.engine.url (`remote`) is shared by every node: rank 0 alone asks it, and its count
+    is since it started, not only this run's."""
     target.stop_requests(wait=True)  # a prefetched step's requests: counted on both sides
     accelerator.wait_for_everyone()
     served = None
-    if accelerator.is_local_main_process:
+    if accelerator.is_main_process if remote else accelerator.is_local_main_process:
         try:
             served = target.server.requests_served()
         except RemoteError:  # the drafter is exported already: a report is no reason to fail
@@ -120,6 +135,11 @@ def report_engines(accelerator: Accelerator, target: ServedTarget) -> None:
     mine = (node_rank(), accelerator.process_index, sum(target.sent.values()), served)
     rows = gather_object([mine]) if accelerator.num_processes > 1 else [mine]
     if not accelerator.is_main_process:
+        return
+    if remote:
+        sent = " + ".join(f"rank {r[1]}: {r[2]}" for r in rows)
+        print(f"engine at {target.server.base_url}: served {served} requests since it started; "
+              f"the ranks sent {sent}", flush=True)  # fmt: skip
         return
     for node in sorted({r[0] for r in rows}):
         ranks = [r for r in rows if r[0] == node]

@@ -27,11 +27,14 @@ from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.target import (
     ResolvedTarget,
     TargetModel,
+    check_fingerprint,
     default_aux_layers,
+    find_tokenizer,
     load_embeddings,
     load_lm_head,
     load_target,
     resolve,
+    tokenizer_fingerprint,
 )
 from train.batching import steps_per_epoch
 from train.config import Config
@@ -101,6 +104,11 @@ def load_data(
         parts, val_parts, aux_ids, provenance = read_shards(cfg, facts, hidden_dtype)
         target = None
         lm_head, embed = load_lm_head(model), load_embeddings(model)
+        tokenizer = find_tokenizer(model)  # the registry's class; the shards' ids must be its
+        for shard_dir, meta in provenance["shards"].items():
+            check_fingerprint(meta.get("tokenizer_fingerprint"), tokenizer, f"shards {shard_dir}",
+                              "re-capture them with this target's tokenizer, or train with the "
+                              "target they were captured from")  # fmt: skip
     else:
         aux_ids = (
             cfg.target.aux_layer_ids
@@ -120,6 +128,7 @@ def load_data(
             )
             lm_head, embed = target.lm_head_weight, target.embed_weight
         parts, val_parts, provenance = tokenized_records(cfg, target)
+        tokenizer = target.tokenizer
     if not val_parts and cfg.data.val_fraction > 0:  # no fixed validation set: split one off
         parts, val_parts = split_validation(parts, cfg.data.val_fraction, cfg.data.val_seed)
         if not parts:
@@ -132,6 +141,7 @@ def load_data(
     val_dataset, val_lengths = concat(val_parts) if val_parts else (None, None)
     provenance.update(
         target=facts["name"],
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),  # the drafter carries it too
         sequences=len(lengths),
         tokens=sum(lengths),
         val_sequences=len(val_lengths or []),
@@ -187,6 +197,7 @@ def tokenized_records(
             "engine": cfg.target.engine.kind,
             "model": target.hf_dir,
             "engine_layer_ids": target.engine_layer_ids(),
+            "url": cfg.target.engine.url,  # null: each node's own server
         }  # the dtype and attention backend served are added once it is started
     return parts, val_parts, provenance
 

@@ -319,7 +319,10 @@ def setup(cfg: Config) -> Run:
         model=model,
         draft_cfg=draft.config,
         out_dir=out_dir,
-        extra=export_extra(cfg, facts, total_steps),
+        extra={  # evaluation compares the fingerprint with the tokenizer it loads
+            **export_extra(cfg, facts, total_steps),
+            "tokenizer_fingerprint": data.provenance["tokenizer_fingerprint"],
+        },
         dtype=cfg.train.export_dtype,
         keep_last=cfg.train.keep_last,
         best=read_best(out_dir),  # once: then kept in memory, alike on every rank
@@ -535,7 +538,8 @@ def cleanup(run: Run) -> None:
     run.logger.close()
     run.accelerator.wait_for_everyone()  # no rank still needs this node's engine
     if run.data.target is not None and run.data.target.served:
-        report_engines(run.accelerator, run.data.target)  # every rank used its node's server?
+        remote = run.cfg.target.engine.url is not None  # one server for every node
+        report_engines(run.accelerator, run.data.target, remote)  # each used its node's server?
     stop_target(run)
     run.accelerator.end_training()
 

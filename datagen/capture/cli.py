@@ -89,6 +89,7 @@ NOT_IN_COMMAND = {
     "tokens_per_s",
     "no_disk_check",
     "engine_log",
+    "engine_startup_timeout",
     "engine_url",  # which servers ran the forwards changes nothing stored
     "serve",
     "host",

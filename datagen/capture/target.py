@@ -41,4 +41,5 @@ def start_capture_engine(s: CaptureSettings, target: ServedTarget) -> ServedTarg
         log_path=s.engine.log_path,
         host=s.host,
         port=s.port,
+        startup_timeout=s.engine.startup_timeout_s,
     )

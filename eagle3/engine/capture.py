@@ -69,7 +69,8 @@ def read_hidden_states(path: str | os.PathLike, *, cleanup: bool = False, timeou
     deadline = time.monotonic() + timeout
     never = (
         f"hidden states {path} never appeared (waited {timeout:.0f} s): the engine's connector "
-        "failed to write them; see the engine's log"
+        "failed to write them (see the engine's log), or wrote them where this process cannot "
+        "see: a server on another node needs TMPDIR on a filesystem both see, at the same path"
     )
     while not (path.exists() or lock.exists()):
         if time.monotonic() > deadline:

@@ -44,7 +44,7 @@ import torch
 
 from eagle3.engine.capture import capture_engine_args, make_hidden_dir, read_hidden_states
 from eagle3.engine.client import EngineClient
-from eagle3.engine.server import vllm_server
+from eagle3.engine.server import DEFAULT_STARTUP_TIMEOUT_S, startup_timeout_for, vllm_server
 from eagle3.errors import Eagle3Error, RemoteError
 from eagle3.target import (
     ResolvedTarget,
@@ -80,6 +80,7 @@ class ServedTarget:
         norm_eps: float,
         context: int | None = None,
         concurrency: int = 16,
+        startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S,
     ):
         self.name = name
         self.hf_dir = hf_dir
@@ -92,6 +93,7 @@ class ServedTarget:
         self.norm_eps = norm_eps
         self.context = context  # max_position_embeddings: the engine's longest max_model_len
         self.concurrency = concurrency  # requests in flight (the engine batches them)
+        self.startup_timeout = startup_timeout  # start()'s default: seconds to healthy
         self.servers: list[EngineClient] = []  # once started or attached: the live ones
         self.sent: Counter[str] = Counter()  # requests answered, by server base_url
         self._in_flight: Counter[str] = Counter()
@@ -132,14 +134,17 @@ class ServedTarget:
         log_path: str | Path | None = None,
         port: int | None = None,
         host: str = "127.0.0.1",
-        startup_timeout: float = 900.0,
+        startup_timeout: float | None = None,
+        startup_timeout_knob: str | None = None,
         dtype: str | None = None,
         say=log.info,
     ) -> ServedTarget:
         """Start a managed vLLM server for this target with the capture connector; its hidden
         states go to a fresh temp dir (eagle3.engine.capture.make_hidden_dir), removed by
         stop(). `say` gets the one "starting vLLM" line (dtype and attention backend served,
-        and why: eagle3.engine.choice.choose_serving)."""
+        and why: eagle3.engine.choice.choose_serving). startup_timeout: seconds to healthy
+        (None: self.startup_timeout, the target's); startup_timeout_knob:
+        the flag or config key a timeout's error tells the user to raise (None: the CLIs')."""
         self.hidden_dir = make_hidden_dir()
         try:
             server = vllm_server(
@@ -151,7 +156,8 @@ class ServedTarget:
                 log_path=log_path,
                 port=port,
                 host=host,
-                startup_timeout=startup_timeout,
+                startup_timeout=startup_timeout or self.startup_timeout,
+                **({"startup_timeout_knob": startup_timeout_knob} if startup_timeout_knob else {}),
                 extra_args=[
                     *capture_engine_args(self.engine_layer_ids(), self.hidden_dir),
                     *extra_args,
@@ -357,4 +363,5 @@ def describe_served_target(
         norm_eps=eps,
         context=int(context) if context else None,
         concurrency=concurrency,
+        startup_timeout=startup_timeout_for(target),
     )

@@ -52,6 +52,30 @@ from eagle3.errors import Eagle3Error, RemoteError
 from eagle3.target import ResolvedTarget, resolve
 
 ENGINES = ("vllm",)  # what --engine and target.engine.kind accept
+# How long a managed engine may take to answer GET /health, unless the target's registry entry
+# says otherwise (`startup_timeout_for`): vLLM on a small target is healthy in 1-3 minutes,
+# compile and graph capture included.
+DEFAULT_STARTUP_TIMEOUT_S = 900.0
+STARTUP_TIMEOUT_FLAG = "--engine-startup-timeout"  # the CLIs' knob; online training's is a key
+
+
+def startup_timeout_for(target: ResolvedTarget | str | os.PathLike) -> float:
+    """The seconds a managed engine serving `target` may take to become healthy: its registry
+    entry's `engine_startup_timeout_s`, else DEFAULT_STARTUP_TIMEOUT_S. A value per target in
+    the registry, not one derived from the weights' bytes: a start is disk reads (3 GB/s from
+    NVMe, a tenth of that from a network filesystem: unknowable from here), weight repacking
+    (Kimi's INT4 MoE) and compilation, which no formula on the bytes gets right, while the
+    registry states one generous figure for each target big enough to need it. A directory
+    at other sizes than its entry's (a miniature) does not inherit it (a sized fact in
+    eagle3.target.registry). Pure on a ResolvedTarget: it reads the spec only."""
+    spec = resolve(target).spec or {}
+    return float(spec.get("engine_startup_timeout_s") or DEFAULT_STARTUP_TIMEOUT_S)
+
+
+def startup_timeout_advice(knob: str, seconds: float) -> str:
+    """How to give an engine longer: `knob` (a flag, or a config key) with twice `seconds`."""
+    value = f"{2 * seconds:.0f}"
+    return f"{knob} {value}" if knob.startswith("--") else f"{knob}={value}"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -146,7 +170,8 @@ class VLLMServer(EngineClient):
         kvcache_space_gib: float = 2,
         omp_threads: int | None = None,
         env: dict[str, str] | None = None,
-        startup_timeout: float = 900.0,
+        startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S,
+        startup_timeout_knob: str = STARTUP_TIMEOUT_FLAG,
         stop_grace: float = 20.0,
         timeout: float = 600.0,
     ):
@@ -193,6 +218,7 @@ class VLLMServer(EngineClient):
         self.omp_threads = omp_threads
         self.extra_env = dict(env or {})
         self.startup_timeout = startup_timeout
+        self.startup_timeout_knob = startup_timeout_knob  # what the timeout's error names
         self.stop_grace = stop_grace
         self.proc: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
@@ -278,10 +304,11 @@ class VLLMServer(EngineClient):
                 tail = " | ".join(
                     line.strip() for line in self.log_tail(5).splitlines() if line.strip()
                 )
+                advice = startup_timeout_advice(self.startup_timeout_knob, self.startup_timeout)
                 raise RemoteError(
                     f"vLLM server not healthy after {self.startup_timeout:.0f} s "
-                    f"(log {self.log_path}): {tail[-1000:]}; raise the startup timeout or "
-                    "see the log"
+                    f"(log {self.log_path}): {tail[-1000:]}; if the log shows it still loading "
+                    f"or compiling, give it longer ({advice}), else see the log"
                 )
         except BaseException:  # includes Ctrl-C while waiting
             self.stop()
@@ -384,6 +411,25 @@ def add_engine_args(p) -> None:
         "--engine-arg=--gpu-memory-utilization=0.85 --engine-arg=--enforce-eager (repeatable)",
     )
     g.add_argument("--engine-log", help="engine: the server's log file (default: a temp file)")
+    g.add_argument(
+        STARTUP_TIMEOUT_FLAG,
+        type=positive_seconds,
+        metavar="SECONDS",
+        help="engine: how long the server may take to become healthy (default: the target's "
+        "registry entry's engine_startup_timeout_s, an hour for kimi-k2.5, else "
+        f"{DEFAULT_STARTUP_TIMEOUT_S:.0f})",
+    )
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -394,6 +440,7 @@ class EngineSettings:
     tensor_parallel_size: int | None = None  # --tensor-parallel-size: GPUs per model (-tp)
     extra_args: tuple[str, ...] = ()  # --engine-arg: more vLLM server arguments, verbatim, last
     log_path: str | None = None  # --engine-log (None: a temp file)
+    startup_timeout_s: float | None = None  # --engine-startup-timeout (None: the target's)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineSettings:
@@ -403,6 +450,7 @@ class EngineSettings:
             tensor_parallel_size=args.tensor_parallel_size,
             extra_args=tuple(args.engine_arg),
             log_path=args.engine_log,
+            startup_timeout_s=args.engine_startup_timeout,
         )
 
 
@@ -410,6 +458,8 @@ def managed_engine(
     settings: EngineSettings, model_dir: str | os.PathLike, **kwargs: Any
 ) -> VLLMServer:
     """The VLLMServer `settings` ask for, serving HF dir `model_dir` (not started)."""
+    if settings.startup_timeout_s is not None:
+        kwargs["startup_timeout"] = settings.startup_timeout_s
     return vllm_server(
         model_dir,
         tensor_parallel_size=settings.tensor_parallel_size,
@@ -438,11 +488,14 @@ def vllm_server(model_dir: str | os.PathLike | ResolvedTarget, **kwargs: Any) ->
     backend `choose_serving` picks for this engine build, CPU and target (float32 on the CPU
     build, the backend that takes it for an MLA target, and for a drafter the target's backend;
     vLLM's defaults on a GPU engine), and with `--trust-remote-code` where the target's
-    registry entry needs remote code (Kimi-K2.5's tokenizer). The user's `--dtype` /
+    registry entry needs remote code (Kimi-K2.5's tokenizer), and the target's startup timeout
+    (`startup_timeout_for`) unless startup_timeout= is given. The user's `--dtype` /
     `--attention-backend` in extra_args (or dtype=) are checked, not overridden; the choice is
     `server.serving`."""
     target = resolve(model_dir)
     model_dir = target.hf_dir
+    if kwargs.get("startup_timeout") is None:
+        kwargs["startup_timeout"] = startup_timeout_for(target)
     extra = [str(a) for a in kwargs.get("extra_args", ())]
     if target.tokenizer_remote_code and "--trust-remote-code" not in extra:
         extra.append("--trust-remote-code")

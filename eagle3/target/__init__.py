@@ -15,7 +15,8 @@ GGUF targets (the embedded default `smollm2-135m-q4`) are de-quantized by `trans
 `${EAGLE3_CACHE:-~/.cache/eagle3}/targets/`, so later loads take about a second.
 
 Modules: ``registry`` (the registry, ResolvedTarget, resolve), ``gguf`` (conversion and its
-cache), ``facts`` (tokenizer, config and facts without weights, TargetFiles), ``model``
+cache), ``facts`` (config and facts without weights, TargetFiles), ``tokenizer`` (load_tokenizer:
+the registry's class checked; the fingerprint shards and drafters record), ``model``
 (TargetModel, Target, the capture hooks), ``loading`` (load_target), ``weights`` (lm_head,
 embeddings and the final norm read alone), ``fit`` (weights against device memory),
 ``generation`` (the KV cache across transformers versions, EOS ids).
@@ -25,7 +26,6 @@ from eagle3.target.facts import (
     TargetFiles,
     describe_target,
     load_hf_config,
-    load_tokenizer,
     target_facts,
 )
 from eagle3.target.fit import check_fits, device_memory_bytes, weight_file_bytes
@@ -48,9 +48,18 @@ from eagle3.target.registry import (
     resolve,
     target_spec,
 )
+from eagle3.target.tokenizer import (
+    PROBE_TEXT,
+    check_fingerprint,
+    check_tokenizer_class,
+    find_tokenizer,
+    load_tokenizer,
+    tokenizer_fingerprint,
+)
 from eagle3.target.weights import load_embeddings, load_final_norm, load_lm_head, rms_norm
 
 __all__ = [
+    "PROBE_TEXT",
     "TARGETS_DIR",
     "ResolvedTarget",
     "Target",
@@ -60,12 +69,15 @@ __all__ = [
     "cache_root",
     "capture_outputs",
     "check_context",
+    "check_fingerprint",
     "check_fits",
+    "check_tokenizer_class",
     "decoder_of",
     "default_aux_layers",
     "describe_target",
     "device_memory_bytes",
     "eos_token_ids",
+    "find_tokenizer",
     "gguf_to_hf",
     "keep_cache_entries",
     "load_embeddings",
@@ -82,5 +94,6 @@ __all__ = [
     "rms_norm",
     "target_facts",
     "target_spec",
+    "tokenizer_fingerprint",
     "weight_file_bytes",
 ]

@@ -10,15 +10,7 @@ from typing import Any
 
 from eagle3.errors import Eagle3Error
 from eagle3.target.registry import ResolvedTarget, resolve
-
-
-def load_tokenizer(target: str | os.PathLike | ResolvedTarget):
-    """The target's tokenizer, with remote code exactly where its registry entry says
-    (Kimi-K2.5's tokenization_kimi.py over tiktoken). Errors are the caller's to word."""
-    from transformers import AutoTokenizer
-
-    t = resolve(target)
-    return AutoTokenizer.from_pretrained(t.hf_dir, trust_remote_code=t.tokenizer_remote_code)
+from eagle3.target.tokenizer import load_tokenizer
 
 
 def load_hf_config(target: str | os.PathLike | ResolvedTarget):

@@ -12,9 +12,9 @@ import torch
 
 from eagle3.compute import matmul_dtype
 from eagle3.errors import Eagle3Error
-from eagle3.target.facts import load_tokenizer
 from eagle3.target.model import Target
 from eagle3.target.registry import ResolvedTarget, resolve
+from eagle3.target.tokenizer import find_tokenizer
 
 log = logging.getLogger("eagle3.target")
 
@@ -129,9 +129,6 @@ def load_target(
     model = _load_model(t.hf_dir if name_or_path is t else name_or_path, t.hf_dir, kwargs)
     if device_map is None:
         model.to(device)
-    try:  # Kimi-K2.5's model is native in transformers, its tiktoken tokenizer remote code
-        tokenizer = load_tokenizer(t)
-    except (OSError, ValueError, TypeError, ImportError):
-        log.warning("no tokenizer found with target %s; Target.tokenizer is None", t.name)
-        tokenizer = None
+    # Kimi-K2.5's model is native in transformers, its tiktoken tokenizer remote code
+    tokenizer = find_tokenizer(t)  # None: Target.tokenizer is None
     return Target(model, tokenizer, name=t.name, aux_layer_ids=aux_layer_ids, spec=t.spec)

@@ -87,7 +87,7 @@ _SIZE_FIELDS = {
     "context_length": "max_position_embeddings",
 }
 # ... and the facts derived from the entry's sizes, which such a directory does not have
-_SIZED_FACTS = ("aux_layer_ids", "plan_shape", "served_weights_gb")
+_SIZED_FACTS = ("aux_layer_ids", "plan_shape", "served_weights_gb", "engine_startup_timeout_s")
 
 
 def match_registry(config: dict[str, Any]) -> dict[str, Any] | None:

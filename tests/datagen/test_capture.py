@@ -28,7 +28,7 @@ from datagen.render import Item
 from eagle3.data.chat import render_record
 from eagle3.data.shards import ShardDataset, ShardWriter, read_index, read_meta
 from eagle3.errors import Eagle3Error
-from eagle3.target import load_target
+from eagle3.target import load_target, tokenizer_fingerprint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -125,6 +125,7 @@ def test_capture_equals_the_targets_own_forward(chat_llama, tmp_path, capsys):
     assert "captured 5 records" in capsys.readouterr().out
 
     target = load_target(chat_llama, device="cpu")
+    assert meta["tokenizer_fingerprint"] == tokenizer_fingerprint(target.tokenizer)  # the ids'
     by_id = {r["id"]: r for r in GOOD}
     for i in range(len(ds)):
         got = ds[i]

@@ -75,3 +75,43 @@ def test_evaluate_help_names_the_decoding_defaults(monkeypatch, capsys):
     assert found["--max-new-tokens"] == "--max-new-tokens MAX_NEW_TOKENS (default: 256)"
     assert found["--threads"] == "--threads THREADS torch CPU threads (default: torch's)"
     assert "None" not in text  # an option without a default says nothing about it
+
+
+# every CLI that starts a managed engine, with the least argv it parses
+ENGINE_CLIS = {
+    "datagen.capture": ["--target", "t", "--data", "d", "--out", "o", "--engine", "vllm"],
+    "datagen.local": ["--prompts", "mt_bench", "--out", "o", "--target", "t", "--engine", "vllm"],
+    "eagle3.evaluate": ["--target", "t", "--draft", "none", "--engine", "vllm"],
+}
+
+
+def engine_settings(module: str, argv: list[str]):
+    """The EngineSettings a CLI reads from argv."""
+    from eagle3.engine.server import EngineSettings
+
+    cli = importlib.import_module(module)
+    if module == "datagen.capture":
+        return cli.parse_args(argv).engine
+    args = (
+        cli.parse_args(argv) if module == "datagen.local" else cli.build_parser().parse_args(argv)
+    )
+    return EngineSettings.from_args(args)
+
+
+@pytest.mark.parametrize("module", sorted(ENGINE_CLIS))
+def test_every_managed_engine_takes_a_startup_timeout(module, monkeypatch, capsys):
+    """~0.2 s each. --engine-startup-timeout SECONDS is in each engine CLI's help (saying
+    where its default comes from) and reaches the engine settings; unset, the target's
+    registry decides (None); 0 is refused by argparse (exit 2)."""
+    _, text = run_help(module, monkeypatch, capsys)
+    entry = entries(text)["--engine-startup-timeout"]
+    assert entry.startswith("--engine-startup-timeout SECONDS") and "kimi-k2.5" in entry
+    argv = ENGINE_CLIS[module]
+    assert engine_settings(module, argv).startup_timeout_s is None
+    assert (
+        engine_settings(module, [*argv, "--engine-startup-timeout", "7200"]).startup_timeout_s
+        == 7200
+    )
+    with pytest.raises(SystemExit) as exit:
+        engine_settings(module, [*argv, "--engine-startup-timeout", "0"])
+    assert exit.value.code == 2 and "seconds > 0" in capsys.readouterr().err

@@ -78,6 +78,24 @@ def test_parse_benches():
     assert drafter_name("prompt-lookup") == "prompt-lookup"
 
 
+def test_a_drafter_trained_on_another_tokenizers_ids_is_refused(
+    chat_target_dir, prompts_file, tmp_path, capsys
+):
+    """~1 s. A checkpoint whose config.json records another tokenizer fingerprint than the
+    target's tokenizer loaded here: one line, exit 2, before any decoding."""
+    ckpt = make_ckpt(chat_target_dir, tmp_path / "exp" / "final")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["extra_config"]["tokenizer_fingerprint"] = "0123456789abcdef"
+    (ckpt / "config.json").write_text(json.dumps(config))
+    argv = ["--target", str(chat_target_dir), "--device", "cpu", "--draft", f"tree:{ckpt}",
+            "--bench", f"mine={prompts_file}", "--limit", "1", "--max-new-tokens", "4"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: the training data of drafter tree:{ckpt} were tokenized "
+                              "by another tokenizer (fingerprint 0123456789abcdef)")  # fmt: skip
+    assert "evaluate: " not in "\n".join(err)  # nothing decoded
+
+
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_evaluate_cli_reports_every_drafter_and_benchmark(
     mode, chat_target_dir, prompts_file, tmp_path, capsys

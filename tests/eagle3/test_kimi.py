@@ -89,9 +89,9 @@ def test_miniature_has_kimis_config_and_files(kimi_dirs):
     media = json.loads((int4 / "preprocessor_config.json").read_text())["media_proc_cfg"]
     assert media["patch_size"] == 14 and media["merge_kernel_size"] == 2
 
-    from transformers import AutoTokenizer
+    from eagle3.target import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(int4)
+    tok = load_tokenizer(int4)  # the remote code, as vLLM loads it (without, it is another class)
     for token in ("<|media_begin|>", "<|media_pad|>", "<|kimi_k25_video_placeholder|>"):
         assert tok.convert_tokens_to_ids(token) != tok.unk_token_id
     assert config["image_token_id"] == tok.convert_tokens_to_ids("<|media_pad|>")
@@ -110,6 +110,46 @@ def test_the_miniature_directory_is_the_registry_target(kimi_dirs):
         t = resolve(path)
         assert (t.name, t.hf_dir, t.tokenizer_remote_code) == ("kimi-k2.5", str(path), True)
         assert t.spec["num_layers"] == 8 and "aux_layer_ids" not in t.spec
+
+
+def test_the_whole_miniature_loads_kimis_remote_tokenizer_and_refuses_any_other(kimi_dirs):
+    """~0.1 s (after the module's miniature). The whole directory (config.json, tiktoken.model,
+    tokenization_kimi.py), as the project and vLLM load it: load_tokenizer gives the registry's
+    remote-code TikTokenTokenizer. Without remote code transformers 5 does not refuse: it
+    converts tiktoken.model into a class of its own, which splits whitespace runs otherwise
+    (other ids, another fingerprint). That tokenizer is refused in one line (exit 2), and shards
+    made with the remote code are refused by it."""
+    from transformers import AutoTokenizer
+
+    from eagle3.target import (
+        check_fingerprint,
+        check_tokenizer_class,
+        load_tokenizer,
+        tokenizer_fingerprint,
+    )
+
+    int4 = kimi_dirs[0]
+    assert {"config.json", "tiktoken.model", "tokenization_kimi.py"} <= {
+        p.name for p in int4.iterdir()
+    }
+    model = resolve(int4)
+    assert model.spec["tokenizer_class"] == "TikTokenTokenizer"
+    remote = load_tokenizer(model)
+    assert type(remote).__name__ == "TikTokenTokenizer"
+    native = AutoTokenizer.from_pretrained(int4, trust_remote_code=False)
+    assert type(native).__name__ != "TikTokenTokenizer"
+    text = "def f(x):\n    return x*2"
+    assert native.encode(text, add_special_tokens=False) != remote.encode(
+        text, add_special_tokens=False
+    )
+    assert tokenizer_fingerprint(native) != tokenizer_fingerprint(remote)
+    with pytest.raises(Eagle3Error) as err:
+        check_tokenizer_class(native, model)
+    line = str(err.value)
+    assert "\n" not in line and err.value.exit_code == 2
+    assert f"is a {type(native).__name__}, not the registry's TikTokenTokenizer" in line
+    with pytest.raises(Eagle3Error, match="were tokenized by another tokenizer"):
+        check_fingerprint(tokenizer_fingerprint(remote), native, "shards S", "re-capture them")
 
 
 def test_tensor_names_are_kimis(kimi_dirs):

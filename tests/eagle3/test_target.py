@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +13,11 @@ import torch.nn.functional as F
 
 from eagle3.errors import Eagle3Error
 from eagle3.target import (
+    ResolvedTarget,
     Target,
+    check_fingerprint,
     check_fits,
+    check_tokenizer_class,
     default_aux_layers,
     gguf_to_hf,
     load_embeddings,
@@ -24,6 +28,7 @@ from eagle3.target import (
     resolve,
     target_facts,
     target_spec,
+    tokenizer_fingerprint,
     weight_file_bytes,
 )
 from eagle3.target import gguf as target_mod  # _load_gguf, _packaged_gguf live there
@@ -327,3 +332,56 @@ def test_a_target_larger_than_the_device_is_refused_before_loading(tmp_path):
     with pytest.raises(Eagle3Error, match=r"595 GB of weights and cuda:0 96 GB.*--engine-only"):
         check_fits("kimi-k2.5", 595_000_000_000, 96_000_000_000, "cuda:0", "use --engine-only")
     check_fits("smollm2", 540_000_000, 24_000_000_000, "cpu", "unused")  # fits: no error
+
+
+def _tiny_chat():
+    spec = importlib.util.spec_from_file_location(
+        "tiny_chat", Path(__file__).resolve().parents[1] / "tiny_chat.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_tokenizer_of_another_class_than_the_registrys_is_refused_in_one_line():
+    """~1.5 s (building the word tokenizer). The registry's tokenizer_class is checked by name
+    along the class's bases, or as transformers' class of that name (its fast tokenizer is
+    TokenizersBackend in 5.x, with PreTrainedTokenizerFast an alias; a subclass in 4.x);
+    another class is one line, exit 2."""
+    tok = _tiny_chat().chatml_tokenizer()
+    smollm2 = ResolvedTarget("smollm2-135m-q4", "/x", target_spec("smollm2-135m-q4"))
+    check_tokenizer_class(tok, smollm2)  # a fast tokenizer, as the registry says
+    kimi = ResolvedTarget("kimi-k2.5", "/models/Kimi-K2.5", target_spec("kimi-k2.5"))
+    assert kimi.spec["tokenizer_class"] == "TikTokenTokenizer"
+    with pytest.raises(Eagle3Error) as err:
+        check_tokenizer_class(tok, kimi)
+    line = str(err.value)
+    assert "\n" not in line and err.value.exit_code == 2
+    assert f"is a {type(tok).__name__}, not the registry's TikTokenTokenizer" in line
+    assert "trust_remote_code=True" in line
+    check_tokenizer_class(tok, ResolvedTarget("mine", "/x", None))  # unknown: nothing to check
+
+
+def test_fingerprint_tells_tokenizers_apart_and_is_compared_in_one_line(caplog):
+    """~0.1 s. Two tokenizers that give the probe text other ids have other fingerprints; a
+    recorded one that differs is one line (exit 2) naming both; none recorded (older data) or
+    no tokenizer here is one warning line, not a refusal."""
+    tc = _tiny_chat()
+    chatml, kimi = tc.chatml_tokenizer(), tc.kimi_tokenizer()
+    fp = tokenizer_fingerprint(chatml)
+    assert len(fp) == 16 and fp == tokenizer_fingerprint(tc.chatml_tokenizer())  # stable
+    assert tokenizer_fingerprint(kimi) != fp and tokenizer_fingerprint(None) is None
+    check_fingerprint(fp, chatml, "shards S", "redo")  # equal: nothing said
+    with pytest.raises(Eagle3Error) as err:
+        check_fingerprint(tokenizer_fingerprint(kimi), chatml, "shards S", "re-capture them")
+    line = str(err.value)
+    assert "\n" not in line and err.value.exit_code == 2
+    assert line.startswith(f"shards S were tokenized by another tokenizer (fingerprint "
+                           f"{tokenizer_fingerprint(kimi)}) than the ")  # fmt: skip
+    assert f"loaded here ({fp})" in line and line.endswith("; re-capture them")
+    with caplog.at_level("WARNING"):
+        check_fingerprint(None, chatml, "shards OLD", "redo")
+        check_fingerprint(fp, None, "shards NEW", "redo")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "shards OLD record no tokenizer fingerprint" in said[0]
+    assert "no tokenizer to compare it with" in said[1]

@@ -108,6 +108,7 @@ def test_a_served_target_is_for_online_training_and_places_itself(tmp_path):
                 "target.engine.kind=vllm",
                 "target.device_map=auto",
                 "target.engine.concurrency=0",
+                "target.engine.startup_timeout_s=0",
             ],
             check_paths=False,
         )
@@ -116,6 +117,20 @@ def test_a_served_target_is_for_online_training_and_places_itself(tmp_path):
     assert "target.engine serves the target for online training (data.mode: online)" in msg
     assert "with target.engine the engine places it" in msg
     assert "target.engine.concurrency must be >= 1" in msg
+    assert "target.engine.startup_timeout_s must be > 0 or null, got 0" in msg
+    assert cfg.target.engine.startup_timeout_s is None  # the registry's hour for kimi-k2.5
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.mode=online", "data.records=[r]", "target.engine.url=n2:8100"],
+                    check_paths=False)  # fmt: skip
+    assert "target.engine.url is a vLLM server for online training: set target.engine.kind" in (
+        str(err.value)
+    )
+    with pytest.raises(ConfigError, match="must be an http\\(s\\):// address.*got 'n2:8100'"):
+        load_config(None, ["data.mode=online", "data.records=[r]", "target.engine.kind=vllm",
+                           "target.engine.url=n2:8100"], check_paths=False)  # fmt: skip
+    remote = load_config(None, ["data.mode=online", "data.records=[r]", "target.engine.kind=vllm",
+                                "target.engine.url=http://n2:8100"], check_paths=False)  # fmt: skip
+    assert remote.target.engine.url == "http://n2:8100"
     with pytest.raises(ConfigError, match="target.engine.kind must be null or vllm, got 'sglang'"):
         load_config(None, ["data.mode=online", f"data.records=[{tmp_path}]",
                            "target.engine.kind=sglang"])  # fmt: skip

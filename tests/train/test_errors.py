@@ -48,6 +48,33 @@ def test_shards_of_another_target(tmp_path, capsys, helpers, tiny_llama_dir, sha
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_shards_of_another_tokenizer(tmp_path, capsys, helpers, tiny_llama_dir, shard_dir):
+    """~1 s. Shards whose meta.json names another tokenizer fingerprint than the target's own
+    tokenizer (saved beside it here) are refused in one line before training: their ids would
+    not be the ones the target is served with."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tiny_chat", helpers.REPO / "tests/tiny_chat.py")
+    tiny_chat = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny_chat)
+    # the same directory name: the shards' target; with a tokenizer beside the model
+    target = tiny_chat.chat_model_dir(tiny_llama_dir, tmp_path / tiny_llama_dir.name,
+                                      tiny_chat.chatml_tokenizer())  # fmt: skip
+    other = tmp_path / "other"
+    shutil.copytree(shard_dir, other)
+    meta = json.loads((other / "meta.json").read_text())
+    meta["tokenizer_fingerprint"] = "0123456789abcdef"
+    (other / "meta.json").write_text(json.dumps(meta))
+    args = helpers.common_args(target, tmp_path / "run", **helpers.offline(other))
+    assert main(args) == 2
+    line = one_error_line(capsys)
+    assert (
+        f"shards {other} were tokenized by another tokenizer (fingerprint 0123456789abcdef)" in line
+    )
+    assert "re-capture them with this target's tokenizer" in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 @pytest.mark.slow
 def test_existing_run_needs_resume(tmp_path, capsys, helpers, tiny_llama_dir, records_file):
     out = tmp_path / "run"

@@ -127,9 +127,16 @@ def test_over_the_card_refused_naming_what_fits():
 def test_online_refused_on_96gb_cards_with_its_alternative_and_fits_h200():
     """<1 s: online on 8 x 96 GB: the engine's share cannot hold Kimi's ~74 GB of weights a
     card and what is left cannot hold the drafter: refused in one line naming the engine on
-    another node and offline training. On 8 x 141 GB the recipe as shipped fits."""
-    with pytest.raises(Eagle3Error, match="cannot hold the target's.*another node.*offline"):
+    another node (the key that points at it) and offline training. On 8 x 141 GB the recipe as
+    shipped fits, and on 96 GB cards with the target at target.engine.url the whole card is the
+    drafter's: it fits with no engine share."""
+    with pytest.raises(
+        Eagle3Error, match="cannot hold the target's.*another node.*target.engine.url=.*offline"
+    ):
         check_fits(plan_of("online", 96), online=True)
+    remote = plan_of("online", 96, ["target.engine.url=http://n2:8100"])
+    assert remote.fits and "engine (vLLM)" not in remote.parts
+    check_fits(remote, online=True)
     h200 = plan_of("online", 141)
     assert h200.fits and "engine (vLLM)" in h200.parts
     check_fits(h200, online=True)

@@ -5,10 +5,13 @@ sequence's token ids, and trains on the hidden states that come back. The same r
 in-process must give the same losses: both sides run the target in fp32 on identical weights
 and differ only in kernels and summation order (the hidden states agree to ~1e-6 relative,
 tests/datagen/test_capture_engine.py), so after 12 steps the losses agree to LOSS_RTOL.
-The served run is SIGKILLed after its step-3 checkpoint: its engine must die with it, and the
-resumed run must land on the uninterrupted in-process run's numbers, and the resumed run removes
-the hidden-state temp dir the killed one could not. The engine runs --enforce-eager (no
-compile: ~80 s less per start on 2 cores; the kernels, and so the numbers, are the same).
+The served run is SIGKILLed after its step-3 checkpoint: its engine must die with it. The run
+resumes through a capture server on "another node" (`python -m datagen.capture --serve`, started
+by the test; `target.engine.url`): it must land on the uninterrupted in-process run's numbers,
+that server must have served exactly the requests the resumed run sent, and nothing may be left
+of the killed run's hidden-state temp dir (the server's start sweeps it). The engines run
+--enforce-eager (no compile: ~80 s less per start on 2 cores; the kernels, and so the numbers,
+are the same).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import pytest
 from eagle3.engine.capture import hidden_dir_prefix
 from eagle3.engine.client import EngineClient
 from eagle3.engine.server import free_port
+from tests.datagen.test_capture_servers import CaptureServer
 
 TARGET = "smollm2-135m-q4"  # what the engine serves: the embedded target's HF dir
 # served vs in-process training losses, by the dtype the engine served (provenance.json): the
@@ -122,19 +126,34 @@ def test_served_target_trains_like_the_in_process_one_and_survives_sigkill(
         assert time.monotonic() < deadline, f"vLLM on port {port} outlived its killed trainer"
         time.sleep(1)
 
-    resumed = helpers.run_cli(args)  # the same command: resumes from step 3
-    assert "resuming from" in resumed.stdout and "(step 3)" in resumed.stdout
     log = (served / f"engine-{os.uname().nodename}.log").read_text()
     assert "Using auxiliary layers from speculative config" in log  # the engine did the forwards
     provenance = json.loads((served / "provenance.json").read_text())
-    assert provenance["served_by"]["engine"] == "vllm"
+    assert provenance["served_by"]["engine"] == "vllm" and provenance["served_by"]["url"] is None
     assert provenance["served_by"]["engine_layer_ids"][-1] == 30  # pre-norm last of 30 layers
     served_dtype = provenance["served_by"]["serving"]["dtype"]
     assert served_dtype in LOSS_RTOL, f"no tolerance stated for an engine serving {served_dtype}"
     rtol = LOSS_RTOL[served_dtype]
+
+    # resumed from step 3 through a running capture server, as from a node without the target
+    # (its --max-length 512 holds these records' 20-60 tokens)
+    remote = CaptureServer(tmp_path, "remote")
+    try:
+        remote.wait()
+        resumed = helpers.run_cli([*args, f"target.engine.url={remote.url}"])
+        asked = remote.requests()
+    finally:
+        remote.stop()
+    assert "resuming from" in resumed.stdout and "(step 3)" in resumed.stdout
+    assert f"capture server at {remote.url} (target.engine.url)" in resumed.stdout
+    assert "starting vLLM" not in resumed.stdout  # nothing started here
+    (sent,) = re.findall(rf"engine at {remote.url}: served {asked} requests since it started; "
+                         r"the ranks sent rank 0: (\d+)", resumed.stdout)  # fmt: skip
+    assert int(sent) == asked > 0  # every request of the resumed run went there, and only those
+    assert json.loads((served / "provenance.json").read_text())["served_by"]["url"] == remote.url
     assert not engine_processes(port), "the finished trainer left its engine running"
     leftover = list(short_tmpdir.glob(f"{hidden_dir_prefix()}*"))
-    assert not leftover, f"hidden-state dirs left: {leftover}"  # the killed run's and its own
+    assert not leftover, f"hidden-state dirs left: {leftover}"  # the killed run's and the server's
 
     want, got = helpers.metric_lines(inproc), helpers.metric_lines(served)
     assert [r["step"] for r in got] == list(range(1, 13))  # none lost, none twice

@@ -32,6 +32,7 @@ IDENTITY_KEYS = (
     "num_layers",
     "dtype",
     "max_length",
+    "tokenizer_fingerprint",  # the ids' tokenizer (eagle3.target.tokenizer); older captures lack it
 )
 SHARD_RE = re.compile(r"^shard-(?P<part>[0-9A-Za-z]+)-(?P<n>\d+)\.safetensors$")
 INDEX = "index.jsonl"

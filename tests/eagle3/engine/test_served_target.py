@@ -16,6 +16,7 @@ def test_described_from_its_files_and_configured_at_construction(embedded_target
     assert served.served is True and served.server is None
     assert (served.name, served.num_layers, served.hidden_size) == ("smollm2-135m-q4", 30, 576)
     assert served.aux_layer_ids == [1, 14, 26] and served.concurrency == 3
+    assert served.startup_timeout == 900  # no registry figure: the default
     assert served.engine_layer_ids() == [2, 15, 27, 30]  # vLLM's ids, then the last layer
     assert served.pool()._max_workers == 3
     served.stop()  # nothing started: drops the request threads only

@@ -9,6 +9,7 @@ missing (the engine's absence fails instead under CI=true). At most one server r
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -21,9 +22,16 @@ from eagle3.compute import cpu_has_amx
 from eagle3.engine.capture import PLUGIN_DIR, capture_engine_args, read_hidden_states
 from eagle3.engine.choice import flag_value
 from eagle3.engine.client import EngineClient
-from eagle3.engine.server import VLLMServer, vllm_server
+from eagle3.engine.server import (
+    DEFAULT_STARTUP_TIMEOUT_S,
+    VLLMServer,
+    startup_timeout_advice,
+    startup_timeout_for,
+    vllm_server,
+)
 from eagle3.engine.venv import engine_is_cpu_build
 from eagle3.errors import EXIT_UNAVAILABLE, Eagle3Error, RemoteError
+from eagle3.target import ResolvedTarget, match_registry, target_spec
 
 TARGET = "smollm2-135m-q4"
 AUX = [1, 14, 26]  # the project's ids for SmolLM2 (eagle3/targets/smollm2-135m-q4.yaml)
@@ -88,6 +96,57 @@ def test_a_server_that_dies_is_a_remote_error_naming_its_cause(monkeypatch, tmp_
     assert err.value.exit_code == EXIT_UNAVAILABLE
     assert Path(f"{fake}.cwd").read_text().strip() == str(logs)
     assert Path(f"{fake}.path").read_text().strip() == str(PLUGIN_DIR)
+
+
+def test_startup_timeout_comes_from_the_targets_registry_entry():
+    """~0.1 s. The pure default: Kimi-K2.5's entry gives an hour, a target without the field
+    and a Kimi directory at other sizes (a miniature, which loads in seconds) get 900 s."""
+    kimi = target_spec("kimi-k2.5")
+    assert startup_timeout_for(ResolvedTarget("kimi-k2.5", "/models/Kimi-K2.5", kimi)) == 3600
+    assert startup_timeout_for(ResolvedTarget("x", "/models/x", None)) == DEFAULT_STARTUP_TIMEOUT_S
+    tiny = match_registry(
+        {"architectures": [kimi["architecture"]], "text_config": {"num_hidden_layers": 3}}
+    )
+    assert tiny["name"] == "kimi-k2.5" and "engine_startup_timeout_s" not in tiny
+    assert startup_timeout_for(ResolvedTarget("kimi-k2.5", "/tiny", tiny)) == 900
+    assert (
+        startup_timeout_advice("--engine-startup-timeout", 900) == "--engine-startup-timeout 1800"
+    )
+    assert startup_timeout_advice("target.engine.startup_timeout_s", 5) == (
+        "target.engine.startup_timeout_s=10"
+    )
+
+
+@pytest.mark.parametrize(
+    "knob", ["--engine-startup-timeout 3", "target.engine.startup_timeout_s=3"]
+)
+def test_a_server_never_healthy_times_out_in_one_line_naming_the_knob(monkeypatch, tmp_path, knob):
+    """~2 s each. A stand-in engine that stays up but never answers /health: after
+    startup_timeout one RemoteError line naming the flag (or online training's key) with twice
+    the value to try, and the engine's process group is gone."""
+    fake = tmp_path / "engine" / "bin" / "python"
+    fake.parent.mkdir(parents=True)
+    fake.write_text(
+        "#!/bin/sh\necho 'INFO loading weights'\necho $$ > \"$0.pid\"\nexec sleep 600\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("EAGLE3_ENGINE_PYTHON", str(fake))
+    (tmp_path / "model").mkdir()
+    name = knob.split(" ")[0].split("=")[0]
+    server = VLLMServer(
+        tmp_path / "model",
+        log_path=tmp_path / "server.log",
+        startup_timeout=1.5,
+        startup_timeout_knob=name,
+        stop_grace=2,
+    )
+    with pytest.raises(RemoteError, match="not healthy after 2 s") as err:
+        server.start()
+    assert knob in str(err.value) and "loading weights" in str(err.value)
+    assert "\n" not in str(err.value) and err.value.exit_code == EXIT_UNAVAILABLE
+    pid = int(Path(f"{fake}.pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 # -- real servers -------------------------------------------------------------------------------
