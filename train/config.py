@@ -205,6 +205,10 @@ class TrainConfig:
     # the processes and the draft's attention heads; data parallelism over processes / this.
     # Offline only. 8 on one 8-GPU node trains 65,536-token records (configs/train/*-long.yaml)
     sequence_parallel: int = 1
+    # Fine-tune (model.init_from): add anchor_l2 * sum ||theta - theta_start||^2 over the
+    # trainable weights, a pull toward the start against forgetting what it knew
+    # (train/anchor.py; 1e-4 in configs/train/kimi-k2.5-finetune.yaml); 0: off
+    anchor_l2: float = 0.0
 
 
 @dataclass
@@ -310,6 +314,12 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
         t.sequence_parallel == 1 or m.draft.method != "p-eagle",
         "train.sequence_parallel shards the TTT unroll; p-eagle's one-pass training is not "
         "sharded: set train.sequence_parallel=1",
+    )
+    need(t.anchor_l2 >= 0, f"train.anchor_l2 must be >= 0, got {t.anchor_l2}")
+    need(
+        t.anchor_l2 == 0 or m.init_from is not None,
+        f"train.anchor_l2={t.anchor_l2:g} pulls toward the starting weights of model.init_from, "
+        "which is not set: set model.init_from or train.anchor_l2=0",
     )
     need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
     need(len(o.betas) == 2, f"optim.betas must have 2 values, got {o.betas}")

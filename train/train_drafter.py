@@ -73,6 +73,7 @@ from eagle3.parallel_draft import ParallelModel
 from eagle3.target import target_facts
 from eagle3.ttt_attention import auto_impl
 from train import parallel_drafting
+from train.anchor import Anchor
 from train.batching import collate, step_batches, val_batches
 from train.checkpointing import Checkpoints, export_extra, find_resume, load_checkpoint, read_best
 from train.config import Config, load_config
@@ -220,6 +221,7 @@ class Run:
     total_steps: int
     start_step: int  # optimizer steps already done: the resumed checkpoint's step, else 0
     layout: DataLayout  # this rank's data-parallel rank and sequence-parallel group place
+    anchor: Anchor  # train.anchor_l2's pull toward model.init_from (off: adds nothing)
     sp_group: object = None  # train.sequence_parallel > 1: this rank's group (else None)
 
 
@@ -250,6 +252,7 @@ def setup(cfg: Config) -> Run:
     label_cache = make_label_cache(cfg, data.lengths, world, total_steps)
     unroll = Unroll.of(cfg, draft.config)
     model = unroll.module(draft)
+    anchor = Anchor.for_run(cfg, accelerator, model, out_dir, resumed=resume is not None)
     params, optimizer, scheduler = make_optimizer(cfg, model, total_steps)
     configure_deepspeed(cfg, accelerator)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -340,6 +343,7 @@ def setup(cfg: Config) -> Run:
         total_steps=total_steps,
         start_step=start_step,
         layout=layout,
+        anchor=anchor,
         sp_group=sp_group,
     )
 
@@ -411,6 +415,7 @@ def log_metrics(
         "padding_frac": 1 - tokens / max(slots, 1),
         "peak_mem_gb": peak_memory_gb(run.accelerator.device),
         "epoch": epoch,
+        **run.anchor.metrics(),
     }
     run.logger.log(step, metrics)
 
@@ -483,6 +488,7 @@ def train_loop(run: Run) -> None:
                 run.labelled.soft_labels(mb)
                 with accelerator.accumulate(model):
                     loss, m = run.unroll.loss(model, mb, cfg.model.step_weight, denominators)
+                    loss = run.anchor.added_to(loss)  # train.anchor_l2 (train/anchor.py)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:
                         grad_norm = clip_gradients(run)
