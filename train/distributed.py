@@ -50,7 +50,29 @@ def make_accelerator(cfg: Config) -> tuple[Accelerator, torch.dtype]:
         ),
         step_scheduler_with_optimizer=False,  # we step it once per optimizer step, whatever N is
     )
+    if on_gpu:
+        share_compile_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return accelerator, torch.bfloat16 if mixed == "bf16" else torch.float32
+
+
+def compile_threads(cpus: int, local_ranks: int) -> int:
+    """Inductor compile workers for one rank: this node's CPUs shared by its ranks, at most
+    inductor's own cap of 32. Left alone every rank takes min(32, CPUs): eight ranks on a
+    2-socket host start up to 256 workers when flex compiles at the first step, on the CPUs
+    that also feed the GPUs their batches."""
+    return max(1, min(32, cpus // max(local_ranks, 1)))
+
+
+def share_compile_threads(local_ranks: int) -> None:
+    """Set inductor's compile threads for this rank unless the user did
+    (TORCHINDUCTOR_COMPILE_THREADS wins, as in torch itself). Inductor decides its own
+    number when it is imported; the async compile pool reads it at the first compile."""
+    import torch._inductor.config as inductor
+
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
+        return
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    inductor.compile_threads = compile_threads(cpus or 1, local_ranks)
 
 
 def configure_deepspeed(cfg: Config, accelerator: Accelerator) -> None:

@@ -67,3 +67,20 @@ def test_fp32_accum_under_zero2_with_bf16_weights_matches_an_fp32_reference():
     gradients to 3.7e-7 (measured); accumulating in bf16 instead misses it by 7.6e-3."""
     assert master_update_error("fp32", 29561) < 1e-5
     assert master_update_error("bf16", 29562) > 1e-3
+
+
+def test_compile_threads_share_the_node_between_its_ranks(monkeypatch):
+    """~0.01 s: eight ranks on 128 CPUs take 16 inductor workers each (not 32 each); one rank
+    keeps inductor's cap of 32; a user's TORCHINDUCTOR_COMPILE_THREADS is left alone."""
+    import torch._inductor.config as inductor
+
+    from train.distributed import compile_threads, share_compile_threads
+
+    assert [compile_threads(128, 8), compile_threads(128, 1), compile_threads(4, 8)] == [16, 32, 1]
+    monkeypatch.setattr(inductor, "compile_threads", 7)
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
+    share_compile_threads(8)
+    assert inductor.compile_threads == 7
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS")
+    share_compile_threads(len(os.sched_getaffinity(0)))
+    assert inductor.compile_threads == 1
