@@ -9,9 +9,12 @@ That needs every rank to hold the whole parameters: true under DDP and ZeRO-1/2 
 gradients and optimizer states, not the module's weights); ZeRO-3 and FSDP shard the weights
 (a rank's parameter is an empty placeholder outside the forward) and are refused.
 
-θ_start: fp32 copies of the trainable parameters as model.init_from loaded them (taken before a
-resume restores the trained ones), on the parameters' device; under DeepSpeed's bf16 the bf16
-module weights are compared in fp32. θ_start is never saved: a resumed run loads init_from
+θ_start: copies of the trainable parameters as model.init_from loaded them (taken before a
+resume restores the trained ones), on the parameters' device, in the dtype the module trains
+its weights in: fp32 under accelerate's autocast, bf16 under DeepSpeed's bf16 (whose fp32
+master weights are the optimizer's, sharded; a published bf16 start is exact there). The term
+is summed in fp32 and its gradient made at backward, in chunks, so no fp32 copy of a weight
+lives beside the activations. θ_start is never saved: a resumed run loads init_from
 again, and `anchor.json` in train.out_dir (a sha256 of θ_start, written when the anchored run
 starts) refuses a resume whose init_from changed or vanished.
 """
@@ -77,13 +80,62 @@ def check_fingerprint(out_dir: Path, init_from: str, digest: str, resumed: bool)
     return False
 
 
+CHUNK = 1 << 24  # elements of fp32 temporaries at once: the term never holds a weight in fp32
+
+
+def weights_dtype(deepspeed: bool, mixed_precision: str) -> torch.dtype:
+    """The dtype the module holds its weights in during training: DeepSpeed casts it to its
+    half type (its fp32 master copy is the optimizer's, sharded); accelerate's autocast keeps
+    fp32 weights."""
+    if deepspeed and mixed_precision in ("bf16", "fp16"):
+        return torch.bfloat16 if mixed_precision == "bf16" else torch.float16
+    return torch.float32
+
+
+def squared_distance(p: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """Σ(p − start)² in fp32, CHUNK elements at a time -> a 0-d fp32 tensor."""
+    flat_p, flat_s = p.detach().reshape(-1), start.reshape(-1)
+    total = torch.zeros((), dtype=torch.float32, device=p.device)
+    for i in range(0, flat_p.numel(), CHUNK):
+        total += (flat_p[i : i + CHUNK].float() - flat_s[i : i + CHUNK].float()).square().sum()
+    return total
+
+
+class _SquaredDistance(torch.autograd.Function):
+    """Σ(p − start)² with its gradient 2(p − start) made in p's dtype at backward, so neither
+    the forward nor the graph keeps an fp32 copy of a weight while the activations live."""
+
+    @staticmethod
+    def forward(ctx, p: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(p, start)
+        return squared_distance(p, start)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        p, start = ctx.saved_tensors
+        out, flat_p, flat_s = torch.empty_like(p), p.reshape(-1), start.reshape(-1)
+        flat_out, scale = out.view(-1), 2 * grad.float()
+        for i in range(0, flat_p.numel(), CHUNK):
+            diff = flat_p[i : i + CHUNK].float() - flat_s[i : i + CHUNK].float()
+            flat_out[i : i + CHUNK] = diff.mul_(scale)
+        return out, None
+
+
 class Anchor:
     """λ·Σ‖θ − θ_start‖² over the trainable parameters (off: adds nothing, logs nothing)."""
 
-    def __init__(self, weight: float, params: list[tuple[str, nn.Parameter]], device=None):
+    def __init__(
+        self,
+        weight: float,
+        params: list[tuple[str, nn.Parameter]],
+        device=None,
+        dtype: torch.dtype = torch.float32,
+    ):
         self.weight = weight
         self.params = [p for _, p in params]
-        self.start = [p.detach().to(device, torch.float32, copy=True) for p in self.params]
+        # in the dtype the module trains its weights in (weights_dtype): the distance at the
+        # first step is exactly 0 and a bf16 start (published drafters are bf16) is exact
+        self.start = [p.detach().to(device, dtype, copy=True) for p in self.params]
         self.last: torch.Tensor | None = None  # the latest term, detached: logged, no sync
 
     @classmethod
@@ -106,14 +158,15 @@ class Anchor:
                 out_dir.mkdir(parents=True, exist_ok=True)
                 record = {"init_from": cfg.model.init_from, "sha256": digest}
                 (out_dir / FINGERPRINT).write_text(json.dumps(record, indent=1))
-        return cls(cfg.train.anchor_l2, named, accelerator.device)
+        dtype = weights_dtype(plugin is not None, accelerator.mixed_precision)
+        return cls(cfg.train.anchor_l2, named, accelerator.device, dtype)
 
     def added_to(self, loss: torch.Tensor) -> torch.Tensor:
         """loss + λ·Σ‖θ − θ_start‖² (off: `loss` itself, untouched)."""
         if not self.weight:
             return loss
-        sq = torch.stack([(p.float() - s).square().sum() for p, s in zip(self.params, self.start)])
-        term = self.weight * sq.sum()
+        sq = [_SquaredDistance.apply(p, s) for p, s in zip(self.params, self.start)]
+        term = self.weight * torch.stack(sq).sum()
         self.last = term.detach()
         return loss + term
 

@@ -12,7 +12,7 @@ from accelerate.utils import DistributedType, GradientAccumulationPlugin
 from torch import nn
 
 from eagle3.errors import ConfigError
-from train.anchor import FINGERPRINT, Anchor, anchor_active
+from train.anchor import FINGERPRINT, Anchor, anchor_active, weights_dtype
 from train.config import load_config
 
 
@@ -45,6 +45,7 @@ def fake_accelerator(zero_stage: int | None = None, fsdp: bool = False):
         distributed_type=kind,
         is_main_process=True,
         device=torch.device("cpu"),
+        mixed_precision="no",
     )
 
 
@@ -54,9 +55,12 @@ def run_cfg(anchor_l2: float, init_from: str | None = "start/"):
     )
 
 
-def test_term_and_gradient_are_the_formula():
+@pytest.mark.parametrize("chunk", [1 << 24, 5])
+def test_term_and_gradient_are_the_formula(chunk, monkeypatch):
     """~0.1 s: loss + λΣ‖θ−θ0‖² over the trainable weights only, gradient 2λ(θ−θ0), the
-    logged term and distance; the frozen embedding takes no part."""
+    logged term and distance, in one piece and in chunks of 5 elements; the frozen embedding
+    takes no part."""
+    monkeypatch.setattr("train.anchor.CHUNK", chunk)
     model = tiny()
     anchor = Anchor(0.25, trainable(model))
     start = moved(model)
@@ -64,7 +68,7 @@ def test_term_and_gradient_are_the_formula():
     names = [n for n, _ in trainable(model)]
     params = dict(model.named_parameters())
     sq = sum(float((params[n] - start[n]).detach().square().sum()) for n in names)
-    assert float(loss) == pytest.approx(1.0 + 0.25 * sq, rel=1e-6)
+    assert float(loss.detach()) == pytest.approx(1.0 + 0.25 * sq, rel=1e-6)
     loss.backward()
     for n in names:
         torch.testing.assert_close(params[n].grad, 2 * 0.25 * (params[n] - start[n]).detach())
@@ -72,6 +76,26 @@ def test_term_and_gradient_are_the_formula():
     logged = anchor.metrics()
     assert logged["anchor"] == pytest.approx(0.25 * sq, rel=1e-6)
     assert logged["anchor_dist"] == pytest.approx(sq**0.5, rel=1e-6)
+
+
+def test_bf16_weights_anchor_to_their_bf16_start():
+    """~0.05 s: under DeepSpeed's bf16 the start is kept in bf16 (the module's weights), the
+    term is summed in fp32 and the gradient comes back in the weight's dtype."""
+    assert weights_dtype(True, "bf16") == torch.bfloat16
+    assert weights_dtype(False, "bf16") == torch.float32  # autocast: fp32 weights
+    model = tiny().to(torch.bfloat16)
+    anchor = Anchor(2.0, trainable(model), dtype=weights_dtype(True, "bf16"))
+    assert all(s.dtype == torch.bfloat16 for s in anchor.start)
+    start = moved(model)
+    anchor.added_to(torch.zeros(())).backward()
+    for name, p in trainable(model):
+        diff = p.detach().float() - start[name].float()
+        assert p.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(p.grad, (4.0 * diff).to(torch.bfloat16))
+    sq = sum(
+        float((p.detach().float() - start[n].float()).square().sum()) for n, p in trainable(model)
+    )
+    assert anchor.metrics()["anchor"] == pytest.approx(2.0 * sq, rel=1e-5)
 
 
 def test_accumulated_micro_batches_add_one_anchor_gradient():
