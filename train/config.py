@@ -56,6 +56,18 @@ class TargetConfig:
 
 
 @dataclass
+class ValSetConfig:
+    """A named held-out set validated beside the run's own (data.val_sets)."""
+
+    name: str = ""  # its metrics are val/<name>/... (heldout and replay are taken)
+    shard_dirs: list[str] = field(default_factory=list)  # offline: datagen.capture output dirs
+    records: list[str] = field(default_factory=list)  # online: JSONL files or datagen result dirs
+
+
+VAL_SET_NAMES_TAKEN = ("heldout", "replay")  # the run's own held-out set; replay's held-out side
+
+
+@dataclass
 class DataConfig:
     mode: str = "offline"  # offline: captured shards; online: the target runs in the loop
     shard_dirs: list[str] = field(default_factory=list)  # offline: datagen.capture output dirs
@@ -93,6 +105,16 @@ class DataConfig:
     # larger value keeps every sequence of a smaller one: learning curves on one capture.
     max_sequences: int | None = None
     val_records: list[str] = field(default_factory=list)
+    # More held-out sets, each validated and logged on its own (val/<name>/sim_accept_len),
+    # e.g. a generic set beside the user's own: best/ is chosen by the mean simulated tau over
+    # all sets (train/selection.py)
+    val_sets: list[ValSetConfig] = field(default_factory=list)
+    # Offline: replay generic data against forgetting (a fine-tune's start was trained on it):
+    # replay_fraction of the training tokens are drawn, by id, from replay_shard_dirs, after the
+    # same by-conversation split as shard_dirs (its held-out side is never trained and is
+    # validated as the set "replay"); 0: no replay
+    replay_shard_dirs: list[str] = field(default_factory=list)
+    replay_fraction: float = 0.0
 
 
 @dataclass
@@ -267,6 +289,7 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
         )
     for path in d.val_records if check_paths else []:
         need(Path(path).exists(), f"data.val_records: {path} does not exist")
+    _check_replay_and_sets(d, need, check_paths)
     _check_engine(cfg, need)
     need(0 <= d.val_fraction < 1, f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
     need(
@@ -363,6 +386,54 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
             Path(t.resume_from).is_dir(),
             f"train.resume_from: {t.resume_from} is not a checkpoint dir (or use 'latest')",
         )
+
+
+def _check_replay_and_sets(
+    d: DataConfig, need: Callable[[bool, str], None], check_paths: bool
+) -> None:
+    need(
+        0 <= d.replay_fraction < 1,
+        f"data.replay_fraction must be in [0, 1), got {d.replay_fraction}",
+    )
+    need(
+        (d.replay_fraction > 0) == bool(d.replay_shard_dirs),
+        "data.replay_fraction and data.replay_shard_dirs go together: set both (a share of the "
+        "training tokens and the shards it is drawn from) or neither",
+    )
+    need(
+        not d.replay_shard_dirs or d.mode == "offline",
+        "data.replay_shard_dirs replays captured shards (data.mode: offline)",
+    )
+    names = [s.name for s in d.val_sets]
+    for s in d.val_sets:
+        need(
+            bool(s.name) and s.name not in VAL_SET_NAMES_TAKEN and names.count(s.name) == 1,
+            f"data.val_sets: every set needs its own name, not {' or '.join(VAL_SET_NAMES_TAKEN)}; "
+            f"got {s.name!r}",
+        )
+        given = s.shard_dirs if d.mode == "offline" else s.records
+        need(
+            bool(given),
+            f"data.val_sets {s.name!r}: list its "
+            + ("shard_dirs (data.mode: offline)" if d.mode == "offline" else "records (online)"),
+        )
+    trained = set(d.shard_dirs + d.replay_shard_dirs + d.records)
+    for s in d.val_sets:
+        both = sorted(trained & set(s.shard_dirs + s.records))
+        need(
+            not both,
+            f"data.val_sets {s.name!r}: {', '.join(both)} is also trained on (its held-out "
+            "side is validated already, as heldout or replay): give held-out data only",
+        )
+    dirs = d.replay_shard_dirs + [p for s in d.val_sets for p in s.shard_dirs]
+    for path in dirs if check_paths else []:
+        need(
+            (Path(path) / "meta.json").is_file(),
+            f"{path} has no meta.json (data.replay_shard_dirs / data.val_sets: run "
+            "datagen.capture into it first)",
+        )
+    for path in [p for s in d.val_sets for p in s.records] if check_paths else []:
+        need(Path(path).exists(), f"data.val_sets: {path} does not exist")
 
 
 def _check_engine(cfg: Config, need: Callable[[bool, str], None]) -> None:

@@ -92,6 +92,7 @@ from train.memory_plan import (
 from train.metrics import MetricsLog, MetricSums, peak_memory_gb
 from train.online_target import captured_ahead, report_engines, start_served
 from train.optim import make_optimizer
+from train.selection import selection_tau
 from train.sequence_parallel import (
     DataLayout,
     check_heads,
@@ -422,18 +423,18 @@ def log_metrics(
 
 # -- validation -----------------------------------------------------------------------------------
 @torch.no_grad()
-def validate(run: Run) -> dict[str, float]:
-    """TTT loss, acc_k (over every loss-masked position) and simulated tau on the held-out
-    conversations; every rank takes part."""
+def validate(run: Run, dataset, lengths: list[int], split: str = "val") -> dict[str, float]:
+    """TTT loss, acc_k (over every loss-masked position) and simulated tau on one held-out
+    set; every rank takes part. `split` keys its soft labels in the label cache."""
     accelerator, w = run.accelerator, run.cfg.model.step_weight
     sums = MetricSums(run.unroll.depth, accelerator.device)
     run.model.eval()
     for indices, counts in val_batches(
-        run.data.val_lengths, run.cfg.data.batch_size, run.layout.data_size, run.layout.data_rank
+        lengths, run.cfg.data.batch_size, run.layout.data_size, run.layout.data_rank
     ):
-        batch = collate([run.data.val_dataset[i] for i in indices])
+        batch = collate([dataset[i] for i in indices])
         batch["index"] = torch.tensor(indices)
-        mb = labelled(run, batch, "val")  # unpacked
+        mb = labelled(run, batch, split)  # unpacked
         run.unroll.prepare(mb)  # p-eagle: every position at every depth, the chain's tau
         _, m = run.unroll.loss(run.model, mb, w, None)
         if counts:
@@ -443,13 +444,36 @@ def validate(run: Run) -> dict[str, float]:
     return {"tokens": total.tokens.item(), **run.unroll.summary(total, w)}
 
 
+def validation_sets(run: Run) -> dict[str, tuple]:
+    """The held-out sets by name: the run's own ("heldout"), then data.val_sets and replay's."""
+    own = (
+        {}
+        if run.data.val_dataset is None
+        else {"heldout": (run.data.val_dataset, run.data.val_lengths)}
+    )
+    return {**own, **run.data.val_sets}
+
+
 def validation_step(run: Run, step: int) -> None:
-    """Validate, log val/* metrics, and export best/ when simulated tau beats the best so far."""
-    metrics = validate(run)
-    improved = run.checkpoints.improves(metrics["sim_accept_len"])
+    """Validate every held-out set and log val/* metrics (the run's own set as val/loss,
+    val/acc_k, val/sim_accept_len; another as val/<name>/...; with several, val/select_tau);
+    export best/ when the selection score (train/selection.py) beats the best so far."""
+    results = {
+        name: validate(run, dataset, lengths, "val" if name == "heldout" else f"val:{name}")
+        for name, (dataset, lengths) in validation_sets(run).items()
+    }
+    metrics = dict(results.get("heldout", {}))
+    for name, result in results.items():
+        if name != "heldout":
+            metrics.update({f"{name}/{key}": value for key, value in result.items()})
+    taus = {name: result["sim_accept_len"] for name, result in results.items()}
+    score = selection_tau(taus)
+    if len(taus) > 1:
+        metrics["select_tau"] = score
+    improved = run.checkpoints.improves(score)
     run.logger.log_eval(step, metrics, improved=improved)
     if improved:
-        run.checkpoints.save_best(step, metrics["sim_accept_len"])
+        run.checkpoints.save_best(step, score, taus if len(taus) > 1 else None)
     run.accelerator.wait_for_everyone()
 
 
@@ -466,7 +490,7 @@ def train_loop(run: Run) -> None:
         # validate and checkpoint the step just done (not the one resumed from); every rank
         # takes part. Validation first: a resumed run never repeats a logged validation pass.
         last = step >= run.total_steps
-        if run.data.val_dataset is not None and step > run.start_step:
+        if validation_sets(run) and step > run.start_step:
             if step % cfg.train.eval_every == 0 or last:
                 validation_step(run, step)
         if step > run.start_step and (step % cfg.train.save_every == 0 or last):
