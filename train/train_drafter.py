@@ -23,7 +23,9 @@ Outputs in `train.out_dir`:
     checkpoints/step-N/       draft/ (SGLang EAGLE3 format) + state/ (accelerate: optimizer,
                               scheduler, RNG) + trainer_state.json (written last = complete)
     final/                    the last SGLang-format draft
-    best/                     the draft with the best validation simulated tau (best.json: step)
+    best/                     the draft with the best validation simulated tau (best.json: step;
+                              several held-out sets: by their mean, train/selection.py)
+    anchor.json               train.anchor_l2: the sha256 of model.init_from's weights (train/anchor.py)
 
 The draft method (model.draft.method) is told apart in one place, `Unroll`: eagle3 and eagle3.1
 train the TTT unroll (eagle3.model.TTTModel, eagle3.loss.ttt_loss), p-eagle every parallel
@@ -31,8 +33,9 @@ depth in one pass over subsampled positions (eagle3.parallel_draft.ParallelModel
 train/parallel_drafting.py).
 
 Validation (data.val_fraction of the conversations, split by id, or data.val_shard_dirs /
-data.val_records) runs every train.eval_every steps and at the end: val/loss, val/acc_k and
-val/sim_accept_len in metrics.jsonl and W&B.
+data.val_records; and each of data.val_sets and replay's held-out side) runs every
+train.eval_every steps and at the end: val/loss, val/acc_k and val/sim_accept_len in
+metrics.jsonl and W&B (another set's as val/<name>/...).
 
 Online, the target runs in this process (target.device_map spreads a big one over the GPUs) or,
 with `target.engine.kind: vllm`, in a vLLM server the first rank of each node starts and every
