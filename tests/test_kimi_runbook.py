@@ -37,6 +37,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 RUNBOOK = REPO / "docs" / "kimi-runbook.md"
 MARKER = "<!-- runbook:"
+FINETUNE_MARKER = "<!-- runbook-finetune:"  # step 3 from a published drafter, run after the runbook
 # The commands of the block, in order, by program (and the flag that tells two runs of one
 # program apart): a command added, dropped or moved fails here.
 KINDS = {
@@ -57,10 +58,10 @@ EXPECTED = [
 ]
 
 
-def runbook_commands(text: str) -> list[str]:
-    """The commands of the block after the runbook marker: comment lines dropped, backslash
+def runbook_commands(text: str, marker: str = MARKER) -> list[str]:
+    """The commands of the block after `marker`: comment lines dropped, backslash
     continuations joined."""
-    block = text[text.index(MARKER) :].split("```bash\n", 1)[1].split("```", 1)[0]
+    block = text[text.index(marker) :].split("```bash\n", 1)[1].split("```", 1)[0]
     commands, pending = [], ""
     for line in block.splitlines():
         if not pending and (not line.strip() or line.lstrip().startswith("#")):
@@ -78,6 +79,8 @@ def kind(command: str) -> str:
     for head, flags in KINDS.items():
         if words[: len(head.split())] == head.split():
             return " ".join([head, *[f for f in flags if f in words][:1]])
+    if words[0] == "python" and "train/train_drafter.py" in words:  # the variant's --plan
+        return "python"
     raise AssertionError(f"the runbook has a command this test does not know: {command}")
 
 
@@ -88,6 +91,14 @@ def test_the_runbook_block_is_what_this_test_runs():
     for command in commands:  # zsh: every [ ] is inside quotes
         unquoted = re.sub(r"'[^']*'", "", command)
         assert "[" not in unquoted, f"unquoted [ ] (a zsh glob): {command}"
+
+
+def test_the_finetune_variant_block_is_what_this_test_runs():
+    """Cheap (~0.01 s): step 3's published-drafter variant is the plan, then the launch."""
+    commands = runbook_commands(RUNBOOK.read_text(), FINETUNE_MARKER)
+    assert [kind(c) for c in commands] == ["python", "accelerate launch"]
+    assert all("configs/train/kimi-k2.5-finetune.yaml" in c for c in commands)
+    assert "--plan" in commands[0]
 
 
 def command_lines(text: str) -> list[str]:
@@ -236,6 +247,39 @@ def test_kimi_runbook_runs_as_typed_on_the_miniature(node):
     served = (root / "serve.log").read_text()
     assert "Eagle3DeepseekV3ForCausalLM" in served or "Eagle3DeepseekV2ForCausalLM" in served
     assert {old for old, _ in node["subs"]} == used, "a substitution no longer matches the page"
+
+
+def test_kimi_runbook_finetune_variant_runs_as_typed(node):
+    """After the runbook (~1 min): step 3 from a published drafter, as typed: the plan, then a
+    2-process ZeRO-2 fine-tune anchored to the start, replaying the step's own shards (as the
+    generic slice) and validating the held-out conversations and replay's. The start is the
+    drafter the runbook's step 3 wrote, in this project's format, until the published layouts
+    load (model.init_from of a TorchSpec/SpecForge directory)."""
+    root, start = node["root"], node["root"] / "run" / "final"
+    if not (start / "config.json").is_file():
+        pytest.skip("the start is the runbook's step 3 drafter: run the runbook test first")
+    out, shards = root / "finetune", root / "shards"
+    launch = [sub for sub in node["subs"] if sub[0].startswith("accelerate launch")]
+    subs = launch + [
+        ("configs/train/kimi-k2.5-finetune.yaml",
+         f"configs/train/kimi-k2.5-finetune.yaml model.init_from={start} "
+         f"'data.shard_dirs=[{shards}]' 'data.replay_shard_dirs=[{shards}]' train.out_dir={out} "
+         "train.max_steps=2 train.eval_every=1 data.max_length=512 data.num_workers=0 "
+         "data.val_fraction=0.25 optim.grad_accum=1 wandb.mode=disabled train.progress=false"),
+    ]  # fmt: skip
+    used: set[str] = set()
+    for command in runbook_commands(RUNBOOK.read_text(), FINETUNE_MARKER):
+        argv = substitute(command, subs, used)
+        proc = subprocess.run(argv, cwd=REPO, env=node["env"], capture_output=True, text=True,
+                              timeout=900)  # fmt: skip
+        assert proc.returncode == 0, f"{command}\n-> {proc.returncode}\n{proc.stderr[-3000:]}"
+    assert {old for old, _ in subs} == used, "a substitution no longer matches the page"
+    assert json.loads((out / "anchor.json").read_text())["init_from"] == str(start)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all("anchor" in r for r in lines if "split" not in r and r["step"] > 1)
+    best = json.loads((out / "best" / "best.json").read_text())
+    assert set(best["sets"]) == {"heldout", "replay"}
+    assert 0.2 <= json.loads((out / "provenance.json").read_text())["replay"]["fraction"] < 0.5
 
 
 def _first_answer(proc: subprocess.Popen, port: int, log: Path, timeout: float = 600) -> dict:

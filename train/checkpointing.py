@@ -27,6 +27,7 @@ from eagle3.errors import ConfigError
 from eagle3.model import DraftConfig
 from eagle3.parallel_draft import draft_for
 from train.config import Config
+from train.selection import RULE
 
 BEST = "best"  # the draft with the best validation simulated tau so far
 
@@ -138,11 +139,14 @@ class Checkpoints:
     def improves(self, sim_accept_len: float) -> bool:
         return self.best is None or sim_accept_len > self.best
 
-    def save_best(self, step: int, sim_accept_len: float) -> None:
-        """best/: the draft now, then best.json (written last: the export is complete)."""
+    def save_best(self, step: int, sim_accept_len: float, sets: dict | None = None) -> None:
+        """best/: the draft now, then best.json (written last: the export is complete); with
+        several validation sets, `sim_accept_len` is their selection score (train/selection.py)
+        and `sets` each one's simulated tau."""
         self.export(self.out_dir / BEST)
         if self.accelerator.is_main_process:
-            (self.out_dir / BEST / "best.json").write_text(
-                json.dumps({"step": step, "val_sim_accept_len": sim_accept_len})
-            )
+            best = {"step": step, "val_sim_accept_len": sim_accept_len}
+            if sets:
+                best.update(rule=RULE, sets=sets)
+            (self.out_dir / BEST / "best.json").write_text(json.dumps(best))
         self.best = sim_accept_len

@@ -65,6 +65,18 @@ class TargetConfig:
 
 
 @dataclass
+class ValSetConfig:
+    """A named held-out set validated beside the run's own (data.val_sets)."""
+
+    name: str = ""  # its metrics are val/<name>/... (heldout and replay are taken)
+    shard_dirs: list[str] = field(default_factory=list)  # offline: datagen.capture output dirs
+    records: list[str] = field(default_factory=list)  # online: JSONL files or datagen result dirs
+
+
+VAL_SET_NAMES_TAKEN = ("heldout", "replay")  # the run's own held-out set; replay's held-out side
+
+
+@dataclass
 class DataConfig:
     mode: str = "offline"  # offline: captured shards; online: the target runs in the loop
     shard_dirs: list[str] = field(default_factory=list)  # offline: datagen.capture output dirs
@@ -102,6 +114,16 @@ class DataConfig:
     # larger value keeps every sequence of a smaller one: learning curves on one capture.
     max_sequences: int | None = None
     val_records: list[str] = field(default_factory=list)
+    # More held-out sets, each validated and logged on its own (val/<name>/sim_accept_len),
+    # e.g. a generic set beside the user's own: best/ is chosen by the mean simulated tau over
+    # all sets (train/selection.py)
+    val_sets: list[ValSetConfig] = field(default_factory=list)
+    # Offline: replay generic data against forgetting (a fine-tune's start was trained on it):
+    # replay_fraction of the training tokens are drawn, by id, from replay_shard_dirs, after the
+    # same by-conversation split as shard_dirs (its held-out side is never trained and is
+    # validated as the set "replay"); 0: no replay
+    replay_shard_dirs: list[str] = field(default_factory=list)
+    replay_fraction: float = 0.0
 
 
 @dataclass
@@ -218,6 +240,10 @@ class TrainConfig:
     # the processes and the draft's attention heads; data parallelism over processes / this.
     # Offline only. 8 on one 8-GPU node trains 65,536-token records (configs/train/*-long.yaml)
     sequence_parallel: int = 1
+    # Fine-tune (model.init_from): add anchor_l2 * sum ||theta - theta_start||^2 over the
+    # trainable weights, a pull toward the start against forgetting what it knew
+    # (train/anchor.py; 1e-4 in configs/train/kimi-k2.5-finetune.yaml); 0: off
+    anchor_l2: float = 0.0
 
 
 @dataclass
@@ -276,6 +302,7 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
         )
     for path in d.val_records if check_paths else []:
         need(Path(path).exists(), f"data.val_records: {path} does not exist")
+    _check_replay_and_sets(d, need, check_paths)
     _check_engine(cfg, need)
     need(0 <= d.val_fraction < 1, f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
     need(
@@ -324,6 +351,12 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
         "train.sequence_parallel shards the TTT unroll; p-eagle's one-pass training is not "
         "sharded: set train.sequence_parallel=1",
     )
+    need(t.anchor_l2 >= 0, f"train.anchor_l2 must be >= 0, got {t.anchor_l2}")
+    need(
+        t.anchor_l2 == 0 or m.init_from is not None,
+        f"train.anchor_l2={t.anchor_l2:g} pulls toward the starting weights of model.init_from, "
+        "which is not set: set model.init_from or train.anchor_l2=0",
+    )
     need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
     need(len(o.betas) == 2, f"optim.betas must have 2 values, got {o.betas}")
     need(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
@@ -371,6 +404,54 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
             Path(t.resume_from).is_dir(),
             f"train.resume_from: {t.resume_from} is not a checkpoint dir (or use 'latest')",
         )
+
+
+def _check_replay_and_sets(
+    d: DataConfig, need: Callable[[bool, str], None], check_paths: bool
+) -> None:
+    need(
+        0 <= d.replay_fraction < 1,
+        f"data.replay_fraction must be in [0, 1), got {d.replay_fraction}",
+    )
+    need(
+        (d.replay_fraction > 0) == bool(d.replay_shard_dirs),
+        "data.replay_fraction and data.replay_shard_dirs go together: set both (a share of the "
+        "training tokens and the shards it is drawn from) or neither",
+    )
+    need(
+        not d.replay_shard_dirs or d.mode == "offline",
+        "data.replay_shard_dirs replays captured shards (data.mode: offline)",
+    )
+    names = [s.name for s in d.val_sets]
+    for s in d.val_sets:
+        need(
+            bool(s.name) and s.name not in VAL_SET_NAMES_TAKEN and names.count(s.name) == 1,
+            f"data.val_sets: every set needs its own name, not {' or '.join(VAL_SET_NAMES_TAKEN)}; "
+            f"got {s.name!r}",
+        )
+        given = s.shard_dirs if d.mode == "offline" else s.records
+        need(
+            bool(given),
+            f"data.val_sets {s.name!r}: list its "
+            + ("shard_dirs (data.mode: offline)" if d.mode == "offline" else "records (online)"),
+        )
+    trained = set(d.shard_dirs + d.replay_shard_dirs + d.records)
+    for s in d.val_sets:
+        both = sorted(trained & set(s.shard_dirs + s.records))
+        need(
+            not both,
+            f"data.val_sets {s.name!r}: {', '.join(both)} is also trained on (its held-out "
+            "side is validated already, as heldout or replay): give held-out data only",
+        )
+    dirs = d.replay_shard_dirs + [p for s in d.val_sets for p in s.shard_dirs]
+    for path in dirs if check_paths else []:
+        need(
+            (Path(path) / "meta.json").is_file(),
+            f"{path} has no meta.json (data.replay_shard_dirs / data.val_sets: run "
+            "datagen.capture into it first)",
+        )
+    for path in [p for s in d.val_sets for p in s.records] if check_paths else []:
+        need(Path(path).exists(), f"data.val_sets: {path} does not exist")
 
 
 def _check_engine(cfg: Config, need: Callable[[bool, str], None]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from eagle3.data.windows import (
     window_id,
     window_mask,
 )
-from eagle3.errors import Eagle3Error
+from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.vocab import token_frequencies
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,38 @@ def take_sequences(parts: list[Dataset], n: int, seed: int) -> list[Dataset]:
     keep: list[list[int]] = [[] for _ in parts]
     for _, j, i in chosen:
         keep[j].append(i)
+    subsets = [p.subset(sorted(k)) for p, k in zip(parts, keep)]
+    return [p for p in subsets if len(p)]
+
+
+# -- replay: a share of generic data against forgetting -------------------------------------
+def replay_tokens(train_tokens: int, fraction: float) -> int:
+    """Replay tokens that make `fraction` of train_tokens + replay: f / (1 - f) x train."""
+    return math.ceil(train_tokens * fraction / (1 - fraction))
+
+
+def take_replay(parts: list[Dataset], tokens: int, seed: int) -> list[Dataset]:
+    """Records of `parts` in unit_hash("replay<seed>", id) order until they hold `tokens`
+    tokens (the last one taken whole): a larger share keeps every record of a smaller one.
+    ConfigError (one line) when the parts hold fewer."""
+    keys = sorted(
+        (unit_hash(f"replay{seed}", record_of(rid)), j, i)
+        for j, p in enumerate(parts)
+        for i, rid in enumerate(p.ids)
+    )
+    keep: list[list[int]] = [[] for _ in parts]
+    taken = 0
+    for _, j, i in keys:
+        if taken >= tokens:
+            break
+        keep[j].append(i)
+        taken += parts[j].lengths[i]
+    if taken < tokens:
+        raise ConfigError(
+            f"data.replay_fraction needs {tokens:,} replay tokens but data.replay_shard_dirs "
+            f"hold {taken:,} (after the held-out split): lower data.replay_fraction or add "
+            "replay shards"
+        )
     subsets = [p.subset(sorted(k)) for p, k in zip(parts, keep)]
     return [p for p in subsets if len(p)]
 

@@ -11,6 +11,8 @@ names what would fit. What each term assumes:
 
 - weights: every parameter of the draft (the frozen target embeddings included) in the weight
   dtype: bf16 under DeepSpeed's bf16 (it casts the module), fp32 otherwise (autocast).
+- anchor start: with train.anchor_l2, the starting weights of the trainable parameters in the
+  weight dtype (train/anchor.py); its term and gradient are made in chunks (no fp32 copy).
 - master + Adam: fp32 master weights, Adam's m and v (12 B a trainable parameter), sharded over
   the ranks by ZeRO 1/2/3; without DeepSpeed, Adam's m and v (8 B) on every rank.
 - gradients: ZeRO-2 keeps this rank's partition in the accumulation dtype (fp32 with
@@ -91,6 +93,7 @@ class RunShape:
     engine_fraction: float = 0.0  # online, served on these GPUs: the engine's share of a card
     engine_weights_bytes: float = 0.0  # the served target's weights on each card (0: unknown)
     sequence_parallel: int = 1  # ranks sharing each record (train.sequence_parallel)
+    anchor: bool = False  # train.anchor_l2 > 0: a copy of the starting weights (train/anchor.py)
 
 
 @dataclass
@@ -223,6 +226,12 @@ def plan_memory(
         f"{trainable / 1e6:.0f}M trainable + {frozen / 1e6:.0f}M frozen embeddings, "
         f"{'bf16' if weight_b == 2 else 'fp32'}"
     )
+    if run.anchor:  # θ_start in the weights' dtype, whole on every rank (ZeRO-2 / DDP)
+        p.parts["anchor start"] = trainable * weight_b
+        p.notes["anchor start"] = (
+            f"train.anchor_l2: the {trainable / 1e6:.0f}M trainable starting weights, "
+            f"{'bf16' if weight_b == 2 else 'fp32'}"
+        )
     opt_b = 12 if (deepspeed and run.bf16) else 8
     p.parts["master + Adam"] = trainable * opt_b / shards
     p.notes["master + Adam"] = (
@@ -490,6 +499,7 @@ def recipe_plan(
         if online_served
         else 0.0,
         sequence_parallel=cfg.train.sequence_parallel,
+        anchor=cfg.train.anchor_l2 > 0,
     )
     return plan_memory(draft_cfg, run, read_zero(ds_config), node, draft_cfg.vocab_size)
 

@@ -137,10 +137,26 @@ class MetricsLog:
         if self.run is not None:
             self.run.log(row, step=step)
         accs = [value for key, value in metrics.items() if key.startswith("acc_")]  # in k order
+        others = {  # data.val_sets: each set's simulated tau
+            key.removesuffix("/sim_accept_len"): value
+            for key, value in metrics.items()
+            if key.endswith("/sim_accept_len")
+        }
+        parts = []
+        if "loss" in metrics:  # the run's own held-out set
+            acc = "/".join(f"{a:.2f}" for a in accs)
+            parts.append(
+                f"loss {metrics['loss']:.3f}, acc {acc}, simulated tau {metrics['sim_accept_len']:.2f}"
+            )
+        parts += [f"{name} simulated tau {tau:.2f}" for name, tau in others.items()]
         self.write(
-            f"validation at step {step}: loss {metrics['loss']:.3f}, acc "
-            + "/".join(f"{a:.2f}" for a in accs)
-            + f", simulated tau {metrics['sim_accept_len']:.2f}"
+            f"validation at step {step}: "
+            + ", ".join(parts)
+            + (
+                f"; selected by the mean {metrics['select_tau']:.2f}"
+                if "select_tau" in metrics
+                else ""
+            )
             + (" (best so far: saved to best/)" if improved else "")
         )
 

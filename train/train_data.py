@@ -8,14 +8,15 @@
   started by setup once every cheap check passed) computes the hidden states.
 
 Then the same steps for all three: validation held out (data.val_fraction) or read
-(data.val_shard_dirs / data.val_records), data.max_sequences taken, long records fit to
+(data.val_shard_dirs / data.val_records), data.max_sequences taken, replay drawn
+(data.replay_shard_dirs, offline) and more named held-out sets read (data.val_sets), long records fit to
 data.max_length (`fit_length`) and, with data.packing, packed into rows (`pack_rows`).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,7 +47,9 @@ from train.datasets import (
     load_shards,
     long_records_report,
     loss_tokens,
+    replay_tokens,
     split_validation,
+    take_replay,
     take_sequences,
 )
 from train.online_target import describe_target
@@ -68,6 +71,9 @@ class TrainData:
     provenance: dict
     val_dataset: Dataset | None = None  # held-out conversations (None: no validation)
     val_lengths: list[int] | None = None
+    # more held-out sets by name (data.val_sets; "replay": replay's held-out side): (dataset,
+    # lengths), validated beside val_dataset ("heldout")
+    val_sets: dict[str, tuple[Dataset, list[int]]] = field(default_factory=dict)
 
 
 def training_target(cfg: Config) -> ResolvedTarget:
@@ -137,6 +143,9 @@ def load_data(
             )
     if cfg.data.max_sequences is not None:
         parts = take_sequences(parts, cfg.data.max_sequences, cfg.data.val_seed)
+    replay, sets = extra_sources(cfg, facts, target, aux_ids, hidden_dtype, provenance)
+    if replay:
+        parts, sets = add_replay(cfg, parts, replay, sets, provenance)
     dataset, lengths = concat(parts)
     val_dataset, val_lengths = concat(val_parts) if val_parts else (None, None)
     provenance.update(
@@ -157,7 +166,67 @@ def load_data(
         provenance=provenance,
         val_dataset=val_dataset,
         val_lengths=val_lengths,
+        val_sets={name: concat(set_parts) for name, set_parts in sets.items()},
     )
+
+
+def extra_sources(
+    cfg: Config,
+    facts: dict,
+    target: TargetModel | None,
+    aux_ids: list[int],
+    hidden_dtype: torch.dtype,
+    provenance: dict,
+) -> tuple[list[Dataset], dict[str, list[Dataset]]]:
+    """data.replay_shard_dirs' parts and data.val_sets' parts by name (shards checked against
+    the target like the training ones; online, records tokenized with the target's template)."""
+    d = cfg.data
+    if d.mode == "online":
+        return [], {s.name: [TokenRecords(s.records, target.tokenizer)] for s in d.val_sets}
+    replay, replay_metas = load_shards(d.replay_shard_dirs, hidden_dtype)
+    sets, dirs, metas = {}, list(d.replay_shard_dirs), list(replay_metas)
+    for s in d.val_sets:
+        sets[s.name], set_metas = load_shards(s.shard_dirs, hidden_dtype)
+        dirs += s.shard_dirs
+        metas += set_metas
+    problems = check_shard_meta(
+        metas,
+        dirs,
+        target=facts["name"],
+        vocab_size=facts["vocab_size"],
+        hidden_size=facts["hidden_size"],
+        aux_layer_ids=aux_ids,
+    )
+    if problems:
+        raise ConfigError("; ".join(problems))
+    provenance.setdefault("shards", {}).update(zip(dirs, metas))
+    return replay, sets
+
+
+def add_replay(
+    cfg: Config,
+    parts: list[Dataset],
+    replay: list[Dataset],
+    sets: dict[str, list[Dataset]],
+    provenance: dict,
+) -> tuple[list[Dataset], dict[str, list[Dataset]]]:
+    """The training parts plus data.replay_fraction of replay tokens, and the validation sets
+    plus replay's held-out side ("replay"): replay dirs are split by conversation like the
+    training dirs, so a conversation held out there is never trained."""
+    d = cfg.data
+    held: list[Dataset] = []
+    if d.val_fraction > 0:
+        replay, held = split_validation(replay, d.val_fraction, d.val_seed)
+    own = sum(n for p in parts for n in p.lengths)
+    taken = take_replay(replay, replay_tokens(own, d.replay_fraction), d.val_seed)
+    replayed = sum(n for p in taken for n in p.lengths)
+    provenance["replay"] = {
+        "dirs": d.replay_shard_dirs,
+        "sequences": sum(len(p) for p in taken),
+        "tokens": replayed,
+        "fraction": replayed / (own + replayed),
+    }
+    return parts + taken, {**sets, **({"replay": held} if held else {})}
 
 
 def read_shards(
@@ -218,6 +287,9 @@ def fit_length(cfg: Config, accelerator: Accelerator, data: TrainData) -> None:
         val = Windows(data.val_dataset, data.val_lengths, d.max_length, d.long_records,
                       d.window_context)  # fmt: skip
         data.val_dataset, data.val_lengths = val, val.lengths
+    for name, (dataset, set_lengths) in data.val_sets.items():
+        val = Windows(dataset, set_lengths, d.max_length, d.long_records, d.window_context)
+        data.val_sets[name] = (val, val.lengths)
     data.provenance["long_records"] = report
     if accelerator.is_main_process:
         print(f"training records: {line}", flush=True)

@@ -23,7 +23,9 @@ Outputs in `train.out_dir`:
     checkpoints/step-N/       draft/ (SGLang EAGLE3 format) + state/ (accelerate: optimizer,
                               scheduler, RNG) + trainer_state.json (written last = complete)
     final/                    the last SGLang-format draft
-    best/                     the draft with the best validation simulated tau (best.json: step)
+    best/                     the draft with the best validation simulated tau (best.json: step;
+                              several held-out sets: by their mean, train/selection.py)
+    anchor.json               train.anchor_l2: the sha256 of model.init_from's weights (train/anchor.py)
 
 The draft method (model.draft.method) is told apart in one place, `Unroll`: eagle3 and eagle3.1
 train the TTT unroll (eagle3.model.TTTModel, eagle3.loss.ttt_loss), p-eagle every parallel
@@ -31,8 +33,9 @@ depth in one pass over subsampled positions (eagle3.parallel_draft.ParallelModel
 train/parallel_drafting.py).
 
 Validation (data.val_fraction of the conversations, split by id, or data.val_shard_dirs /
-data.val_records) runs every train.eval_every steps and at the end: val/loss, val/acc_k and
-val/sim_accept_len in metrics.jsonl and W&B.
+data.val_records; and each of data.val_sets and replay's held-out side) runs every
+train.eval_every steps and at the end: val/loss, val/acc_k and val/sim_accept_len in
+metrics.jsonl and W&B (another set's as val/<name>/...).
 
 Online, the target runs in this process (target.device_map spreads a big one over the GPUs) or,
 with `target.engine.kind: vllm`, in a vLLM server the first rank of each node starts and every
@@ -73,6 +76,7 @@ from eagle3.parallel_draft import ParallelModel
 from eagle3.target import target_facts
 from eagle3.ttt_attention import auto_impl
 from train import parallel_drafting
+from train.anchor import Anchor
 from train.batching import collate, step_batches, val_batches
 from train.checkpointing import Checkpoints, export_extra, find_resume, load_checkpoint, read_best
 from train.config import Config, load_config
@@ -91,6 +95,7 @@ from train.memory_plan import (
 from train.metrics import MetricsLog, MetricSums, peak_memory_gb
 from train.online_target import captured_ahead, report_engines, start_served
 from train.optim import make_optimizer
+from train.selection import selection_tau
 from train.sequence_parallel import (
     DataLayout,
     check_heads,
@@ -220,6 +225,7 @@ class Run:
     total_steps: int
     start_step: int  # optimizer steps already done: the resumed checkpoint's step, else 0
     layout: DataLayout  # this rank's data-parallel rank and sequence-parallel group place
+    anchor: Anchor  # train.anchor_l2's pull toward model.init_from (off: adds nothing)
     sp_group: object = None  # train.sequence_parallel > 1: this rank's group (else None)
 
 
@@ -250,6 +256,7 @@ def setup(cfg: Config) -> Run:
     label_cache = make_label_cache(cfg, data.lengths, world, total_steps)
     unroll = Unroll.of(cfg, draft.config)
     model = unroll.module(draft)
+    anchor = Anchor.for_run(cfg, accelerator, model, out_dir, resumed=resume is not None)
     params, optimizer, scheduler = make_optimizer(cfg, model, total_steps)
     configure_deepspeed(cfg, accelerator)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -343,6 +350,7 @@ def setup(cfg: Config) -> Run:
         total_steps=total_steps,
         start_step=start_step,
         layout=layout,
+        anchor=anchor,
         sp_group=sp_group,
     )
 
@@ -414,24 +422,25 @@ def log_metrics(
         "padding_frac": 1 - tokens / max(slots, 1),
         "peak_mem_gb": peak_memory_gb(run.accelerator.device),
         "epoch": epoch,
+        **run.anchor.metrics(),
     }
     run.logger.log(step, metrics)
 
 
 # -- validation -----------------------------------------------------------------------------------
 @torch.no_grad()
-def validate(run: Run) -> dict[str, float]:
-    """TTT loss, acc_k (over every loss-masked position) and simulated tau on the held-out
-    conversations; every rank takes part."""
+def validate(run: Run, dataset, lengths: list[int], split: str = "val") -> dict[str, float]:
+    """TTT loss, acc_k (over every loss-masked position) and simulated tau on one held-out
+    set; every rank takes part. `split` keys its soft labels in the label cache."""
     accelerator, w = run.accelerator, run.cfg.model.step_weight
     sums = MetricSums(run.unroll.depth, accelerator.device)
     run.model.eval()
     for indices, counts in val_batches(
-        run.data.val_lengths, run.cfg.data.batch_size, run.layout.data_size, run.layout.data_rank
+        lengths, run.cfg.data.batch_size, run.layout.data_size, run.layout.data_rank
     ):
-        batch = collate([run.data.val_dataset[i] for i in indices])
+        batch = collate([dataset[i] for i in indices])
         batch["index"] = torch.tensor(indices)
-        mb = labelled(run, batch, "val")  # unpacked
+        mb = labelled(run, batch, split)  # unpacked
         run.unroll.prepare(mb)  # p-eagle: every position at every depth, the chain's tau
         _, m = run.unroll.loss(run.model, mb, w, None)
         if counts:
@@ -441,13 +450,36 @@ def validate(run: Run) -> dict[str, float]:
     return {"tokens": total.tokens.item(), **run.unroll.summary(total, w)}
 
 
+def validation_sets(run: Run) -> dict[str, tuple]:
+    """The held-out sets by name: the run's own ("heldout"), then data.val_sets and replay's."""
+    own = (
+        {}
+        if run.data.val_dataset is None
+        else {"heldout": (run.data.val_dataset, run.data.val_lengths)}
+    )
+    return {**own, **run.data.val_sets}
+
+
 def validation_step(run: Run, step: int) -> None:
-    """Validate, log val/* metrics, and export best/ when simulated tau beats the best so far."""
-    metrics = validate(run)
-    improved = run.checkpoints.improves(metrics["sim_accept_len"])
+    """Validate every held-out set and log val/* metrics (the run's own set as val/loss,
+    val/acc_k, val/sim_accept_len; another as val/<name>/...; with several, val/select_tau);
+    export best/ when the selection score (train/selection.py) beats the best so far."""
+    results = {
+        name: validate(run, dataset, lengths, "val" if name == "heldout" else f"val:{name}")
+        for name, (dataset, lengths) in validation_sets(run).items()
+    }
+    metrics = dict(results.get("heldout", {}))
+    for name, result in results.items():
+        if name != "heldout":
+            metrics.update({f"{name}/{key}": value for key, value in result.items()})
+    taus = {name: result["sim_accept_len"] for name, result in results.items()}
+    score = selection_tau(taus)
+    if len(taus) > 1:
+        metrics["select_tau"] = score
+    improved = run.checkpoints.improves(score)
     run.logger.log_eval(step, metrics, improved=improved)
     if improved:
-        run.checkpoints.save_best(step, metrics["sim_accept_len"])
+        run.checkpoints.save_best(step, score, taus if len(taus) > 1 else None)
     run.accelerator.wait_for_everyone()
 
 
@@ -464,7 +496,7 @@ def train_loop(run: Run) -> None:
         # validate and checkpoint the step just done (not the one resumed from); every rank
         # takes part. Validation first: a resumed run never repeats a logged validation pass.
         last = step >= run.total_steps
-        if run.data.val_dataset is not None and step > run.start_step:
+        if validation_sets(run) and step > run.start_step:
             if step % cfg.train.eval_every == 0 or last:
                 validation_step(run, step)
         if step > run.start_step and (step % cfg.train.save_every == 0 or last):
@@ -486,6 +518,7 @@ def train_loop(run: Run) -> None:
                 run.labelled.soft_labels(mb)
                 with accelerator.accumulate(model):
                     loss, m = run.unroll.loss(model, mb, cfg.model.step_weight, denominators)
+                    loss = run.anchor.added_to(loss)  # train.anchor_l2 (train/anchor.py)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:
                         grad_norm = clip_gradients(run)
