@@ -7,8 +7,8 @@ Prints the tokens (given, or counted by rendering --data with the target's token
 the records' usage counts), the bytes per token and on disk in every storage dtype (with the
 dtype each stores the aux and the last hidden states in), hours at a few capture speeds (or
 --tokens-per-s), the free space at --out, and, beyond what is sensible to store, the advice
-to train online instead. No weights are read: a registry entry's
-hidden size needs no config.json, so a hub-only target (kimi-k2.5) downloads nothing.
+to train online instead. No weights are read: a registry entry's hidden size needs no
+config.json, so a hub-only target (kimi-k2.5) downloads nothing.
 """
 
 from __future__ import annotations

@@ -38,8 +38,9 @@ to its row's largest value. ``fp8`` halves the disk of bf16 but moves the soft l
 (the labels' source) as bf16, bit-identical to a bf16 capture's, for 37.5% less disk than bf16.
 At Kimi-K2.5 size, 40M training tokens are 2.3 TB in bf16, 1.4 TB in fp8-aux, 1.1 TB in fp8.
 What each costs the labels and the aux states, measured: results/README.md, "Soft labels and
-the drafter's input from fp8 shards". meta.json's ``fp8_scales`` names each fp8 tensor's scale tensor (``{}`` when none);
-a capture from before it has none and reads by its ``dtype`` (fp8: both tensors).
+the drafter's input from fp8 shards". meta.json's ``fp8_scales`` names each fp8 tensor's scale
+tensor (``{}`` when none); a capture from before it has none and reads by its ``dtype`` (fp8:
+both tensors).
 
 Crash safety: a shard is written to ``.NAME.tmp``, fsynced and renamed; only then are its index
 lines appended (one write) to the writer's ``index-PPP.jsonl`` part. A record is captured when
