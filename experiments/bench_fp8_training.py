@@ -334,15 +334,15 @@ def main() -> None:
         f"shards, {res['bf16']['positions'][0]} loss-masked positions at step 0 "
         f"({res['bf16']['in_vocab'][0]} with the target argmax in the draft vocab)"
     )
-    print(" " * 12 + "".join(f"{'acc_' + str(k):>9}" for k in range(K)) + f"{'sim tau':>9}")
+    print(" " * 16 + "".join(f"{'acc_' + str(k):>9}" for k in range(K)) + f"{'sim tau':>9}")
     for dt in runs:
         acc = res[dt]["acc"]
         print(
-            f"{dt + ' all':12s}"
+            f"{dt + ' all':16s}"
             + "".join(f"{a:9.2%}" for a in acc)
             + f"{simulated_acceptance(acc):9.3f}"
         )
-        print(f"{dt + ' in-vocab':12s}" + "".join(f"{a:9.2%}" for a in res[dt]["acc_in_vocab"]))
+        print(f"{dt + ' in-vocab':16s}" + "".join(f"{a:9.2%}" for a in res[dt]["acc_in_vocab"]))
     for dt in args.dtypes[1:]:
         diff = [100 * (f - b) for f, b in zip(res[dt]["acc"], res["bf16"]["acc"])]
         print(f"{dt + ' - bf16':16s}" + "".join(f"{d:+8.2f}p" for d in diff) + "  (points)")
