@@ -4,10 +4,11 @@
     python -m datagen.capture --target smollm2-135m-q4 --estimate --data out/responses --out out/shards
 
 Prints the tokens (given, or counted by rendering --data with the target's tokenizer, else
-the records' usage counts), the bytes per token and on disk in every storage dtype, hours at a
-few capture speeds (or --tokens-per-s), the free space at --out, and, beyond what is sensible
-to store, the advice to train online instead. No weights are read: a registry entry's
-hidden size needs no config.json, so a hub-only target (kimi-k2.5) downloads nothing.
+the records' usage counts), the bytes per token and on disk in every storage dtype (with the
+dtype each stores the aux and the last hidden states in), hours at a few capture speeds (or
+--tokens-per-s), the free space at --out, and, beyond what is sensible to store, the advice
+to train online instead. No weights are read: a registry entry's hidden size needs no
+config.json, so a hub-only target (kimi-k2.5) downloads nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import torch
+
 from datagen.render import Rendering, render_all
 from eagle3.data.records import read_records
 from eagle3.data.shards import DTYPES, bytes_per_token
@@ -25,6 +28,7 @@ from eagle3.target import load_tokenizer, resolve, target_facts
 
 ESTIMATE_RATES = (1_000, 10_000, 50_000)  # tokens/s shown by --estimate when none is given
 TB_WARN = 1e12  # bytes beyond which --estimate recommends online training
+STORED_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8"}
 
 
 def parse_count(text: str) -> int:
@@ -61,11 +65,15 @@ def estimate_text(
 ) -> str:
     """What --estimate prints: tokens, bytes per dtype, hours, and the online alternative."""
     lines = [f"capture estimate for {name} (hidden size {hidden}): {tokens:,} tokens"]
-    for dt in DTYPES:
+    for dt, stored in DTYPES.items():
         per = bytes_per_token(hidden, dt)
+        what = (
+            f"aux {STORED_NAMES[stored['aux_hidden']]}, last {STORED_NAMES[stored['last_hidden']]}"
+        )
         mark = "  <- --dtype" if dt == dtype else ""
         lines.append(
-            f"  {dt:5s} {per:>7,} bytes/token  {human_bytes(per * tokens):>10} on disk{mark}"
+            f"  {dt:7s} {per:>7,} bytes/token  {human_bytes(per * tokens):>10} on disk"
+            f"  ({what}){mark}"
         )
     rates = [rate] if rate else ESTIMATE_RATES
     hours = ", ".join(f"{tokens / r / 3600:,.2f} h at {r:,.0f} tok/s" for r in rates)

@@ -1,17 +1,22 @@
-"""What fp8 hidden-state shards cost the teacher's soft labels, measured against bf16 shards.
+"""What fp8 hidden-state shards cost the teacher's soft labels and the drafter's input, measured
+against bf16 shards, for each fp8 storage mode.
 
     python experiments/bench_fp8_labels.py [--target smollm2-135m-q4 --target MINI_DIR] \
         [--prompts 40] [--max-new-tokens 96]
 
 For each target: MT-bench prompts (first turns) and the target's own greedy answers are
-captured once in fp32, written through `eagle3.data.shards.ShardWriter` as bf16 and as fp8
-(exactly what `datagen.capture --dtype` stores) and read back with `ShardDataset`. The soft
-labels are then computed as training computes them (`eagle3.loss.target_probs`: the target's
-lm_head over the stored last hidden state, softmaxed over the draft vocab; here the full vocab,
-the least forgiving restriction) on the answer tokens (loss mask 1). Printed per target:
-top-1 agreement of the labels' argmax, fp8 vs bf16 (and each vs the unstored fp32 capture),
-mean and max KL(bf16 || fp8), and the relative error of the stored aux and last hidden states.
-What the label differences cost a drafter trained on fp8 shards: experiments/bench_fp8_training.py.
+captured once in fp32, written through `eagle3.data.shards.ShardWriter` in every mode of
+MODES (exactly what `datagen.capture --dtype` stores: fp8 has both hidden states in fp8,
+fp8-aux the aux states in fp8 and the last in bf16) and read back with `ShardDataset`. The
+soft labels are then computed as training computes them (`eagle3.loss.target_probs`: the
+target's lm_head over the stored last hidden state, softmaxed over the draft vocab; here the
+full vocab, the least forgiving restriction) on the answer tokens (loss mask 1). Printed per
+target and fp8 mode: top-1 agreement of the labels' argmax with bf16's (and each with the
+unstored fp32 capture's), mean and max KL(bf16 || mode), the relative error of the stored aux
+and last hidden states against fp32, and what the drafter's first layer sees: the relative
+error and the per-token cosine (mean, min) of fc(aux) against fc(bf16 aux), fc being a
+drafter's `fc` Linear(3H -> H) at its initialisation (seeded; no drafter is trained here).
+What the differences cost a trained drafter: experiments/bench_fp8_training.py.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from eagle3.data.prompts import load_prompts
 from eagle3.data.shards import ShardDataset, ShardWriter, target_meta
 from eagle3.loss import target_probs
 from eagle3.target import load_target
+
+MODES = ("bf16", "fp8", "fp8-aux")  # bf16 is the reference the fp8 modes are compared with
 
 
 def own_answers(target, prompts, max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
@@ -46,6 +53,68 @@ def own_answers(target, prompts, max_new_tokens: int) -> list[tuple[list[int], l
     return out
 
 
+def stored_states(
+    aux: list[torch.Tensor], last: list[torch.Tensor], masks: list[list[int]], meta: dict, tmp: Path
+) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Each record's (aux [T, 3H], last [T, H]) written in every mode of MODES and read back
+    (float32) -> {mode: [(aux, last) per record]}."""
+    out = {}
+    for mode in MODES:
+        with ShardWriter(tmp / mode, meta, dtype=mode) as writer:
+            for i, (a, h, mask) in enumerate(zip(aux, last, masks)):
+                writer.add(f"r{i}", list(range(len(mask))), mask, a, h)
+        by_id = {row["id"]: row for row in ShardDataset(tmp / mode)}
+        out[mode] = [(by_id[f"r{i}"]["aux_hidden"], by_id[f"r{i}"]["last_hidden"])
+                     for i in range(len(aux))]  # fmt: skip
+    return out
+
+
+def compare(
+    ref_aux: list[torch.Tensor],
+    ref_last: list[torch.Tensor],
+    masks: list[list[int]],
+    stored: dict[str, list[tuple[torch.Tensor, torch.Tensor]]],
+    lm_head: torch.Tensor,
+    fc: torch.nn.Linear,
+) -> dict[str, dict]:
+    """Per fp8 mode: the soft labels on the loss-masked rows against bf16's and the unstored
+    fp32's, and the stored states' errors (see the module docstring)."""
+    t2d = torch.ones(lm_head.shape[0], dtype=torch.bool)
+    rows = [torch.tensor(m, dtype=torch.bool) for m in masks]
+
+    def labels(lasts: list[torch.Tensor]) -> torch.Tensor:  # (answer tokens, V)
+        return torch.cat([target_probs(h[None].float(), lm_head, t2d, 512)[0][0][r]
+                          for h, r in zip(lasts, rows)])  # fmt: skip
+
+    def rel(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+        num = sum((g.float() - r.float()).norm() ** 2 for g, r in zip(got, ref))
+        return float((num / sum(r.float().norm() ** 2 for r in ref)) ** 0.5)
+
+    p_fp32 = labels(ref_last)
+    p_bf16 = labels([h for _, h in stored["bf16"]])
+    fc_bf16 = [fc(a).detach() for a, _ in stored["bf16"]]
+    out = {"bf16": {"top1_vs_fp32": float((p_bf16.argmax(-1) == p_fp32.argmax(-1)).float().mean()),
+                    "rel_err_aux": rel([a for a, _ in stored["bf16"]], ref_aux),
+                    "rel_err_last": rel([h for _, h in stored["bf16"]], ref_last)}}  # fmt: skip
+    for mode in MODES[1:]:
+        q = labels([h for _, h in stored[mode]])
+        kl = (p_bf16 * (p_bf16.clamp_min(1e-30).log() - q.clamp_min(1e-30).log())).sum(-1)
+        fc_mode = [fc(a).detach() for a, _ in stored[mode]]
+        cos = torch.cat([torch.cosine_similarity(f, b, dim=-1) for f, b in zip(fc_mode, fc_bf16)])
+        out[mode] = {
+            "top1_vs_bf16": float((q.argmax(-1) == p_bf16.argmax(-1)).float().mean()),
+            "top1_vs_fp32": float((q.argmax(-1) == p_fp32.argmax(-1)).float().mean()),
+            "kl_mean": float(kl.mean()),
+            "kl_max": float(kl.max()),
+            "rel_err_aux": rel([a for a, _ in stored[mode]], ref_aux),
+            "rel_err_last": rel([h for _, h in stored[mode]], ref_last),
+            "fc_rel_err": rel(fc_mode, fc_bf16),
+            "fc_cos_mean": float(cos.mean()),
+            "fc_cos_min": float(cos.min()),
+        }
+    return out
+
+
 def measure(name: str, n_prompts: int, max_new_tokens: int) -> dict:
     target = load_target(name, device="cpu")
     if name != "smollm2-135m-q4" and len(set(target.aux_layer_ids)) < 3:  # tiny miniatures
@@ -53,56 +122,46 @@ def measure(name: str, n_prompts: int, max_new_tokens: int) -> dict:
     prompts = load_prompts("mt_bench", limit=n_prompts)
     t0 = time.perf_counter()
     seqs = own_answers(target, prompts, max_new_tokens)
-    with tempfile.TemporaryDirectory() as tmp:
-        dirs = {dtype: Path(tmp) / dtype for dtype in ("bf16", "fp8")}
-        writers = {
-            dtype: ShardWriter(d, {**target_meta(target), "max_length": 4096}, dtype=dtype)
-            for dtype, d in dirs.items()
-        }
-        ref_aux, ref_last = [], []
-        for i, (ids, mask) in enumerate(seqs):
+    ref_aux, ref_last = [], []
+    for ids, _ in seqs:
+        with torch.no_grad():
             aux, last = target.capture(torch.tensor([ids]))
-            ref_aux.append(aux[0].float())
-            ref_last.append(last[0].float())
-            for w in writers.values():
-                w.add(f"r{i}", ids, mask, aux[0], last[0])
-        for w in writers.values():
-            w.close()
-        stored = {dtype: ShardDataset(d) for dtype, d in dirs.items()}
-        rows = {dtype: [ds[i] for i in range(len(ds))] for dtype, ds in stored.items()}
-    by_id = {dtype: {r["id"]: r for r in rs} for dtype, rs in rows.items()}
-    V = target.vocab_size
-    t2d = torch.ones(V, dtype=torch.bool)
-    lm_head = target.lm_head_weight.float()
-    labels, argmax = {}, {}
-    for dtype in ("fp32", "bf16", "fp8"):
-        probs = []
-        for i, (_, mask) in enumerate(seqs):
-            last = ref_last[i] if dtype == "fp32" else by_id[dtype][f"r{i}"]["last_hidden"]
-            p, _ = target_probs(last[None].float(), lm_head, t2d, 512)
-            probs.append(p[0][torch.tensor(mask, dtype=torch.bool)])
-        labels[dtype] = torch.cat(probs)  # (N answer tokens, V)
-        argmax[dtype] = labels[dtype].argmax(-1)
-    p, q = labels["bf16"], labels["fp8"]
-    kl = (p * (p.clamp_min(1e-30).log() - q.clamp_min(1e-30).log())).sum(-1)
-
-    def rel(dtype: str, key: str, ref: list[torch.Tensor]) -> float:
-        num = sum((by_id[dtype][f"r{i}"][key] - r).norm() ** 2 for i, r in enumerate(ref))
-        return float((num / sum(r.norm() ** 2 for r in ref)) ** 0.5)
-
+        ref_aux.append(aux[0].float())
+        ref_last.append(last[0].float())
+    masks = [mask for _, mask in seqs]
+    meta = {**target_meta(target), "max_length": 4096}
+    with tempfile.TemporaryDirectory() as tmp:
+        stored = stored_states(ref_aux, ref_last, masks, meta, Path(tmp))
+    torch.manual_seed(0)  # the same fc for every mode (and every run)
+    fc = torch.nn.Linear(3 * target.hidden_size, target.hidden_size, bias=False)
+    result = compare(ref_aux, ref_last, masks, stored, target.lm_head_weight.float(), fc)
     return {
         "target": name,
-        "answer_tokens": int(p.shape[0]),
-        "total_tokens": sum(len(ids) for ids, _ in seqs),
-        "top1_fp8_vs_bf16": float((argmax["fp8"] == argmax["bf16"]).float().mean()),
-        "top1_bf16_vs_fp32": float((argmax["bf16"] == argmax["fp32"]).float().mean()),
-        "top1_fp8_vs_fp32": float((argmax["fp8"] == argmax["fp32"]).float().mean()),
-        "kl_mean": float(kl.mean()),
-        "kl_max": float(kl.max()),
-        "rel_err_aux": {d: rel(d, "aux_hidden", ref_aux) for d in ("bf16", "fp8")},
-        "rel_err_last": {d: rel(d, "last_hidden", ref_last) for d in ("bf16", "fp8")},
+        "answer_tokens": sum(sum(m) for m in masks),
+        "total_tokens": sum(len(m) for m in masks),
+        "modes": result,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def report(r: dict) -> str:
+    """The printed lines of one target's measure()."""
+    m = r["modes"]
+    lines = [
+        f"{r['target']}: {r['answer_tokens']} answer tokens ({r['total_tokens']} in all), "
+        f"{r['seconds']:.0f} s; bf16 vs fp32: top-1 {m['bf16']['top1_vs_fp32']:.4%}, relative "
+        f"error aux {m['bf16']['rel_err_aux']:.2e}, last {m['bf16']['rel_err_last']:.2e}"
+    ]
+    for mode in MODES[1:]:
+        x = m[mode]
+        lines.append(
+            f"  {mode:8s} top-1 vs bf16 {x['top1_vs_bf16']:.4%} (vs fp32 {x['top1_vs_fp32']:.4%}), "
+            f"KL(bf16 || {mode}) mean {x['kl_mean']:.2e} max {x['kl_max']:.2e}; relative error "
+            f"aux {x['rel_err_aux']:.2e} last {x['rel_err_last']:.2e}; fc(aux) vs bf16: relative "
+            f"error {x['fc_rel_err']:.2e}, cosine mean {x['fc_cos_mean']:.6f} min "
+            f"{x['fc_cos_min']:.6f}"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -113,18 +172,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     for name in args.target or ["smollm2-135m-q4"]:
-        r = measure(name, args.prompts, args.max_new_tokens)
-        print(
-            f"{r['target']}: {r['answer_tokens']} answer tokens ({r['total_tokens']} in all), "
-            f"{r['seconds']:.0f} s\n"
-            f"  top-1 agreement fp8 vs bf16 {r['top1_fp8_vs_bf16']:.4%} "
-            f"(bf16 vs fp32 {r['top1_bf16_vs_fp32']:.4%}, fp8 vs fp32 {r['top1_fp8_vs_fp32']:.4%})\n"
-            f"  KL(bf16 || fp8) of the soft labels: mean {r['kl_mean']:.2e}, max {r['kl_max']:.2e}\n"
-            f"  relative error of stored states: aux bf16 {r['rel_err_aux']['bf16']:.2e} "
-            f"fp8 {r['rel_err_aux']['fp8']:.2e}; last bf16 {r['rel_err_last']['bf16']:.2e} "
-            f"fp8 {r['rel_err_last']['fp8']:.2e}",
-            flush=True,
-        )
+        print(report(measure(name, args.prompts, args.max_new_tokens)), flush=True)
 
 
 if __name__ == "__main__":

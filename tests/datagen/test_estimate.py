@@ -49,6 +49,7 @@ def test_estimate_for_kimi_shows_terabytes_and_online_training(capsys):
     assert "hidden size 7168" in text and "40,000,000 tokens" in text
     assert "57,349 bytes/token" in text and "2.3 TB" in text  # bf16
     assert "28,693 bytes/token" in text and "1.1 TB" in text  # fp8
+    assert "35,857 bytes/token      1.4 TB on disk  (aux fp8, last bf16)" in text  # fp8-aux
     assert "0.56 h at 20,000 tok/s" in text
     assert "train online" in text and "data.mode=online" in text
 

@@ -19,20 +19,28 @@ Tensors in a shard (N = tokens in the shard, H = target hidden size)::
     loss_mask   uint8  [N]      1 on tokens the target generated (eagle3.data.chat)
     aux_hidden  dtype  [N, 3H]  outputs of the 3 aux decoder layers, concatenated in order
     last_hidden dtype  [N, H]   final hidden state after the last norm (lm_head input)
-    aux_scale   fp32   [N, 3]   fp8 only: one scale per token and aux layer
-    last_scale  fp32   [N, 1]   fp8 only
+    aux_scale   fp32   [N, 3]   when aux_hidden is fp8: one scale per token and aux layer
+    last_scale  fp32   [N, 1]   when last_hidden is fp8
 
-Storage dtype and bytes per token (ids 4 + mask 1 + hidden values + fp8 scales)::
+Storage modes (``--dtype``) and bytes per token (ids 4 + mask 1 + hidden values + fp8 scales)::
 
-    bf16  8H + 5    SmolLM2 (H=576):  4,613 B    Kimi-K2.5 (H=7168): 57,349 B
-    fp16  8H + 5    same; values beyond +-65504 are clamped (and counted in a warning)
-    fp8   4H + 21   SmolLM2:          2,325 B    Kimi-K2.5:          28,693 B
+    mode     aux_hidden  last_hidden  bytes    SmolLM2 (H=576)  Kimi-K2.5 (H=7168)
+    bf16     bf16        bf16         8H + 5   4,613 B          57,349 B
+    fp16     fp16        fp16         8H + 5   same; values beyond +-65504 are clamped (warned)
+    fp8      fp8         fp8          4H + 21  2,325 B          28,693 B
+    fp8-aux  fp8         bf16         5H + 17  2,897 B          35,857 B
 
 fp8 is ``torch.float8_e4m3fn`` with a per-token, per-layer absmax scale (the three aux layers
 differ in magnitude by orders), so each value keeps ~3 significant bits of mantissa relative
-to its row's largest value: about half the disk of bf16. At Kimi-K2.5 size, 40M training
-tokens are 2.3 TB in bf16 and 1.1 TB in fp8. What fp8 costs the soft labels, measured: results/
-README.md, "fp8 or bf16 shards" (the Kimi recipe stores bf16).
+to its row's largest value. ``fp8`` halves the disk of bf16 but moves the soft labels' top-1
+(the last hidden state's outlier channels set its scale and squeeze the other values);
+``fp8-aux`` stores only the aux states (the drafter's input) in fp8 and the last hidden state
+(the labels' source) as bf16, bit-identical to a bf16 capture's, for 37.5% less disk than bf16.
+At Kimi-K2.5 size, 40M training tokens are 2.3 TB in bf16, 1.4 TB in fp8-aux, 1.1 TB in fp8.
+What each costs the labels and the aux states, measured: results/README.md, "Soft labels and
+the drafter's input from fp8 shards". meta.json's ``fp8_scales`` names each fp8 tensor's scale
+tensor (``{}`` when none); a capture from before it has none and reads by its ``dtype`` (fp8:
+both tensors).
 
 Crash safety: a shard is written to ``.NAME.tmp``, fsynced and renamed; only then are its index
 lines appended (one write) to the writer's ``index-PPP.jsonl`` part. A record is captured when
@@ -90,6 +98,7 @@ from eagle3.data.shards.format import (
     IDENTITY_KEYS,
     bytes_per_token,
     check_meta,
+    fp8_scales,
     identity_mismatches,
     read_index,
     read_meta,
@@ -116,6 +125,7 @@ __all__ = [
     "check_meta",
     "file_xxh3",
     "finalize",
+    "fp8_scales",
     "identity_mismatches",
     "read_index",
     "read_meta",

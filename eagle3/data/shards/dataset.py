@@ -15,6 +15,7 @@ from eagle3.data.shards.format import (
     INDEX,
     META,
     _read_index,
+    fp8_scales,
     read_index,
     read_meta,
 )
@@ -31,7 +32,7 @@ from eagle3.errors import Eagle3Error
 class ShardDataset(torch.utils.data.Dataset):
     """Records of a capture directory: ``ds[i]`` -> {"id", "input_ids" long [T], "loss_mask"
     long [T], "aux_hidden" [T, 3H], "last_hidden" [T, H]} with hidden states in `dtype`
-    (float32 by default; fp8 shards are de-scaled). Shards are memory-mapped lazily.
+    (float32 by default; fp8 tensors are de-scaled). Shards are memory-mapped lazily.
 
     `max_length` cuts longer records to their first `max_length` tokens (``truncated`` counts
     them), as online training cuts its token records. Raises Eagle3Error for a directory that
@@ -67,6 +68,8 @@ class ShardDataset(torch.utils.data.Dataset):
                 f"{FORMAT_VERSION}; capture again"
             )
         self.meta = meta
+        # the fp8 tensors and their scales; a capture from before meta recorded them: its dtype's
+        self.fp8_scales = meta.get("fp8_scales", fp8_scales(meta.get("dtype", "bf16")))
         self.index = read_index(self.dir) if allow_incomplete else _read_index(self.dir / INDEX)
         shards = _by_shard(self.index)
         self._records = {name: n for name, (_, n) in shards.items()}  # per shard, for errors
@@ -149,16 +152,16 @@ class ShardDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         e = self.index[i]
         rows = self._read(e)
-        aux, last = rows["aux_hidden"], rows["last_hidden"]
-        if self.meta["dtype"] == "fp8":
-            t = aux.shape[0]
-            aux_scale, last_scale = rows["aux_scale"], rows["last_scale"]  # (T, 3), (T, 1)
-            aux = (aux.float().view(t, 3, -1) * aux_scale[..., None]).view(t, -1)
-            last = last.float() * last_scale
+        hidden = {}
+        for name in ("aux_hidden", "last_hidden"):
+            x = rows[name]
+            if name in self.fp8_scales:  # one scale per token and layer: (T, 3) or (T, 1)
+                t, scale = x.shape[0], rows[self.fp8_scales[name]]
+                x = (x.float().view(t, scale.shape[1], -1) * scale[..., None]).view(t, -1)
+            hidden[name] = x.to(self.dtype)
         return {
             "id": e["id"],
             "input_ids": rows["input_ids"].long(),
             "loss_mask": rows["loss_mask"].long(),
-            "aux_hidden": aux.to(self.dtype),
-            "last_hidden": last.to(self.dtype),
+            **hidden,
         }

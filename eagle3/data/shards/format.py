@@ -19,7 +19,19 @@ if TYPE_CHECKING:
     from eagle3.target import Target
 
 FORMAT_VERSION = 1
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+FP8 = torch.float8_e4m3fn
+# --dtype: the storage mode, i.e. the dtype each hidden-state tensor of a shard is stored in.
+# fp8-aux keeps last_hidden as captured in bf16: the soft labels come from it alone (the
+# target's lm_head over it), and fp8's absmax scale, set by its outlier channels, moves their
+# top-1; the aux states are only the drafter's input.
+DTYPES = {
+    "bf16": {"aux_hidden": torch.bfloat16, "last_hidden": torch.bfloat16},
+    "fp16": {"aux_hidden": torch.float16, "last_hidden": torch.float16},
+    "fp8": {"aux_hidden": FP8, "last_hidden": FP8},
+    "fp8-aux": {"aux_hidden": FP8, "last_hidden": torch.bfloat16},
+}
+# An fp8 tensor's fp32 scale tensor and its scales per token: one per target layer it holds.
+FP8_SCALES = {"aux_hidden": ("aux_scale", 3), "last_hidden": ("last_scale", 1)}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP16_MAX = 65504.0
 DEFAULT_SHARD_BYTES = 256 << 20
@@ -40,10 +52,20 @@ META = "meta.json"
 
 
 def bytes_per_token(hidden_size: int, dtype: str) -> int:
-    """Disk bytes per captured token (see eagle3.data.shards)."""
-    values = 4 * hidden_size * DTYPES[dtype].itemsize  # aux 3H + last H
-    scales = 4 * 4 if dtype == "fp8" else 0
-    return 4 + 1 + values + scales
+    """Disk bytes per captured token (see eagle3.data.shards): ids 4 + mask 1 + each hidden
+    tensor's values and, when it is fp8, its fp32 scales."""
+    width = {"aux_hidden": 3 * hidden_size, "last_hidden": hidden_size}
+    total = 4 + 1
+    for name, stored in DTYPES[dtype].items():
+        total += width[name] * stored.itemsize
+        if stored == FP8:
+            total += 4 * FP8_SCALES[name][1]
+    return total
+
+
+def fp8_scales(dtype: str) -> dict[str, str]:
+    """meta.json's ``fp8_scales`` for storage mode `dtype`: each fp8 tensor -> its scale tensor."""
+    return {name: FP8_SCALES[name][0] for name, stored in DTYPES[dtype].items() if stored == FP8}
 
 
 def _fsync_dir(path: Path) -> None:

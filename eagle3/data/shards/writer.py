@@ -19,7 +19,9 @@ from eagle3.data.shards.format import (
     DEFAULT_SHARD_BYTES,
     DTYPES,
     FORMAT_VERSION,
+    FP8,
     FP8_MAX,
+    FP8_SCALES,
     FP16_MAX,
     INDEX,
     META,
@@ -28,6 +30,7 @@ from eagle3.data.shards.format import (
     _parts,
     _write_index,
     check_meta,
+    fp8_scales,
     read_index,
     read_meta,
     write_json_atomic,
@@ -38,20 +41,22 @@ from eagle3.errors import Eagle3Error
 log = logging.getLogger("eagle3.data.shards")
 
 
-def _quantize(x: torch.Tensor, dtype: str, groups: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[T, C] float -> (stored [T, C], scale [T, groups] fp32 or None)."""
-    if dtype == "fp8":
+def _quantize(
+    x: torch.Tensor, stored: torch.dtype, groups: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[T, C] float -> (stored [T, C], scale [T, groups] fp32 when `stored` is fp8, else None)."""
+    if stored == FP8:
         xg = x.float().view(x.shape[0], groups, -1)  # (T, groups, C/groups)
         scale = xg.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-        q = (xg / scale).to(torch.float8_e4m3fn).view(x.shape)
+        q = (xg / scale).to(FP8).view(x.shape)
         return q, scale.squeeze(-1)
-    if dtype == "fp16":
+    if stored == torch.float16:
         x = x.float()
         over = int((x.abs() > FP16_MAX).sum())
         if over:
             log.warning("fp16: %d values beyond +-65504 clamped; use --dtype bf16", over)
         return x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16), None
-    return x.to(DTYPES[dtype]), None
+    return x.to(stored), None
 
 
 class ShardWriter:
@@ -74,7 +79,7 @@ class ShardWriter:
         finalize_on_close: bool = True,
     ):
         if dtype not in DTYPES:
-            raise Eagle3Error(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+            raise Eagle3Error(f"unknown shard dtype {dtype!r}; use one of {', '.join(DTYPES)}")
         if not re.fullmatch(r"[0-9A-Za-z]+", part):
             raise ValueError(f"part must be alphanumeric, got {part!r}")
         self.dir = Path(out_dir)
@@ -83,7 +88,10 @@ class ShardWriter:
         self.shard_bytes = shard_bytes
         self.part = part
         self.finalize_on_close = finalize_on_close
-        self.meta = {**meta, "dtype": dtype, "format_version": FORMAT_VERSION}
+        # which tensors are fp8 and where their scales are (captures before this field:
+        # the reader derives it from "dtype")
+        self.meta = {**meta, "dtype": dtype, "fp8_scales": fp8_scales(dtype),
+                     "format_version": FORMAT_VERSION}  # fmt: skip
         self._lock_fd = try_lock(self.dir / f".lock-{part}")
         if self._lock_fd is None:
             raise Eagle3Error(
@@ -161,11 +169,14 @@ class ShardWriter:
         if c != 3 * last_hidden.shape[-1] or last_hidden.shape[:2] != (b, width):
             raise ValueError(f"aux_hidden must be [B, T, 3H] beside last_hidden [B, T, H], got "
                              f"{tuple(aux_hidden.shape)} and {tuple(last_hidden.shape)}")  # fmt: skip
-        aux, aux_scale = _quantize(aux_hidden.reshape(b * width, c), self.dtype, 3)
-        last, last_scale = _quantize(last_hidden.reshape(b * width, -1), self.dtype, 1)
-        blocks = {"aux_hidden": aux, "last_hidden": last}
-        if aux_scale is not None:
-            blocks.update(aux_scale=aux_scale, last_scale=last_scale)
+        blocks = {}
+        for name, x in (("aux_hidden", aux_hidden), ("last_hidden", last_hidden)):
+            scale_name, groups = FP8_SCALES[name]
+            blocks[name], scale = _quantize(
+                x.reshape(b * width, -1), DTYPES[self.dtype][name], groups
+            )
+            if scale is not None:
+                blocks[scale_name] = scale
         blocks = {k: v.cpu().view(b, width, -1) for k, v in blocks.items()}  # one copy each
         for i, rid in enumerate(record_ids):
             ids = torch.as_tensor(input_ids[i]).reshape(-1).to(torch.int32).cpu()

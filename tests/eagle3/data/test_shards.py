@@ -76,7 +76,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).norm(dim=-1) / b.norm(dim=-1)).max())
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [("bf16", 0.01), ("fp16", 0.002), ("fp8", 0.08)])
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [("bf16", 0.01), ("fp16", 0.002), ("fp8", 0.08), ("fp8-aux", 0.08)]
+)
 def test_round_trip(tmp_path, dtype, tol):
     write(tmp_path, range(12), dtype=dtype)
     ds = ShardDataset(tmp_path)
@@ -100,10 +102,55 @@ def test_round_trip(tmp_path, dtype, tol):
     assert lines[0]["num_loss_tokens"] == lines[0]["length"] - 2
 
 
+def test_fp8_aux_keeps_the_last_state_exact_and_records_its_scales(tmp_path):
+    """~0.3 s. --dtype fp8-aux: last_hidden reads back bit-identical to a bf16 capture's (the
+    soft labels' source), aux_hidden bit-identical to an fp8 capture's (same scales, within
+    fp8's error of the input), and the shard and meta.json say which tensors are fp8 and where
+    their scales are."""
+    for dtype in ("bf16", "fp8", "fp8-aux"):
+        write(tmp_path / dtype, range(6), dtype=dtype)
+    ds = {dtype: ShardDataset(tmp_path / dtype) for dtype in ("bf16", "fp8", "fp8-aux")}
+    assert ds["fp8-aux"].meta["dtype"] == "fp8-aux"
+    assert ds["fp8-aux"].meta["fp8_scales"] == {"aux_hidden": "aux_scale"}
+    assert ds["fp8"].meta["fp8_scales"] == {"aux_hidden": "aux_scale", "last_hidden": "last_scale"}
+    assert ds["bf16"].meta["fp8_scales"] == {}
+    for i in range(6):
+        _, _, _, aux, _ = make(i)
+        got = ds["fp8-aux"][i]
+        assert torch.equal(got["last_hidden"], ds["bf16"][i]["last_hidden"])
+        assert torch.equal(got["aux_hidden"], ds["fp8"][i]["aux_hidden"])
+        assert rel_err(got["aux_hidden"], aux) < 0.08
+    shard = next((tmp_path / "fp8-aux").glob("shard-*.safetensors"))
+    tensors = load_file(shard)
+    assert tensors["aux_hidden"].dtype == torch.float8_e4m3fn
+    assert tensors["last_hidden"].dtype == torch.bfloat16
+    assert tensors["aux_scale"].shape[1:] == (3,) and "last_scale" not in tensors
+
+
+def test_fp8_shards_from_before_meta_named_their_scales_read_as_before(tmp_path):
+    """~0.2 s. An fp8 capture whose meta.json has no ``fp8_scales`` (written before the field)
+    is read by its dtype, de-scaled exactly as the old reader did: every value times its
+    token's and layer's scale, in fp32."""
+    write(tmp_path, range(4), dtype="fp8", shard_bytes=1 << 30)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    del meta["fp8_scales"]
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    ds = ShardDataset(tmp_path)
+    raw = load_file(next(tmp_path.glob("shard-*.safetensors")))
+    for i, e in enumerate(ds.index):
+        rows = {k: v[e["offset"] : e["offset"] + e["length"]] for k, v in raw.items()}
+        t = e["length"]
+        aux = (rows["aux_hidden"].float().view(t, 3, -1) * rows["aux_scale"][..., None]).view(t, -1)
+        last = rows["last_hidden"].float() * rows["last_scale"]
+        assert torch.equal(ds[i]["aux_hidden"], aux) and torch.equal(ds[i]["last_hidden"], last)
+
+
 def test_bytes_per_token_matches_the_files(tmp_path):
+    """~0.5 s. The formula of every storage mode, at Kimi's and SmolLM2's size and in files."""
     assert bytes_per_token(7168, "bf16") == 57_349 and bytes_per_token(7168, "fp8") == 28_693
     assert bytes_per_token(576, "bf16") == 4_613 and bytes_per_token(576, "fp8") == 2_325
-    for dtype in ("bf16", "fp8"):
+    assert bytes_per_token(7168, "fp8-aux") == 35_857 and bytes_per_token(576, "fp8-aux") == 2_897
+    for dtype in ("bf16", "fp8", "fp8-aux"):
         out = tmp_path / dtype
         write(out, range(40), dtype=dtype, shard_bytes=1 << 30)  # one shard
         tokens = sum(5 + i % 7 for i in range(40))

@@ -1,0 +1,30 @@
+"""experiments/bench_fp8_training.py's τ table, read from an eagle3.evaluate JSON (no engine)."""
+
+from __future__ import annotations
+
+import json
+
+from bench_fp8_training import tau_table
+
+
+def row(drafter: str, bench: str, tau: float, ci: tuple[float, float]) -> dict:
+    bucket = {"label": "0+", "tau": tau, "tau_ci95": list(ci), "prompts": 20, "steps": 300}
+    return {"drafter": drafter, "bench": bench, "by_context": [bucket]}
+
+
+def test_tau_table_reads_each_modes_vllm_row_and_says_whether_intervals_overlap(tmp_path):
+    """~0.01 s. Each mode's one-request-at-a-time vLLM row (not the xN row, not "fp8" for
+    "fp8-aux"), its one bucket's τ and interval, and the overlap verdict against bf16."""
+    results = [
+        row("bf16/final [vllm]", "mt_bench", 1.30, (1.20, 1.40)),
+        row("bf16/final [vllm x4]", "mt_bench", 9.0, (9.0, 9.0)),
+        row("fp8-aux/final [vllm]", "mt_bench", 1.28, (1.18, 1.38)),
+        row("fp8/final [vllm]", "mt_bench", 1.60, (1.50, 1.70)),
+    ]
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps({"results": results}))
+    assert tau_table(path, ["bf16", "fp8-aux", "fp8"]) == (
+        "mt_bench: bf16 1.300 [1.200, 1.400] (20 prompts); "
+        "fp8-aux 1.280 [1.180, 1.380] (20 prompts), overlaps bf16; "
+        "fp8 1.600 [1.500, 1.700] (20 prompts), DOES NOT overlap"
+    )
