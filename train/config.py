@@ -205,6 +205,10 @@ class TrainConfig:
     # the processes and the draft's attention heads; data parallelism over processes / this.
     # Offline only. 8 on one 8-GPU node trains 65,536-token records (configs/train/*-long.yaml)
     sequence_parallel: int = 1
+    # Recompute each TTT step in backward (train/recompute.py): keeps a step's input state and
+    # keys/values instead of all its activations (Kimi's MLA draft: ~3.5x less memory a token,
+    # the memory plan counts it), for one more forward of each step. Not for p-eagle
+    recompute_ttt_steps: bool = False
 
 
 @dataclass
@@ -310,6 +314,11 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
         t.sequence_parallel == 1 or m.draft.method != "p-eagle",
         "train.sequence_parallel shards the TTT unroll; p-eagle's one-pass training is not "
         "sharded: set train.sequence_parallel=1",
+    )
+    need(
+        not t.recompute_ttt_steps or m.draft.method != "p-eagle",
+        "train.recompute_ttt_steps checkpoints the TTT unroll's steps; p-eagle trains in one "
+        "pass: set train.recompute_ttt_steps=false",
     )
     need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
     need(len(o.betas) == 2, f"optim.betas must have 2 values, got {o.betas}")

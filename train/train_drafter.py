@@ -91,6 +91,7 @@ from train.memory_plan import (
 from train.metrics import MetricsLog, MetricSums, peak_memory_gb
 from train.online_target import captured_ahead, report_engines, start_served
 from train.optim import make_optimizer
+from train.recompute import recomputed_ttt_loss
 from train.sequence_parallel import (
     DataLayout,
     check_heads,
@@ -124,18 +125,23 @@ class Unroll:
     keep_rate: float = 1.0
     keep_floor: float = 1.0
     seed: int = 0
+    recompute: bool = False  # train.recompute_ttt_steps: each TTT step checkpointed
 
     @classmethod
     def of(cls, cfg: Config, draft_cfg) -> Unroll:
         if draft_cfg.method != "p-eagle":
-            return cls(depth=cfg.model.ttt_steps, parallel=False)
+            return cls(
+                depth=cfg.model.ttt_steps, parallel=False, recompute=cfg.train.recompute_ttt_steps
+            )
         shape = cfg.model.draft
         return cls(
             draft_cfg.parallel_depth, True, shape.keep_rate, shape.keep_floor, cfg.train.seed
         )
 
     def module(self, draft) -> nn.Module:
-        return ParallelModel(draft) if self.parallel else TTTModel(draft, self.depth)
+        if self.parallel:
+            return ParallelModel(draft)
+        return TTTModel(draft, self.depth, recompute=self.recompute)
 
     def prepare(self, mb: dict, step: int | None = None, micro: int = 0, rank: int = 0) -> None:
         """P-EAGLE: draw the micro-batch's anchors (step None: validation, every position)."""
@@ -184,6 +190,8 @@ class Unroll:
                 None if denominators is None else sum(denominators),  # one count, all depths
                 mb["segment_ids"],
             )
+        if self.recompute:  # each step's loss inside the step (train/recompute.py)
+            return recomputed_ttt_loss(model, mb, step_weight, denominators)
         # mb["sp"] / mb["queries"]: this rank's shard under sequence parallelism, else None
         step_logits = model(
             mb["input_ids"], mb["aux"], mb["segment_ids"], mb["position_ids"], mb["sp"]

@@ -36,6 +36,8 @@ CASES = [
     "mla-packed",
     "mla-flash-packed",
     "mla-eagle3.1-packed",
+    "gqa-recompute",
+    "mla-recompute-packed",
 ]
 
 
@@ -74,7 +76,8 @@ def test_sequence_parallel_two_ranks_equal_one_process(two_rank_results, case):
     sequence-parallel step equal one process's on the whole batch (fp32; measured <= 4e-7
     relative to the largest gradient entry). Cases: flash (GQA) and chunked (MLA) kernels by
     "auto", a GQA draft with 1 KV head (repeated to the query heads before the all-to-all),
-    MLA through flash, an EAGLE-3.1 MLA draft, packed rows of 3 and 2 records, and a right-padded unpacked row; 45
+    MLA through flash, an EAGLE-3.1 MLA draft, each TTT step recomputed in backward
+    (train.recompute_ttt_steps: GQA, and MLA packed), packed rows of 3 and 2 records, and a right-padded unpacked row; 45
     tokens, so the shards are padded."""
     got = two_rank_results[case]
     assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-5)
