@@ -2,7 +2,7 @@
 holds on each GPU, from the recipe, the DeepSpeed config and the node, and whether it fits.
 
     python train/train_drafter.py --config configs/train/kimi-k2.5-offline.yaml --plan \
-        --gpus 8 --gpu-memory-gb 96
+        --gpus 8 --gpu-memory-gib 95
 
 `plan_memory` is a pure function of numbers (no torch device, no weights): the draft's parameter
 counts (from its DraftConfig, counted on torch's meta device), the run's lengths and batch, the
