@@ -7,6 +7,15 @@ The step is the recipe's (train/train_drafter.py): soft labels from the target's
 chunks, the TTT unroll, the weighted loss, backward, clip, AdamW. Inputs are random tensors
 of the target's shapes (no shards needed); only the target's config.json is read.
 
+--recompute: the step with and without each TTT step recomputed in backward
+(train.recompute_ttt_steps, train/recompute.py), alternating in one run: the step-time ratio and
+each mode's peak memory above the step's start (CPU: the process's RSS high-water mark, reset
+before each step through /proc/self/clear_refs; CUDA: max_memory_allocated).
+
+    python benchmarks/bench_train.py --config configs/train/kimi-k2.5-offline.yaml --recompute \
+        --seq-len 1024 --steps 2 --target-shape hidden=1024,vocab=32000,heads=64,kv_heads=64,head_dim=192,intermediate=2048 \
+        model.draft.intermediate_size=2048 model.draft_vocab_size=8000
+
 MFU = analytic training FLOPs per token x tokens/s / measured matmul peak of this device in
 this run (best of square matmuls in the training dtype). Analytic FLOPs count, per token,
 the draft's useful work only: fc once, and for each of the K TTT steps q/k/v/o, the SwiGLU MLP,
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,6 +39,7 @@ from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
 from train.config import load_config
 from train.memory_plan import target_shape
 from train.metrics import peak_memory_gb
+from train.recompute import recomputed_ttt_loss
 
 
 def train_flops_per_token(cfg: DraftConfig, seq_len: int, ttt_steps: int) -> float:
@@ -89,6 +100,29 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _rss(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def peak_above_start(device: torch.device, step) -> float:
+    """GiB a step's peak memory rises above its start: CUDA max_memory_allocated, or on CPU the
+    RSS high-water mark (Linux: reset through /proc/self/clear_refs)."""
+    if device.type == "cuda":
+        sync(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        sync(device)
+        return (torch.cuda.max_memory_allocated(device) - base) / 2**30
+    base = _rss("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    step()
+    return (_rss("VmHWM") - base) / 2**30
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="a training recipe (configs/train/*.yaml)")
@@ -100,6 +134,12 @@ def main() -> None:
         "--target-shape",
         help="skip the target's config.json (e.g. no hub access): hidden=7168,vocab=163840,"
         "heads=64,kv_heads=64,head_dim=64,intermediate=18432",
+    )
+    p.add_argument(
+        "--recompute",
+        action="store_true",
+        help="time the step with and without train.recompute_ttt_steps, alternating in one "
+        "run: the step-time ratio and both peaks",
     )
     p.add_argument("overrides", nargs="*", help="recipe overrides, e.g. model.ttt_steps=3")
     args = p.parse_args()
@@ -130,7 +170,7 @@ def main() -> None:
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[torch.randperm(vocab_size)[:dv]] = True
     draft.set_vocab(t2d.nonzero().squeeze(-1) - torch.arange(dv), t2d)
-    model = TTTModel(draft, K).to(device)
+    model = TTTModel(draft, K, recompute=cfg.train.recompute_ttt_steps).to(device)
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
     Ht = facts["hidden_size"]
@@ -155,13 +195,22 @@ def main() -> None:
         sync(device)
         label_time += time.perf_counter() - t0
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(ids, aux)
-            loss, _ = ttt_loss(logits, probs, in_vocab, mask, cfg.model.step_weight)
+            if model.recompute:  # each step's loss inside the step (train/recompute.py)
+                mb = {"input_ids": ids, "aux": aux, "segment_ids": None, "position_ids": None,
+                      "sp": None, "probs": probs, "in_vocab": in_vocab, "loss_mask": mask,
+                      "queries": None}  # fmt: skip
+                loss, _ = recomputed_ttt_loss(model, mb, cfg.model.step_weight, None)
+            else:
+                logits = model(ids, aux)
+                loss, _ = ttt_loss(logits, probs, in_vocab, mask, cfg.model.step_weight)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    if args.recompute:
+        compare_recompute(model, step, device, args.steps, B, T, K)
+        return
     peak = matmul_peak(device, dtype)
     for _ in range(2):
         step()
@@ -192,6 +241,32 @@ def main() -> None:
     print(f"MFU               {100 * achieved / peak:.1f}%")
     print(
         f"label_share       {100 * label_time / elapsed:.1f}% of step time (target lm_head soft labels)"
+    )
+
+
+def compare_recompute(model, step, device, steps: int, B: int, T: int, K: int) -> None:
+    """--recompute: one warm-up step of each mode, then `steps` of each, alternating (so load
+    on a shared machine falls on both alike): seconds a step and each mode's peak."""
+    seconds = {False: 0.0, True: 0.0}
+    peaks = {False: 0.0, True: 0.0}
+    for recompute in (False, True):
+        model.recompute = recompute
+        step()
+    for _ in range(steps):
+        for recompute in (False, True):
+            model.recompute = recompute
+            sync(device)
+            t0 = time.perf_counter()
+            peaks[recompute] = max(peaks[recompute], peak_above_start(device, step))
+            sync(device)
+            seconds[recompute] += time.perf_counter() - t0
+    plain, recomputed = seconds[False] / steps, seconds[True] / steps
+    print(f"device {device}; batch {B} x {T} tokens, ttt_steps {K}, {steps} steps of each mode")
+    print(f"step time         {plain:.2f} s plain, {recomputed:.2f} s recomputed")
+    print(f"ratio             {recomputed / plain:.2f}x the plain step's time")
+    print(
+        f"peak above start  {peaks[False]:.2f} GiB plain, {peaks[True]:.2f} GiB recomputed "
+        f"({peaks[False] / max(peaks[True], 1e-9):.2f}x less)"
     )
 
 

@@ -238,26 +238,50 @@ def ttt_loss(
     metrics: dict[str, float] = {}
     target_top = probs.argmax(-1)  # (B, T): the target's token at every label row, once
     for k, logits in enumerate(step_logits):
-        rows, valid = step_labels(in_vocab, loss_mask, k, segment_ids, queries)
-        n = valid.shape[1]
-        if n == 0:
-            metrics.update(
-                {f"{key}_{k}": 0 for key in ("loss", "acc", "count", "masked", "correct")}
-            )
-            continue
-        masked = int(step_targets(loss_mask, k, segment_ids, queries).sum())
-        ce, top = soft_cross_entropy(logits, probs[:, rows])  # (B, n) each
-        count = int(valid.sum())
-        denom = denominators[k] if denominators is not None else max(count, 1)
-        loss_k = (ce * valid).sum() / max(denom, 1e-8)
-        total = total + (step_weight**k) * loss_k
-        correct = int(((top == target_top[:, rows]) & valid).sum())
-        metrics[f"loss_{k}"] = float((ce.detach() * valid).sum()) / max(count, 1)
-        metrics[f"acc_{k}"] = correct / max(masked, 1)
-        metrics[f"count_{k}"] = count
-        metrics[f"masked_{k}"] = masked
-        metrics[f"correct_{k}"] = correct
+        loss_k, step_metrics = step_loss(
+            k, logits, probs, in_vocab, loss_mask, step_weight, denominators, segment_ids,
+            queries, target_top,
+        )  # fmt: skip
+        metrics.update(step_metrics)
+        if loss_k is not None:
+            total = total + loss_k
     return total, metrics
+
+
+def step_loss(
+    k: int,
+    logits: torch.Tensor,
+    probs: torch.Tensor,
+    in_vocab: torch.Tensor,
+    loss_mask: torch.Tensor,
+    step_weight: float,
+    denominators: list[float] | None,
+    segment_ids: torch.Tensor | None,
+    queries: int | None,
+    target_top: torch.Tensor,
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """TTT step k's share of ttt_loss -> (step_weight^k * CE_k, or None when step k has no
+    position; its metrics). target_top: probs.argmax(-1). Called by ttt_loss for each step, and
+    inside each recomputed step by a run with train.recompute_ttt_steps (eagle3.model's
+    ttt_forward `step_loss`), so the step's logits need not outlive it."""
+    rows, valid = step_labels(in_vocab, loss_mask, k, segment_ids, queries)
+    n = valid.shape[1]
+    if n == 0:
+        return None, {f"{key}_{k}": 0 for key in ("loss", "acc", "count", "masked", "correct")}
+    masked = int(step_targets(loss_mask, k, segment_ids, queries).sum())
+    ce, top = soft_cross_entropy(logits, probs[:, rows])  # (B, n) each
+    count = int(valid.sum())
+    denom = denominators[k] if denominators is not None else max(count, 1)
+    loss_k = (ce * valid).sum() / max(denom, 1e-8)
+    correct = int(((top == target_top[:, rows]) & valid).sum())
+    metrics = {
+        f"loss_{k}": float((ce.detach() * valid).sum()) / max(count, 1),
+        f"acc_{k}": correct / max(masked, 1),
+        f"count_{k}": count,
+        f"masked_{k}": masked,
+        f"correct_{k}": correct,
+    }
+    return (step_weight**k) * loss_k, metrics
 
 
 def simulated_acceptance(accs: list[float]) -> float:

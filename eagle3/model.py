@@ -44,12 +44,15 @@ Parameter names match SGLang's `LlamaForCausalLMEagle3` so checkpoints load ther
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from eagle3.errors import Eagle3Error
 from eagle3.rope import (
@@ -73,6 +76,9 @@ METHODS = ("eagle3", "eagle3.1", "p-eagle")
 # "gqa": Llama's attention (q/k/v/o_proj), exported as LlamaForCausalLMEagle3. "mla": DeepSeek-
 # V3's multi-head latent attention, exported as vLLM's Eagle3DeepseekV3ForCausalLM (MLAAttention).
 ATTENTIONS = ("gqa", "mla")
+# A TTT step's loss from its logits (eagle3.loss.step_loss, bound to a micro-batch's labels):
+# (k, logits (B, T, Vd)) -> step_weight^k * CE_k, None when step k has no position
+StepLoss = Callable[[int, torch.Tensor], torch.Tensor | None]
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # Kimi-class (MLA) targets have no Llama head shape to copy: 64 heads of 112 (hidden / heads)
 # or of 64 (qk_rope_head_dim), neither of which every attention backend serves. Their draft
@@ -583,6 +589,8 @@ class Eagle3Draft(nn.Module):
         segment_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         sequence_parallel: SequenceParallel | None = None,
+        step_loss: StepLoss | None = None,
+        recompute: bool = False,
     ) -> list[torch.Tensor]:
         """Training-time test unroll -> per-step draft logits, each (B, T, Vd).
 
@@ -595,42 +603,74 @@ class Eagle3Draft(nn.Module):
         Sequence parallel (train/sequence_parallel.py): aux_hidden and position_ids are this
         rank's shard of T positions; input_ids run on past it (the shift's next tokens), and
         attention sees the whole record (`sequence_parallel`, with the whole rows' segment ids).
+        `step_loss(k, logits)`: each step's loss is made inside the step and returned instead
+        of its logits (None for a step without positions). `recompute` (with grad enabled):
+        each step runs under activation checkpointing (torch.utils.checkpoint, non-reentrant),
+        so backward keeps only what the steps hand each other, its input hidden state and its
+        keys and values (the later steps attend to them), and runs each step's forward again;
+        with step_loss the step's logits are recomputed too (ttt_step).
         """
         B, T = aux_hidden.shape[:2]
-        layer = self.midlayer
         sp = sequence_parallel
         if sp is not None:
             segment_ids = sp.segment_ids
         hidden = self.project(aux_hidden)  # (B, T, H)
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, T)
-        positions = position_ids
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
-        step_logits = []
+        outputs = []
         for k in range(ttt_steps):
             ids = input_ids[:, k + 1 : k + 1 + T]
             ids = F.pad(ids, (0, T - ids.shape[1]))  # (B, T): x_{t+k+1}, 0 past the end
-            x = layer.attn_input(self.embed_tokens(ids).to(hidden.dtype), hidden)
-            q, key, value = layer.self_attn.qkv(x, positions + k)
-            if sp is not None:  # the whole record for this rank's heads (exchanged once)
-                nh = q.shape[1]
-                q, key, value = (sp.scatter_heads(t, nh) for t in (q, key, value))
+            step = partial(self.ttt_step, k, ids, position_ids + k, segment_ids, sp, step_loss)
+            # earlier steps' keys as tuples: the list grows before a recompute runs
+            if recompute and torch.is_grad_enabled():
+                hidden, key, value, out = checkpoint(
+                    step, hidden, tuple(keys), tuple(values), use_reentrant=False
+                )
+            else:
+                hidden, key, value, out = step(hidden, tuple(keys), tuple(values))
             keys.append(key)
             values.append(value)
-            attn = layer.self_attn.attend_ttt(q, keys, values, segment_ids, sp)
-            hidden, logits = self.step_outputs(layer.finish(hidden, attn))
-            step_logits.append(logits)
-        return step_logits
+            outputs.append(out)
+        return outputs
+
+    def ttt_step(
+        self,
+        k: int,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        segment_ids: torch.Tensor | None,
+        sp: SequenceParallel | None,
+        step_loss: StepLoss | None,
+        hidden: torch.Tensor,
+        keys: tuple[torch.Tensor, ...],
+        values: tuple[torch.Tensor, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """TTT step k (ttt_forward): its tokens ids (B, T) at rotary `positions`, the state
+        it is fed, and the keys and values of steps 0..k-1 -> (the state it feeds step k+1,
+        its key and value, its logits or step_loss(k, logits))."""
+        layer = self.midlayer
+        x = layer.attn_input(self.embed_tokens(ids).to(hidden.dtype), hidden)
+        q, key, value = layer.self_attn.qkv(x, positions)
+        if sp is not None:  # the whole record for this rank's heads (exchanged once)
+            nh = q.shape[1]
+            q, key, value = (sp.scatter_heads(t, nh) for t in (q, key, value))
+        attn = layer.self_attn.attend_ttt(q, [*keys, key], [*values, value], segment_ids, sp)
+        hidden, logits = self.step_outputs(layer.finish(hidden, attn))
+        return hidden, key, value, (logits if step_loss is None else step_loss(k, logits))
 
 
 class TTTModel(nn.Module):
-    """Routes the TTT unroll through forward(): DDP and DeepSpeed only hook forward()."""
+    """Routes the TTT unroll through forward(): DDP and DeepSpeed only hook forward().
+    recompute: each TTT step under activation checkpointing (Eagle3Draft.ttt_forward)."""
 
-    def __init__(self, draft: Eagle3Draft, ttt_steps: int):
+    def __init__(self, draft: Eagle3Draft, ttt_steps: int, recompute: bool = False):
         super().__init__()
         self.draft = draft
         self.ttt_steps = ttt_steps
+        self.recompute = recompute
 
     def forward(
         self,
@@ -639,6 +679,7 @@ class TTTModel(nn.Module):
         segment_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         sequence_parallel: SequenceParallel | None = None,
+        step_loss: StepLoss | None = None,
     ) -> list[torch.Tensor]:
         return self.draft.ttt_forward(
             input_ids,
@@ -647,4 +688,6 @@ class TTTModel(nn.Module):
             segment_ids=segment_ids,
             position_ids=position_ids,
             sequence_parallel=sequence_parallel,
+            step_loss=step_loss,
+            recompute=self.recompute,
         )

@@ -244,6 +244,10 @@ class TrainConfig:
     # trainable weights, a pull toward the start against forgetting what it knew
     # (train/anchor.py; 1e-4 in configs/train/kimi-k2.5-finetune.yaml); 0: off
     anchor_l2: float = 0.0
+    # Recompute each TTT step in backward (train/recompute.py): keeps a step's input state and
+    # keys/values instead of all its activations (Kimi's MLA draft: ~3.5x less memory a token,
+    # the memory plan counts it), for one more forward of each step. Not for p-eagle
+    recompute_ttt_steps: bool = False
 
 
 @dataclass
@@ -356,6 +360,11 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
         t.anchor_l2 == 0 or m.init_from is not None,
         f"train.anchor_l2={t.anchor_l2:g} pulls toward the starting weights of model.init_from, "
         "which is not set: set model.init_from or train.anchor_l2=0",
+    )
+    need(
+        not t.recompute_ttt_steps or m.draft.method != "p-eagle",
+        "train.recompute_ttt_steps checkpoints the TTT unroll's steps; p-eagle trains in one "
+        "pass: set train.recompute_ttt_steps=false",
     )
     need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
     need(len(o.betas) == 2, f"optim.betas must have 2 values, got {o.betas}")

@@ -76,10 +76,21 @@ def check_shard_meta(
     vocab_size: int,
     hidden_size: int,
     aux_layer_ids: list[int] | None,
+    max_length: int | None = None,
 ) -> list[str]:
-    """Problems (one line each) where a shard dir was captured for something else."""
+    """Problems (one line each) where a shard dir was captured for something else, or
+    shorter than the `max_length` the run trains (data.max_length): its records were cut or
+    windowed at the capture's length, so the run would never see the distances it is for."""
     problems = []
     for path, meta in zip(shard_dirs, metas):
+        captured = meta.get("max_length")
+        if max_length is not None and captured is not None and int(captured) < max_length:
+            problems.append(
+                f"shards {path} were captured with --max-length {captured}, shorter than "
+                f"data.max_length {max_length}: capture the long records into their own "
+                f"directory with --max-length {max_length} (docs/kimi-runbook.md) or set "
+                f"data.max_length={captured}"
+            )
         expect = {
             "target": target,
             "vocab_size": vocab_size,

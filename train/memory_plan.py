@@ -2,7 +2,7 @@
 holds on each GPU, from the recipe, the DeepSpeed config and the node, and whether it fits.
 
     python train/train_drafter.py --config configs/train/kimi-k2.5-offline.yaml --plan \
-        --gpus 8 --gpu-memory-gb 96
+        --gpus 8 --gpu-memory-gib 95
 
 `plan_memory` is a pure function of numbers (no torch device, no weights): the draft's parameter
 counts (from its DraftConfig, counted on torch's meta device), the run's lengths and batch, the
@@ -22,7 +22,12 @@ names what would fit. What each term assumes:
   class (ACTIVATION_TERMS). On a GPU under bf16 autocast the matmul outputs are bf16 and the
   hidden-size and loss terms fp32; on a CPU everything is fp32 (which is what
   tests/train/test_memory_plan.py measures: the fp32 count within 15% of the CPU peak's slope).
-  The `flex` path also keeps every TTT step's concatenated keys and values.
+  The `flex` path also keeps every TTT step's concatenated keys and values, and its backward
+  makes their gradient (the last step's concatenation, again) while they are held.
+- activations with train.recompute_ttt_steps (train/recompute.py): each step keeps its input
+  hidden state and its keys and values until backward; backward holds one step's recomputed
+  activations at a time, plus the gradients of the earlier steps' keys and values it makes
+  and accumulates (RECOMPUTE_KV_BLOCKS a step, fitted to a CPU measurement).
 - soft labels: fp32 probabilities over the draft vocab and a bool per token, for the
   micro-batches held at once (`labels_held`), plus one lm_head chunk's fp32 logits in flight.
 - hidden-state batches: the micro-batches' aux (3 x target hidden) and last hidden states, bf16.
@@ -36,7 +41,13 @@ names what would fit. What each term assumes:
   holds 1/sp of each record's positions, so activations, soft labels and hidden-state batches
   count max_length / sp tokens (attention's saved tensors too: nh/sp heads of the whole record
   are the bytes of nh heads of a shard); the halo of ttt_steps + 1 tokens is left out. The
-  all-to-all adds one TTT step's q, k, v in both layouts plus the send copies, in flight.
+  all-to-all adds one TTT step's q, k, v in both layouts plus the send copies, in flight,
+  and the group's own NCCL communicator (NCCL_COMMUNICATOR_GB) beside the data-parallel one.
+- soft-label cache (train/soft_label_cache.py): data.label_cache_gb on the device when an
+  offline run reads its records more than once (counted whenever it may: offline, > 0).
+
+Sizes print in GiB (2^30 bytes), the unit torch reports a card's `total_memory` in and the one
+`--gpu-memory-gib` takes; the launch plans the card torch reports.
 """
 
 from __future__ import annotations
@@ -52,7 +63,17 @@ from eagle3.model import DraftConfig
 from eagle3.ttt_attention import CUDA_CHUNK_SIZE, CUDA_KEY_BLOCK
 
 GB = 1e9
+GIB = 2**30
 CONTEXT_GB = 2.0  # CUDA context + cuBLAS workspace + NCCL buffers per rank
+# One more NCCL communicator on a rank (sequence parallelism's group beside the data-parallel
+# one): NCCL's per-peer, per-channel buffers (4 MiB SIMPLE + ~4.5 MiB LL128 + LL) over a few
+# channels to up to 7 peers, plus its all-to-all's peer-to-peer buffers: ~0.2-0.5 GB read from
+# NCCL's defaults (NCCL_BUFFSIZE, channels on PCIe); the upper end is counted
+NCCL_COMMUNICATOR_GB = 0.5
+# With recomputed TTT steps, key/value blocks a step holds per token beyond its recomputed
+# activations: its kept keys and values, their gradient accumulated from later steps, and the
+# fresh gradient its recompute makes (fitted: see recompute_bytes_per_token)
+RECOMPUTE_KV_BLOCKS = 3
 ALLOCATOR_HEADROOM = 0.05  # of the card: fragmentation across changing lengths
 VLLM_DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization when the recipe gives none
 TILE_ROWS, TILE_KEYS = CUDA_CHUNK_SIZE, CUDA_KEY_BLOCK  # the chunked TTT kernel's tile on CUDA
@@ -94,6 +115,8 @@ class RunShape:
     engine_weights_bytes: float = 0.0  # the served target's weights on each card (0: unknown)
     sequence_parallel: int = 1  # ranks sharing each record (train.sequence_parallel)
     anchor: bool = False  # train.anchor_l2 > 0: a copy of the starting weights (train/anchor.py)
+    recompute: bool = False  # train.recompute_ttt_steps: each TTT step recomputed in backward
+    label_cache_bytes: float = 0.0  # data.label_cache_gb on the device (offline, > 1 epoch)
 
 
 @dataclass
@@ -121,16 +144,16 @@ class Plan:
         return self.total <= self.card_bytes
 
     def table(self) -> str:
-        """The plan as a table: one part a line, GB and how it was counted."""
-        lines = [f"memory plan per rank ({self.card_bytes / GB:.0f} GB card):"]
+        """The plan as a table: one part a line, GiB and how it was counted."""
+        lines = [f"memory plan per rank ({self.card_bytes / GIB:.1f} GiB card):"]
         for name, value in self.parts.items():
-            lines.append(f"  {name:<22} {value / GB:7.2f} GB  {self.notes.get(name, '')}")
+            lines.append(f"  {name:<22} {value / GIB:7.2f} GiB  {self.notes.get(name, '')}")
         verdict = "fits" if self.fits else "does NOT fit"
         if not self.modelled:
             verdict += " (P-EAGLE: activations estimated as TTT steps, not enforced)"
         lines.append(
-            f"  {'total':<22} {self.total / GB:7.2f} GB  {verdict}; "
-            f"{(self.card_bytes - self.total) / GB:+.2f} GB left"
+            f"  {'total':<22} {self.total / GIB:7.2f} GiB  {verdict}; "
+            f"{(self.card_bytes - self.total) / GIB:+.2f} GiB left"
         )
         return "\n".join(lines)
 
@@ -182,13 +205,36 @@ def activation_bytes_per_token(cfg: DraftConfig, ttt_steps: int, bf16: bool) -> 
     return ttt_steps * (terms["matmul"] * (2 if bf16 else 4) + terms["fp32"] * 4)
 
 
-def flex_kv_bytes_per_token(cfg: DraftConfig, ttt_steps: int, bf16: bool) -> float:
-    """flex attends over every earlier TTT step's keys and values concatenated: step k keeps
-    (k + 1) blocks of them for backward."""
+def kv_block_bytes(cfg: DraftConfig, bf16: bool) -> float:
+    """One TTT step's keys and values a token (MLA: expanded per head, as training uses them)."""
     v = cfg.v_head_dim if cfg.attention == "mla" else cfg.head_dim
     kv_heads = cfg.num_attention_heads if cfg.attention == "mla" else cfg.num_key_value_heads
-    blocks = ttt_steps * (ttt_steps + 1) // 2
-    return blocks * kv_heads * (cfg.head_dim + v) * (2 if bf16 else 4)
+    return kv_heads * (cfg.head_dim + v) * (2 if bf16 else 4)
+
+
+def recompute_bytes_per_token(cfg: DraftConfig, ttt_steps: int, bf16: bool) -> float:
+    """Activation bytes per token with train.recompute_ttt_steps: every step's input hidden
+    state (fp32 class) and RECOMPUTE_KV_BLOCKS key/value blocks, plus one step's activations
+    (the one being recomputed). Fitted at Kimi's MLA head layout on CPU (fp32, chunked):
+    tests/train/test_memory_plan.py's draft (hidden 256, 3 TTT steps) and bench_long_context's
+    (hidden 1024, 7 steps); the numbers are in test_recompute_term_within_15_percent_of_cpu_slope."""
+    terms = activation_terms(cfg)
+    one_step = terms["matmul"] * (2 if bf16 else 4) + terms["fp32"] * 4
+    kept = 4 * cfg.hidden_size + RECOMPUTE_KV_BLOCKS * kv_block_bytes(cfg, bf16)
+    return ttt_steps * kept + one_step
+
+
+def flex_kv_bytes_per_token(
+    cfg: DraftConfig, ttt_steps: int, bf16: bool, recompute: bool = False
+) -> float:
+    """flex attends over every earlier TTT step's keys and values concatenated: step k keeps
+    (k + 1) blocks of them for backward, and backward makes their gradient (ttt_steps blocks
+    at the last step) while they are held. Recomputed steps: only the step being recomputed
+    keeps its concatenation (ttt_steps blocks at most); its gradient is the fresh gradient
+    recompute_bytes_per_token already counts."""
+    if recompute:
+        return ttt_steps * kv_block_bytes(cfg, bf16)
+    return (ttt_steps * (ttt_steps + 1) // 2 + ttt_steps) * kv_block_bytes(cfg, bf16)
 
 
 def sp_exchange_bytes_per_token(cfg: DraftConfig, bf16: bool) -> float:
@@ -256,14 +302,21 @@ def plan_memory(
         p.parts["gradients"] = trainable * 4
         p.notes["gradients"] = "fp32, every rank"
 
-    act_tok = activation_bytes_per_token(draft_cfg, run.ttt_steps, run.bf16)
+    if run.recompute:
+        act_tok = recompute_bytes_per_token(draft_cfg, run.ttt_steps, run.bf16)
+    else:
+        act_tok = activation_bytes_per_token(draft_cfg, run.ttt_steps, run.bf16)
     acts = act_tok * tokens
-    note = f"{act_tok / 2**20:.2f} MiB/token x {tokens} tokens"
+    note = f"{act_tok / 2**20:.2f} MiB/token x {tokens} tokens" + (
+        " (each TTT step recomputed)" if run.recompute else ""
+    )
     if run.attention_path == "flex":
-        flex_tok = flex_kv_bytes_per_token(draft_cfg, run.ttt_steps, run.bf16)
+        flex_tok = flex_kv_bytes_per_token(draft_cfg, run.ttt_steps, run.bf16, run.recompute)
         acts += flex_tok * tokens
         act_tok += flex_tok
-        note += f" + flex's concatenated K/V {flex_tok / 2**20:.2f} MiB/token"
+        note += f" + flex's concatenated K/V{'' if run.recompute else ' and its gradient'} " + (
+            f"{flex_tok / 2**20:.2f} MiB/token"
+        )
     else:  # one tile's fp32 scores, probabilities and gradient
         acts += 3 * 4 * draft_cfg.num_attention_heads * TILE_ROWS * TILE_KEYS
     if draft_cfg.method == "p-eagle":  # an estimate only (Plan.modelled)
@@ -280,6 +333,8 @@ def plan_memory(
             f"{exchange / 1024:.0f} KiB/token x {tokens} tokens: one TTT step's q/k/v all-to-all"
         )
         act_tok += exchange
+        p.parts["SP communicator"] = NCCL_COMMUNICATOR_GB * GB
+        p.notes["SP communicator"] = "the group's NCCL communicator beside the data-parallel one"
 
     label_tok = 4 * draft_cfg.draft_vocab_size + 1
     p.parts["soft labels"] = label_tok * tokens * run.labels_held + (
@@ -289,6 +344,9 @@ def plan_memory(
         f"{label_tok / 1024:.0f} KiB/token x {tokens} tokens x {run.labels_held} micro-batch(es)"
         f" + lm_head chunk {run.lm_head_chunk} rows"
     )
+    if run.label_cache_bytes:
+        p.parts["soft-label cache"] = run.label_cache_bytes
+        p.notes["soft-label cache"] = "data.label_cache_gb (data.label_cache_gb=0: none)"
     hidden_tok = 4 * Ht * 2
     p.parts["hidden-state batches"] = hidden_tok * tokens * run.grad_accum
     p.notes["hidden-state batches"] = (
@@ -303,7 +361,7 @@ def plan_memory(
     if run.engine_fraction:
         p.parts["engine (vLLM)"] = run.engine_fraction * node.gpu_bytes
         p.notes["engine (vLLM)"] = f"--gpu-memory-utilization {run.engine_fraction:g}" + (
-            f" (the target's weights: ~{run.engine_weights_bytes / GB:.0f} GB a card)"
+            f" (the target's weights: ~{run.engine_weights_bytes / GIB:.0f} GiB a card)"
             if run.engine_weights_bytes
             else ""
         )
@@ -357,24 +415,24 @@ def check_fits(plan: Plan, online: bool) -> None:
     if run.engine_fraction and not engine_loads(plan):
         need = 1.1 * run.engine_weights_bytes / plan.card_bytes
         raise Eagle3Error(
-            f"the engine's share of a card ({run.engine_fraction * plan.card_bytes / GB:.0f} GB "
+            f"the engine's share of a card ({run.engine_fraction * plan.card_bytes / GIB:.0f} GiB "
             f"at --gpu-memory-utilization {run.engine_fraction:g}) cannot hold the target's "
-            f"~{run.engine_weights_bytes / GB:.0f} GB of weights a card plus its cache (it "
-            f"needs >= {need:.2f}, leaving {(1 - need) * plan.card_bytes / GB:.0f} GB for the "
-            f"drafter, which needs {(plan.total - plan.parts['engine (vLLM)']) / GB:.0f} GB): "
+            f"~{run.engine_weights_bytes / GIB:.0f} GiB of weights a card plus its cache (it "
+            f"needs >= {need:.2f}, leaving {(1 - need) * plan.card_bytes / GIB:.0f} GiB for the "
+            f"drafter, which needs {(plan.total - plan.parts['engine (vLLM)']) / GIB:.0f} GiB): "
             + elsewhere
         )
     if plan.fits:
         return
     if not plan.modelled:
         print(
-            f"memory plan: {plan.total / GB:.1f} GB a rank estimated for a P-EAGLE run the plan "
+            f"memory plan: {plan.total / GIB:.1f} GiB a rank estimated for a P-EAGLE run the plan "
             "does not model; not refused (watch the first steps' peak_mem_gb)",
             file=sys.stderr,
             flush=True,
         )
         return
-    over = (plan.total - plan.card_bytes) / GB
+    over = (plan.total - plan.card_bytes) / GIB
     options = []
     length = fitting_length(plan)
     if length >= 512:
@@ -387,8 +445,8 @@ def check_fits(plan: Plan, online: bool) -> None:
     if online and run.engine_fraction:
         options.append(elsewhere)
     raise Eagle3Error(
-        f"the memory plan needs {plan.total / GB:.1f} GB a rank, {over:.1f} GB over the "
-        f"{plan.card_bytes / GB:.0f} GB card (run --plan for the table): "
+        f"the memory plan needs {plan.total / GIB:.1f} GiB a rank, {over:.1f} GiB over the "
+        f"{plan.card_bytes / GIB:.1f} GiB card (run --plan for the table): "
         + ("; or ".join(options) if options else "use cards with more memory")
     )
 
@@ -500,6 +558,8 @@ def recipe_plan(
         else 0.0,
         sequence_parallel=cfg.train.sequence_parallel,
         anchor=cfg.train.anchor_l2 > 0,
+        recompute=cfg.train.recompute_ttt_steps and draft_cfg.method != "p-eagle",
+        label_cache_bytes=cfg.data.label_cache_gb * GIB if cfg.data.mode == "offline" else 0.0,
     )
     return plan_memory(draft_cfg, run, read_zero(ds_config), node, draft_cfg.vocab_size)
 
@@ -513,20 +573,33 @@ def launch_config_path() -> str:
     return str(Path(__file__).resolve().parents[1] / "configs/accelerate/ds_zero2.json")
 
 
-def detect_node(gpus: int | None, gpu_memory_gb: float | None) -> Node:
-    """The node from --gpus / --gpu-memory-gb, else from the visible GPUs (one line if none)."""
+def detect_node(
+    gpus: int | None, gpu_memory_gib: float | None, gpu_memory_gb: float | None = None
+) -> Node:
+    """The node from --gpus / --gpu-memory-gib (GiB: what torch reports as a card's
+    total_memory, / 2^30), else from the visible GPUs (one line if none). --gpu-memory-gb
+    (decimal GB, 1e9 bytes: what it always meant) still works, with one line saying so."""
     import torch
 
-    if gpus is None or gpu_memory_gb is None:
+    if gpu_memory_gib is None and gpu_memory_gb is not None:
+        gpu_memory_gib = gpu_memory_gb * GB / GIB
+        print(
+            f"note: --gpu-memory-gb {gpu_memory_gb:g} is {gpu_memory_gb:g}e9 bytes = "
+            f"{gpu_memory_gib:.1f} GiB; the launch plans the card torch reports (total_memory): "
+            "give that as --gpu-memory-gib (an RTX PRO 6000 reports ~95)",
+            file=sys.stderr,
+            flush=True,
+        )
+    if gpus is None or gpu_memory_gib is None:
         if not torch.cuda.is_available():
             raise Eagle3Error(
-                "no GPU visible to detect the node: give --gpus N --gpu-memory-gb GB "
-                "(e.g. --gpus 8 --gpu-memory-gb 96 for 8 RTX PRO 6000)"
+                "no GPU visible to detect the node: give --gpus N --gpu-memory-gib GIB "
+                "(e.g. --gpus 8 --gpu-memory-gib 95 for 8 RTX PRO 6000, as torch reports them)"
             )
         if gpus is None:
             gpus = int(os.environ.get("WORLD_SIZE", torch.cuda.device_count()))
-        if gpu_memory_gb is None:
-            gpu_memory_gb = torch.cuda.get_device_properties(0).total_memory / GB
-    if gpus < 1 or gpu_memory_gb <= 0:
-        raise Eagle3Error(f"--gpus {gpus} and --gpu-memory-gb {gpu_memory_gb} must be positive")
-    return Node(gpus, gpu_memory_gb * GB)
+        if gpu_memory_gib is None:
+            gpu_memory_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+    if gpus < 1 or gpu_memory_gib <= 0:
+        raise Eagle3Error(f"--gpus {gpus} and --gpu-memory-gib {gpu_memory_gib} must be positive")
+    return Node(gpus, gpu_memory_gib * GIB)

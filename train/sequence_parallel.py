@@ -99,6 +99,21 @@ def shard_bounds(length: int, sp: int, sp_rank: int) -> tuple[int, int, int]:
     return sp_rank * per, (sp_rank + 1) * per, per * sp
 
 
+def check_deepspeed_config(ds_config: dict | None) -> None:
+    """One line when the DeepSpeed config sets `sequence_parallel_size` other than 1. Our
+    sequence parallelism scales the gradients itself (the loss denominators, the module
+    docstring) against the data-parallel mean over every rank; a DeepSpeed told the size
+    averages over world / size ranks instead (deepspeed/runtime/config.py), so every gradient
+    would be that many times too large, silently."""
+    size = (ds_config or {}).get("sequence_parallel_size", 1)
+    if size not in (1, "auto"):
+        raise Eagle3Error(
+            f"the DeepSpeed config sets sequence_parallel_size {size}: remove it (or set 1) and "
+            "use train.sequence_parallel, which splits each record and scales the gradients "
+            f"itself (DeepSpeed's would make every gradient {size}x too large)"
+        )
+
+
 def shard_batch(batch: dict, sp_rank: int, sp: int, ttt_steps: int) -> dict:
     """A collated micro-batch (train/batching.py: every (B, T, ...) tensor) -> this rank's shard
     (the module docstring), with "queries" (its positions, b - a) and "sp_segment_ids" (the

@@ -246,6 +246,7 @@ def read_shards(
         vocab_size=facts["vocab_size"],
         hidden_size=facts["hidden_size"],
         aux_layer_ids=aux_ids,
+        max_length=cfg.data.max_length,  # shards captured shorter: refused
     )
     if problems:
         raise ConfigError("; ".join(problems))

@@ -3,7 +3,7 @@
     accelerate launch train/train_drafter.py --config configs/train/smollm2-q4-cpu.yaml [key=value ...]
     python train/train_drafter.py --config configs/train/smollm2-q4-cpu.yaml train.max_steps=20
     python train/train_drafter.py --config configs/train/kimi-k2.5-offline.yaml --plan \
-        --gpus 8 --gpu-memory-gb 96     # the memory plan per rank (train/memory_plan.py); loads nothing
+        --gpus 8 --gpu-memory-gib 95    # the memory plan per rank (train/memory_plan.py); loads nothing
 
 On GPUs the plan is printed at start too, and a launch it says cannot fit stops in one line
 (exit 2) naming what would; a step that still runs out of memory stops in one line naming the
@@ -95,9 +95,11 @@ from train.memory_plan import (
 from train.metrics import MetricsLog, MetricSums, peak_memory_gb
 from train.online_target import captured_ahead, report_engines, start_served
 from train.optim import make_optimizer
+from train.recompute import recomputed_ttt_loss
 from train.selection import selection_tau
 from train.sequence_parallel import (
     DataLayout,
+    check_deepspeed_config,
     check_heads,
     data_layout,
     make_group,
@@ -129,18 +131,23 @@ class Unroll:
     keep_rate: float = 1.0
     keep_floor: float = 1.0
     seed: int = 0
+    recompute: bool = False  # train.recompute_ttt_steps: each TTT step checkpointed
 
     @classmethod
     def of(cls, cfg: Config, draft_cfg) -> Unroll:
         if draft_cfg.method != "p-eagle":
-            return cls(depth=cfg.model.ttt_steps, parallel=False)
+            return cls(
+                depth=cfg.model.ttt_steps, parallel=False, recompute=cfg.train.recompute_ttt_steps
+            )
         shape = cfg.model.draft
         return cls(
             draft_cfg.parallel_depth, True, shape.keep_rate, shape.keep_floor, cfg.train.seed
         )
 
     def module(self, draft) -> nn.Module:
-        return ParallelModel(draft) if self.parallel else TTTModel(draft, self.depth)
+        if self.parallel:
+            return ParallelModel(draft)
+        return TTTModel(draft, self.depth, recompute=self.recompute)
 
     def prepare(self, mb: dict, step: int | None = None, micro: int = 0, rank: int = 0) -> None:
         """P-EAGLE: draw the micro-batch's anchors (step None: validation, every position)."""
@@ -189,6 +196,8 @@ class Unroll:
                 None if denominators is None else sum(denominators),  # one count, all depths
                 mb["segment_ids"],
             )
+        if self.recompute:  # each step's loss inside the step (train/recompute.py)
+            return recomputed_ttt_loss(model, mb, step_weight, denominators)
         # mb["sp"] / mb["queries"]: this rank's shard under sequence parallelism, else None
         step_logits = model(
             mb["input_ids"], mb["aux"], mb["segment_ids"], mb["position_ids"], mb["sp"]
@@ -232,6 +241,8 @@ class Run:
 def setup(cfg: Config) -> Run:
     """Data -> draft vocab -> model/optimizer -> resume -> logger and data stream."""
     accelerator, hidden_dtype = make_accelerator(cfg)
+    plugin = accelerator.state.deepspeed_plugin  # our SP scales gradients, not DeepSpeed's
+    check_deepspeed_config(plugin and plugin.deepspeed_config)
     # sequence parallelism: groups of train.sequence_parallel ranks share each record, so the
     # batch plan is made for world / sp data ranks (train/sequence_parallel.py)
     layout = data_layout(
@@ -604,8 +615,9 @@ def train(cfg: Config) -> None:
 def print_plan(cfg: Config, args: argparse.Namespace) -> None:
     """--plan: the plan of this recipe on the node given or detected; exit 2 when it does not
     fit. Under accelerate launch only the first process prints."""
-    node = detect_node(args.gpus, args.gpu_memory_gb)
+    node = detect_node(args.gpus, args.gpu_memory_gib, args.gpu_memory_gb)
     ds_config = read_launch_config(args.accelerate_config or launch_config_path())
+    check_deepspeed_config(ds_config)
     path = args.attention_path or cfg.model.draft.ttt_attention
     plan = recipe_plan(cfg, node, ds_config, "flex" if path == "auto" else path)
     sp = cfg.train.sequence_parallel
@@ -634,7 +646,17 @@ def main(argv: list[str] | None = None) -> int:
         help="print the memory plan per rank and exit (loads nothing)",
     )
     plan.add_argument("--gpus", type=int, help="ranks on the node (default: the visible GPUs)")
-    plan.add_argument("--gpu-memory-gb", type=float, help="one card's memory (default: detected)")
+    plan.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        help="one card's memory in GiB, as torch reports it (total_memory / 2^30; an RTX PRO "
+        "6000: ~95; default: detected)",
+    )
+    plan.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        help="the same in decimal GB (1e9 bytes), as before --gpu-memory-gib; converted",
+    )
     plan.add_argument(
         "--accelerate-config",
         help="the launch's accelerate YAML or DeepSpeed JSON (default: the launch's own, else "

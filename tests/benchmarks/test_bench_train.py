@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 from bench_train import recipe_draft_config
@@ -29,3 +33,22 @@ def test_timing_the_kimi_recipe_times_its_mla_draft():
     gqa_cfg = load_config(path, ["model.draft.attention=gqa"], check_paths=False)
     gqa = recipe_draft_config(gqa_cfg, {"hf_config": hf}, 32000, [1, 2, 3])
     assert (gqa.attention, gqa.num_attention_heads, gqa.num_key_value_heads) == ("gqa", 56, 8)
+
+
+def test_recompute_flag_prints_the_ratio_and_both_peaks():
+    """~8 s (mostly imports): `bench_train.py --recompute` on a tiny GQA draft runs both modes
+    alternating in one run and prints the step-time ratio and each mode's peak (at this size
+    the peaks are allocator noise: their values are measured at the Kimi layout, not here)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/bench_train.py"),
+         "--config", str(REPO / "configs/train/smollm2-q4-cpu.yaml"), "--recompute",
+         "--seq-len", "128", "--steps", "1", "--device", "cpu",
+         "--target-shape", "hidden=64,vocab=512,heads=4,kv_heads=2,head_dim=16,intermediate=128",
+         "model.draft_vocab_size=256", "model.ttt_steps=5"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "x the plain step's time" in proc.stdout
+    peaks = next(line for line in proc.stdout.splitlines() if line.startswith("peak above"))
+    assert len(re.findall(r"[\d.]+ GiB", peaks)) == 2, peaks

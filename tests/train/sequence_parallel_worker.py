@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from eagle3.loss import ttt_loss, valid_counts
-from eagle3.model import DraftAttention, DraftConfig, Eagle3Draft
+from eagle3.model import DraftAttention, DraftConfig, Eagle3Draft, TTTModel
+from train.recompute import recomputed_ttt_loss
 from train.sequence_parallel import data_layout, make_group, sequence_parallel, shard_batch
 
 STEPS, WEIGHT = 3, 0.8
@@ -35,7 +36,12 @@ CASES = [
     ("mla-packed", MLA, "auto", True),
     ("mla-flash-packed", MLA, "flash", True),
     ("mla-eagle3.1-packed", {**MLA, "method": "eagle3.1"}, "auto", True),
+    ("gqa-recompute", {}, "auto", False),
+    ("mla-recompute-packed", MLA, "auto", True),
 ]
+# each TTT step recomputed in backward (train.recompute_ttt_steps, train/recompute.py): the
+# all-to-alls run again inside the recomputed steps
+RECOMPUTED = {"gqa-recompute", "mla-recompute-packed"}
 
 
 def draft(overrides: dict) -> Eagle3Draft:
@@ -83,17 +89,28 @@ def one_process(model: Eagle3Draft, b: dict):
     return loss.detach(), m
 
 
-def sharded(model: Eagle3Draft, b: dict, group, layout):
+def sharded(model: Eagle3Draft, b: dict, group, layout, recompute: bool = False):
     s = shard_batch(b, layout.sp_rank, layout.sp, STEPS)
     sp = sequence_parallel(group, s, torch.device("cpu"))
     seg, queries = s.get("segment_ids"), s["queries"]
-    logits = model.ttt_forward(s["input_ids"], s["aux_hidden"], STEPS, None, s["position_ids"], sp)
     counts = valid_counts(s["in_vocab"], s["loss_mask"], STEPS, seg, queries)
     dist.all_reduce(counts, group=group)  # every shard's positions: the record's count
-    loss, m = ttt_loss(
-        logits, s["probs"], s["in_vocab"], s["loss_mask"], WEIGHT, counts.double().tolist(), seg,
-        queries,
-    )  # fmt: skip
+    if recompute:
+        mb = {
+            "input_ids": s["input_ids"], "aux": s["aux_hidden"], "segment_ids": seg,
+            "position_ids": s["position_ids"], "sp": sp, "probs": s["probs"],
+            "in_vocab": s["in_vocab"], "loss_mask": s["loss_mask"], "queries": queries,
+        }  # fmt: skip
+        model_r = TTTModel(model, STEPS, recompute=True)
+        loss, m = recomputed_ttt_loss(model_r, mb, WEIGHT, counts.double().tolist())
+    else:
+        logits = model.ttt_forward(
+            s["input_ids"], s["aux_hidden"], STEPS, None, s["position_ids"], sp
+        )
+        loss, m = ttt_loss(
+            logits, s["probs"], s["in_vocab"], s["loss_mask"], WEIGHT, counts.double().tolist(),
+            seg, queries,
+        )  # fmt: skip
     loss.backward()
     for p in model.parameters():  # what the data-parallel all-reduce does (sum over shards)
         if p.grad is not None:
@@ -117,7 +134,7 @@ def main() -> None:
         DraftAttention.ttt_impl = impl
         b = batch(packed)
         model = draft(overrides)
-        loss, count = sharded(model, b, group, layout)
+        loss, count = sharded(model, b, group, layout, name in RECOMPUTED)
         if rank:
             continue
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -23,6 +23,20 @@ def test_shards_of_another_capture_are_one_problem_per_dir_and_key():
     assert len(check_shard_meta([meta], ["a"], **{**run, "aux_layer_ids": [0, 2, 3]})) == 1
 
 
+def test_shards_captured_shorter_than_the_run_trains_are_refused():
+    """<1 s: shards whose meta max_length (capture's --max-length) is under data.max_length are
+    one problem naming both lengths and the recapture; as long or longer, or unknown: none."""
+    meta = {"target": "t", "vocab_size": 10, "target_hidden_size": 4, "aux_layer_ids": [1, 2, 3]}
+    run = {"target": "t", "vocab_size": 10, "hidden_size": 4, "aux_layer_ids": None}
+    short = {**meta, "max_length": 16384}
+    (line,) = check_shard_meta([short], ["/s/kimi"], **run, max_length=65536)
+    assert "--max-length 16384, shorter than data.max_length 65536" in line
+    assert "--max-length 65536" in line and "data.max_length=16384" in line
+    assert check_shard_meta([short], ["a"], **run, max_length=16384) == []
+    assert check_shard_meta([short], ["a"], **run, max_length=8192) == []
+    assert check_shard_meta([meta], ["a"], **run, max_length=65536) == []  # not recorded
+
+
 def test_shard_token_counts_read_only_ids(shard_dir, records_file):
     """Streaming counts from the shards equal counts over the records themselves."""
     import json

@@ -36,6 +36,8 @@ CASES = [
     "mla-packed",
     "mla-flash-packed",
     "mla-eagle3.1-packed",
+    "gqa-recompute",
+    "mla-recompute-packed",
 ]
 
 
@@ -74,7 +76,8 @@ def test_sequence_parallel_two_ranks_equal_one_process(two_rank_results, case):
     sequence-parallel step equal one process's on the whole batch (fp32; measured <= 4e-7
     relative to the largest gradient entry). Cases: flash (GQA) and chunked (MLA) kernels by
     "auto", a GQA draft with 1 KV head (repeated to the query heads before the all-to-all),
-    MLA through flash, an EAGLE-3.1 MLA draft, packed rows of 3 and 2 records, and a right-padded unpacked row; 45
+    MLA through flash, an EAGLE-3.1 MLA draft, each TTT step recomputed in backward
+    (train.recompute_ttt_steps: GQA, and MLA packed), packed rows of 3 and 2 records, and a right-padded unpacked row; 45
     tokens, so the shards are padded."""
     got = two_rank_results[case]
     assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-5)
@@ -172,16 +175,17 @@ def test_sequence_parallel_training_equals_one_process(
 
 
 def test_sequence_parallel_long_kimi_recipe_plan_fits_8x96():
-    """~6 s: `--plan --gpus 8 --gpu-memory-gb 96` for the 65,536-token Kimi recipe says it fits
-    (flex and chunked); a rank holds an eighth of each row, so its activations are the 8k
-    recipe's; without sequence parallelism the same row is refused."""
+    """~6 s: `--plan --gpus 8 --gpu-memory-gib 95` for the 65,536-token Kimi recipe says it fits
+    (flex and chunked); a rank holds a quarter of each row with each TTT step recomputed, so
+    its activations are a 16k recipe's; without sequence parallelism the same row is refused,
+    naming the group size that fits."""
     from train.config import load_config
-    from train.memory_plan import GB, Node, check_fits, read_launch_config, recipe_plan
+    from train.memory_plan import GIB, Node, check_fits, read_launch_config, recipe_plan
 
     long = REPO / "configs/train/kimi-k2.5-offline-long.yaml"
     proc = subprocess.run(
         [sys.executable, "train/train_drafter.py", "--config", str(long), "--plan", "--gpus", "8",
-         "--gpu-memory-gb", "96"],
+         "--gpu-memory-gib", "95"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
@@ -189,15 +193,15 @@ def test_sequence_parallel_long_kimi_recipe_plan_fits_8x96():
     assert "fits" in proc.stdout and "SP all-to-all" in proc.stdout
 
     ds = read_launch_config(REPO / "configs/accelerate/8gpu-zero2.yaml")
-    node = Node(8, 96 * GB)
+    node = Node(8, 95 * GIB)
     cfg = load_config(long, check_paths=False)
-    assert cfg.train.sequence_parallel == 8 and cfg.data.max_length == 65536
+    assert cfg.train.sequence_parallel == 4 and cfg.data.max_length == 65536
     assert recipe_plan(cfg, node, ds, "chunked").fits
     whole = recipe_plan(load_config(long, ["train.sequence_parallel=1"], False), node, ds, "flex")
-    with pytest.raises(Eagle3Error, match=r"or train.sequence_parallel=8 \(each record split"):
+    with pytest.raises(Eagle3Error, match=r"or train.sequence_parallel=4 \(each record split"):
         check_fits(whole, online=False)  # the refusal names the group size that fits
     short = recipe_plan(
-        load_config(long, ["train.sequence_parallel=1", "data.max_length=8192"], False),
+        load_config(long, ["train.sequence_parallel=1", "data.max_length=16384"], False),
         node, ds, "flex",
     )  # fmt: skip
     assert recipe_plan(cfg, node, ds, "flex").parts["activations"] == pytest.approx(
