@@ -35,6 +35,9 @@ Checks, each a key of the JSON (an error in one is recorded there and the rest s
   all the memory this process could use (free + reserved) by more than the plan's 15%
   tolerance; an out-of-memory is recorded at its length and the next length still runs. The
   goal: measured within 15% of the plan.
+- memory_recompute: the same with each TTT step recomputed in backward (train.recompute_ttt_steps,
+  as the Kimi recipes train: train/recompute.py), at 2k / 8k / 16k / 32k tokens, against the
+  plan's recompute term.
 --small-smem forces sm_120's flex kernel options (flex_kernel_options((12, 0), 192, 128)) for
 every check, on whatever GPU runs it: a lent H200 then compiles and runs the node's tiles.
 --tiny shrinks every shape (hidden 64, 4 heads, lengths 64 / 128 / 192) so that a CPU runs the
@@ -64,10 +67,14 @@ from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
 from train.config import load_config
 from train.draft import draft_config
 from train.memory_plan import GB, Node, RunShape, ZeroSetup, plan_memory, target_shape
+from train.recompute import recomputed_ttt_loss
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs/train/kimi-k2.5-offline.yaml"
 FULL_LENGTHS = [2048, 8192, 12288]
+# each TTT step recomputed (train.recompute_ttt_steps, as the Kimi recipes train): the plan fits
+# 29,952 tokens on a 96 GB card and 46,336 on an H200
+RECOMPUTE_LENGTHS = [2048, 8192, 16384, 32768]
 TINY_LENGTHS = [64, 128, 192]
 RECOMPILE_LENGTHS = [384, 500, 640, 777, 1024, 1300, 1536, 2000]
 PLAN_TOLERANCE = 0.15
@@ -368,11 +375,13 @@ def auto_path(device: torch.device, cfg: DraftConfig, ttt_steps: int) -> tuple[s
     return "flex", None
 
 
-def planned_parts(cfg: DraftConfig, ttt_steps: int, T: int, mode: str, path: str) -> dict:
+def planned_parts(
+    cfg: DraftConfig, ttt_steps: int, T: int, mode: str, path: str, recompute: bool = False
+) -> dict:
     """The plan's parts this single-GPU step has (GB each): no lm_head, one micro-batch. The
     deepspeed mode is planned as DeepSpeed bf16 on one rank with fp32 gradient accumulation
     and no buckets (it has no DeepSpeed to hold them); autocast as the plan's no-DeepSpeed run."""
-    run = RunShape(T, 1, 1, ttt_steps, True, path, labels_held=1)
+    run = RunShape(T, 1, 1, ttt_steps, True, path, labels_held=1, recompute=recompute)
     if mode == "deepspeed":
         zero = ZeroSetup(stage=2, reduce_bucket=0, allgather_bucket=0, grad_accum_fp32=True)
     else:
@@ -449,7 +458,13 @@ def train_step(model, trainer, cfg: DraftConfig, T: int, device: torch.device) -
     probs = torch.randn(1, T, cfg.draft_vocab_size, device=device).softmax(-1)
     mask = torch.ones(1, T, dtype=torch.long, device=device)
     with trainer.autocast(device):
-        loss, _ = ttt_loss(model(ids, aux), probs, mask.bool(), mask, 0.8)
+        if model.recompute:  # each step's loss inside the step, as the recipe's Unroll does
+            mb = {"input_ids": ids, "aux": aux, "segment_ids": None, "position_ids": None,
+                  "sp": None, "probs": probs, "in_vocab": mask.bool(), "loss_mask": mask,
+                  "queries": None}  # fmt: skip
+            loss, _ = recomputed_ttt_loss(model, mb, 0.8, None)
+        else:
+            loss, _ = ttt_loss(model(ids, aux), probs, mask.bool(), mask, 0.8)
     loss.backward()
     trainer.step()
 
@@ -466,11 +481,22 @@ def memory_peaks(device: torch.device) -> dict:
 def check_memory(run: Run) -> dict:
     """Peak memory and step time of the Kimi MLA draft's training step vs the plan, length by
     length (each saved as it is measured)."""
+    return sweep_memory(run, recompute=False)
+
+
+def check_memory_recompute(run: Run) -> dict:
+    """The same with each TTT step recomputed in backward (train.recompute_ttt_steps, as the
+    Kimi recipes train), at the longer lengths it makes fit."""
+    return sweep_memory(run, recompute=True)
+
+
+def sweep_memory(run: Run, recompute: bool) -> dict:
     device = run.device
     cfg, K = kimi_draft(run.tiny)
     path, why = auto_path(device, cfg, K)
-    result = run.report["memory"] = {
+    result = run.report["memory_recompute" if recompute else "memory"] = {
         "mode": run.mode,
+        "recompute_ttt_steps": recompute,
         "attention_path": path,
         "why_not_flex": why,
         "plan_tolerance": PLAN_TOLERANCE,
@@ -484,11 +510,11 @@ def check_memory(run: Run) -> dict:
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
     draft.midlayer.self_attn.ttt_impl = path  # what auto chose, so the plan is the run's
-    model = TTTModel(draft, K).to(device)
+    model = TTTModel(draft, K, recompute=recompute).to(device)
     trainer = DeepSpeedLike(model) if run.mode == "deepspeed" else Autocast(model, device)
-    lengths = TINY_LENGTHS if run.tiny else FULL_LENGTHS
+    lengths = TINY_LENGTHS if run.tiny else RECOMPUTE_LENGTHS if recompute else FULL_LENGTHS
     for T in lengths:
-        parts = planned_parts(cfg, K, T, run.mode, path)
+        parts = planned_parts(cfg, K, T, run.mode, path, recompute)
         entry = result["lengths"][str(T)] = {"planned_gb": sum(parts.values()), "plan_gb": parts}
         entry["unfinished"] = "the process stopped during this length's step"  # until it ends
         run.save()
@@ -545,8 +571,9 @@ CHECKS = {
     "small_smem_tiles": check_small_smem_tiles,
     "recompiles": check_recompiles,
     "memory": check_memory,
+    "memory_recompute": check_memory_recompute,
 }
-DEFAULT_CHECKS = "soft_label_grad,flex_vs_chunked,recompiles,memory"
+DEFAULT_CHECKS = "soft_label_grad,flex_vs_chunked,recompiles,memory,memory_recompute"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ import gpu_check
 import pytest
 import torch
 
-CHECKS = "soft_label_grad,flex_vs_chunked,memory"
+CHECKS = "soft_label_grad,flex_vs_chunked,memory,memory_recompute"
 
 
 def run_tiny(tmp_path, *extra: str) -> dict:
@@ -26,7 +26,8 @@ def test_gpu_check_tiny_on_cpu_writes_its_json(tmp_path):
     at tiny shapes on a CPU and lands in the JSON without an error; the memory sweep reports
     every length, in the DeepSpeed-like mode, on the path auto chose (chunked for MLA on a
     CPU), with its plan's parts and its peaks (null on a CPU, and why); --small-smem forces
-    sm_120's flex options."""
+    sm_120's flex options; the recompute sweep runs the same lengths, planned with fewer
+    activations."""
     report = run_tiny(tmp_path, "--small-smem")
     assert not [name for name in CHECKS.split(",") if "error" in report[name]]
     for dtype, tol in (("float32", 1e-5), ("bfloat16", 1e-2)):
@@ -42,6 +43,12 @@ def test_gpu_check_tiny_on_cpu_writes_its_json(tmp_path):
         assert entry["seconds"] > 0 and not {"skipped", "unfinished"} & set(entry)
         assert entry["planned_gb"] == pytest.approx(sum(entry["plan_gb"].values()))
         assert entry["peak_allocated_gb"] is None and entry["peak_reserved_gb"] is None
+    recomputed = report["memory_recompute"]  # each TTT step recomputed: planned smaller
+    assert recomputed["recompute_ttt_steps"] and not memory["recompute_ttt_steps"]
+    for T, entry in recomputed["lengths"].items():
+        assert entry["seconds"] > 0 and not {"skipped", "unfinished"} & set(entry)
+        plain = memory["lengths"][T]["plan_gb"]["activations"]
+        assert entry["plan_gb"]["activations"] < plain
 
 
 def test_gpu_check_out_of_memory_at_one_length_and_the_next_still_runs(tmp_path, monkeypatch):
