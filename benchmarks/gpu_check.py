@@ -106,6 +106,7 @@ class Run:
         self.device = torch.device(args.device)
         self.tiny: bool = args.tiny
         self.mode: str = args.mode
+        self.lengths: list[int] | None = args.lengths
         self.report = report
         self.path: Path | None = args.json
 
@@ -513,6 +514,7 @@ def sweep_memory(run: Run, recompute: bool) -> dict:
     model = TTTModel(draft, K, recompute=recompute).to(device)
     trainer = DeepSpeedLike(model) if run.mode == "deepspeed" else Autocast(model, device)
     lengths = TINY_LENGTHS if run.tiny else RECOMPUTE_LENGTHS if recompute else FULL_LENGTHS
+    lengths = run.lengths or lengths
     for T in lengths:
         parts = planned_parts(cfg, K, T, run.mode, path, recompute)
         entry = result["lengths"][str(T)] = {"planned_gb": sum(parts.values()), "plan_gb": parts}
@@ -597,6 +599,12 @@ def main(argv: list[str] | None = None) -> int:
         "--small-smem",
         action="store_true",
         help="force sm_120's flex kernel options on this GPU, and time its tile choices",
+    )
+    p.add_argument(
+        "--lengths",
+        type=lambda spec: [int(n) for n in spec.split(",")],
+        help="the memory sweeps' lengths, e.g. 16384,32768,47104 (default: 2k/8k/12k, and "
+        "2k/8k/16k/32k recomputed)",
     )
     args = p.parse_args(argv)
     names = (args.checks or DEFAULT_CHECKS + (",small_smem_tiles" * args.small_smem)).split(",")

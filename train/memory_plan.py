@@ -74,6 +74,10 @@ NCCL_COMMUNICATOR_GB = 0.5
 # activations: its kept keys and values, their gradient accumulated from later steps, and the
 # fresh gradient its recompute makes (fitted: see recompute_bytes_per_token)
 RECOMPUTE_KV_BLOCKS = 3
+# The same on the flex path in DeepSpeed's bf16 (a bf16 module, no autocast): only the step's
+# own keys and values, measured on an H200 (benchmarks/gpu_check.py --mode deepspeed, Kimi's MLA
+# draft, 16,384 -> 32,768 tokens: 1.49 MiB a token for the whole step, the plan now 1.53)
+RECOMPUTE_FLEX_KV_BLOCKS = 1
 ALLOCATOR_HEADROOM = 0.05  # of the card: fragmentation across changing lengths
 VLLM_DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization when the recipe gives none
 TILE_ROWS, TILE_KEYS = CUDA_CHUNK_SIZE, CUDA_KEY_BLOCK  # the chunked TTT kernel's tile on CUDA
@@ -199,10 +203,16 @@ def activation_terms(cfg: DraftConfig) -> dict[str, int]:
     return {"matmul": 17 * attention // 10 + 6 * inter, "fp32": 14 * H + 2 * Vd}
 
 
-def activation_bytes_per_token(cfg: DraftConfig, ttt_steps: int, bf16: bool) -> float:
-    """Activation bytes per token of one micro-batch row (all TTT steps, saved for backward)."""
+def activation_bytes_per_token(
+    cfg: DraftConfig, ttt_steps: int, bf16: bool, module_bf16: bool = False
+) -> float:
+    """Activation bytes per token of one micro-batch row (all TTT steps, saved for backward).
+    module_bf16: DeepSpeed's bf16, a bf16 module without autocast, where the "fp32" class is
+    bf16 too (measured on an H200, benchmarks/gpu_check.py --mode deepspeed: Kimi's MLA draft,
+    2,048 -> 12,288 tokens, 5.9 MB a token with flex's K/V, the plan 6.7 with them)."""
     terms = activation_terms(cfg)
-    return ttt_steps * (terms["matmul"] * (2 if bf16 else 4) + terms["fp32"] * 4)
+    fp32_b = 2 if module_bf16 else 4
+    return ttt_steps * (terms["matmul"] * (2 if bf16 else 4) + terms["fp32"] * fp32_b)
 
 
 def kv_block_bytes(cfg: DraftConfig, bf16: bool) -> float:
@@ -212,15 +222,24 @@ def kv_block_bytes(cfg: DraftConfig, bf16: bool) -> float:
     return kv_heads * (cfg.head_dim + v) * (2 if bf16 else 4)
 
 
-def recompute_bytes_per_token(cfg: DraftConfig, ttt_steps: int, bf16: bool) -> float:
+def recompute_bytes_per_token(
+    cfg: DraftConfig,
+    ttt_steps: int,
+    bf16: bool,
+    module_bf16: bool = False,
+    kv_blocks: int = RECOMPUTE_KV_BLOCKS,
+) -> float:
     """Activation bytes per token with train.recompute_ttt_steps: every step's input hidden
     state (fp32 class) and RECOMPUTE_KV_BLOCKS key/value blocks, plus one step's activations
     (the one being recomputed). Fitted at Kimi's MLA head layout on CPU (fp32, chunked):
     tests/train/test_memory_plan.py's draft (hidden 256, 3 TTT steps) and bench_long_context's
-    (hidden 1024, 7 steps); the numbers are in test_recompute_term_within_15_percent_of_cpu_slope."""
-    terms = activation_terms(cfg)
-    one_step = terms["matmul"] * (2 if bf16 else 4) + terms["fp32"] * 4
-    kept = 4 * cfg.hidden_size + RECOMPUTE_KV_BLOCKS * kv_block_bytes(cfg, bf16)
+    (hidden 1024, 7 steps); the numbers are in test_recompute_term_within_15_percent_of_cpu_slope.
+    One step's activations count as activation_bytes_per_token's (module_bf16 likewise), and
+    `kv_blocks` key/value blocks a step are kept (RECOMPUTE_FLEX_KV_BLOCKS for flex in DeepSpeed's
+    bf16, measured on an H200)."""
+    fp32_b = 2 if module_bf16 else 4
+    one_step = activation_bytes_per_token(cfg, 1, bf16, module_bf16)
+    kept = fp32_b * cfg.hidden_size + kv_blocks * kv_block_bytes(cfg, bf16)
     return ttt_steps * kept + one_step
 
 
@@ -302,10 +321,13 @@ def plan_memory(
         p.parts["gradients"] = trainable * 4
         p.notes["gradients"] = "fp32, every rank"
 
+    module_bf16 = deepspeed and run.bf16  # DeepSpeed casts the module: no autocast, all bf16
     if run.recompute:
-        act_tok = recompute_bytes_per_token(draft_cfg, run.ttt_steps, run.bf16)
+        flex_bf16 = module_bf16 and run.attention_path == "flex"
+        blocks = RECOMPUTE_FLEX_KV_BLOCKS if flex_bf16 else RECOMPUTE_KV_BLOCKS
+        act_tok = recompute_bytes_per_token(draft_cfg, run.ttt_steps, run.bf16, module_bf16, blocks)
     else:
-        act_tok = activation_bytes_per_token(draft_cfg, run.ttt_steps, run.bf16)
+        act_tok = activation_bytes_per_token(draft_cfg, run.ttt_steps, run.bf16, module_bf16)
     acts = act_tok * tokens
     note = f"{act_tok / 2**20:.2f} MiB/token x {tokens} tokens" + (
         " (each TTT step recomputed)" if run.recompute else ""
