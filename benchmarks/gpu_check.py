@@ -73,7 +73,7 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs/train/kimi-k2.5-offline.yaml"
 FULL_LENGTHS = [2048, 8192, 12288]
 # each TTT step recomputed (train.recompute_ttt_steps, as the Kimi recipes train): the plan fits
-# 29,952 tokens on a 96 GB card and 46,336 on an H200
+# 47,104 tokens on a 96 GB card and 72,704 on an H200
 RECOMPUTE_LENGTHS = [2048, 8192, 16384, 32768]
 TINY_LENGTHS = [64, 128, 192]
 RECOMPILE_LENGTHS = [384, 500, 640, 777, 1024, 1300, 1536, 2000]

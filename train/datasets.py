@@ -68,6 +68,19 @@ def split_validation(
     return [p for p in train if len(p)], [p for p in val if len(p)]
 
 
+def whole_row_length(
+    max_length: int, pack_length: int | None, packing: bool, sp: int
+) -> int | None:
+    """The length a run needs its shards captured at, or None where a shorter capture only
+    means shorter records: rows packed to a length, or split by sequence parallelism, exist to
+    train distances up to it, which records cut or windowed at a shorter capture never reach.
+    (A run that trains each record on its own, e.g. off-policy answers captured at their first
+    512 tokens beside on-policy ones at 1,024, trains what the capture kept.)"""
+    if packing:
+        return pack_length or max_length
+    return max_length if sp > 1 else None
+
+
 def check_shard_meta(
     metas: list[dict[str, Any]],
     shard_dirs: list[str],

@@ -51,6 +51,7 @@ from train.datasets import (
     split_validation,
     take_replay,
     take_sequences,
+    whole_row_length,
 )
 from train.online_target import describe_target
 from train.packing import PackedDataset
@@ -246,7 +247,13 @@ def read_shards(
         vocab_size=facts["vocab_size"],
         hidden_size=facts["hidden_size"],
         aux_layer_ids=aux_ids,
-        max_length=cfg.data.max_length,  # shards captured shorter: refused
+        # packed or sequence-parallel rows on shards captured shorter: refused
+        max_length=whole_row_length(
+            cfg.data.max_length,
+            cfg.data.pack_length,
+            cfg.data.packing,
+            cfg.train.sequence_parallel,
+        ),
     )
     if problems:
         raise ConfigError("; ".join(problems))

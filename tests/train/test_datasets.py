@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.datasets import check_shard_meta, token_counts
+from train.datasets import check_shard_meta, token_counts, whole_row_length
 
 
 def test_shards_of_another_capture_are_one_problem_per_dir_and_key():
@@ -35,6 +35,16 @@ def test_shards_captured_shorter_than_the_run_trains_are_refused():
     assert check_shard_meta([short], ["a"], **run, max_length=16384) == []
     assert check_shard_meta([short], ["a"], **run, max_length=8192) == []
     assert check_shard_meta([meta], ["a"], **run, max_length=65536) == []  # not recorded
+
+
+def test_only_packed_or_sequence_parallel_rows_need_shards_as_long():
+    """<0.01 s: the length the shards must have been captured at: the pack length (or
+    max_length) when packing, max_length under sequence parallelism, none when each record
+    trains alone (an off-policy capture cut at 512 beside on-policy shards at 1,024 trains)."""
+    assert whole_row_length(65536, None, True, 2) == 65536
+    assert whole_row_length(65536, 32768, True, 1) == 32768
+    assert whole_row_length(65536, None, False, 2) == 65536
+    assert whole_row_length(1024, None, False, 1) is None
 
 
 def test_shard_token_counts_read_only_ids(shard_dir, records_file):

@@ -148,10 +148,11 @@ def test_recompute_term_within_15_percent_of_cpu_slope():
     assert abs(planned / slope - 1) < 0.15, (planned / 2**20, slope / 2**20)
 
 
-def test_recompute_plan_trains_3x_the_length_and_the_long_recipe_on_4_ranks():
+def test_recompute_plan_trains_4x_the_length_and_the_long_recipe_on_2_ranks():
     """<1 s: on 8 x 96 GB cards (95 GiB as torch reports them) the offline recipe's plan with
-    each TTT step recomputed fits >= 3x the length without (29,952 against 8,960); the 64k
-    recipe fits at sequence_parallel 4 and is refused at 2 naming 4."""
+    each TTT step recomputed fits >= 4x the 8,448 tokens a card trained before recompute
+    (47,104; 11,776 without, both as measured on an H200 in DeepSpeed's bf16); the 64k recipe
+    fits at sequence_parallel 2 and is refused on one rank a record."""
     node = Node(8, 95 * GIB)
     ds = read_launch_config(ZERO2)
 
@@ -161,12 +162,12 @@ def test_recompute_plan_trains_3x_the_length_and_the_long_recipe_on_4_ranks():
 
     plain = fitting_length(plan("offline", ["train.recompute_ttt_steps=false"]))
     recomputed = fitting_length(plan("offline", []))
-    assert recomputed >= 3 * plain, (plain, recomputed)  # 29,952 against 8,960
+    assert recomputed >= 4 * 8448 and recomputed >= 3 * plain, (plain, recomputed)
     long = plan("offline-long", [])
-    assert long.fits and long.run.sequence_parallel == 4 and long.run.recompute
+    assert long.fits and long.run.sequence_parallel == 2 and long.run.recompute
     assert "SP communicator" in long.parts
-    with pytest.raises(Eagle3Error, match="train.sequence_parallel=4"):
-        check_fits(plan("offline-long", ["train.sequence_parallel=2"]), online=False)
+    with pytest.raises(Eagle3Error, match="train.sequence_parallel=2"):
+        check_fits(plan("offline-long", ["train.sequence_parallel=1"]), online=False)
 
 
 def test_plan_counts_flex_gradient_label_cache_and_gib_cards(capsys):
@@ -272,7 +273,7 @@ def test_plan_cli_refusal_is_one_line_exit_2():
             str(REPO / "train/train_drafter.py"),
             "--config",
             str(KIMI["offline"]),
-            "data.max_length=32768",
+            "data.max_length=65536",
             "--plan",
             "--gpus",
             "8",
