@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from eagle3.errors import ConfigError
-from eagle3.model import DraftAttention, DraftConfig, Eagle3Draft
+from eagle3.model import DraftAttention
+from tests.train.sequence_parallel_worker import draft  # the same tiny draft, seeded
 from train.config import load_config
 from train.train_drafter import Unroll
 
@@ -19,18 +20,6 @@ MLA = dict(
     attention="mla", num_attention_heads=4, num_key_value_heads=4, head_dim=12, q_lora_rank=16,
     kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
 )  # fmt: skip
-
-
-def draft(overrides: dict) -> Eagle3Draft:
-    values = dict(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, vocab_size=50, draft_vocab_size=40, target_hidden_size=32,
-        aux_layer_ids=[0, 1, 2],
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = Eagle3Draft(DraftConfig(**{**values, **overrides}))
-    model.embed_tokens.weight.data.normal_()
-    return model
 
 
 def micro_batch(B: int = 2, T: int = 40) -> dict:
