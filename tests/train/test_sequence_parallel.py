@@ -176,8 +176,8 @@ def test_sequence_parallel_training_equals_one_process(
 
 def test_sequence_parallel_long_kimi_recipe_plan_fits_8x96():
     """~6 s: `--plan --gpus 8 --gpu-memory-gib 95` for the 65,536-token Kimi recipe says it fits
-    (flex and chunked); a rank holds a quarter of each row with each TTT step recomputed, so
-    its activations are a 16k recipe's; without sequence parallelism the same row is refused,
+    (flex and chunked); a rank holds half of each row with each TTT step recomputed, so its
+    activations are a 32k recipe's; without sequence parallelism the same row is refused,
     naming the group size that fits."""
     from train.config import load_config
     from train.memory_plan import GIB, Node, check_fits, read_launch_config, recipe_plan
@@ -195,13 +195,13 @@ def test_sequence_parallel_long_kimi_recipe_plan_fits_8x96():
     ds = read_launch_config(REPO / "configs/accelerate/8gpu-zero2.yaml")
     node = Node(8, 95 * GIB)
     cfg = load_config(long, check_paths=False)
-    assert cfg.train.sequence_parallel == 4 and cfg.data.max_length == 65536
+    assert cfg.train.sequence_parallel == 2 and cfg.data.max_length == 65536
     assert recipe_plan(cfg, node, ds, "chunked").fits
     whole = recipe_plan(load_config(long, ["train.sequence_parallel=1"], False), node, ds, "flex")
-    with pytest.raises(Eagle3Error, match=r"or train.sequence_parallel=4 \(each record split"):
+    with pytest.raises(Eagle3Error, match=r"or train.sequence_parallel=2 \(each record split"):
         check_fits(whole, online=False)  # the refusal names the group size that fits
     short = recipe_plan(
-        load_config(long, ["train.sequence_parallel=1", "data.max_length=16384"], False),
+        load_config(long, ["train.sequence_parallel=1", "data.max_length=32768"], False),
         node, ds, "flex",
     )  # fmt: skip
     assert recipe_plan(cfg, node, ds, "flex").parts["activations"] == pytest.approx(
