@@ -1,9 +1,9 @@
 """Start from a "public" drafter and fine-tune it on a small targeted budget, or train from
 scratch on that budget: which drafter is best in the targeted domain, and which forgets least?
 
-    python experiments/bench_finetune.py [--work runs/bench-finetune] [--generic 1200]
-        [--start-epochs 2] [--domain 300] [--epochs 4] [--anchor 1e-2] [--replay 0.25]
-        [--prompts 20]
+    python experiments/bench_finetune.py --gsm8k PATH/gsm8k/test.jsonl [--work runs/bench-finetune]
+        [--generic 1200] [--start-epochs 2] [--domain 300] [--epochs 4] [--anchor 1e-2]
+        [--replay 0.25] [--prompts 20]
 
 The Kimi situation in miniature, on the embedded target (configs/train/smollm2-q4-cpu.yaml
 otherwise):
@@ -43,7 +43,6 @@ from train_arms import REPO, markdown_table, train_arm
 
 TARGET = "smollm2-135m-q4"
 CONFIG = "configs/train/smollm2-q4-cpu.yaml"
-GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"  # tests and benchmarks only
 BENCHES = ["humaneval", "mt_bench", "gsm8k"]
 ARMS = ["start", "scratch", "finetune", "anchor", "replay"]
 ASK = "Write the Python function `{name}({args})` of the standard library's `{module}` module.\n\n{doc}"
@@ -148,10 +147,14 @@ def main() -> None:
     )
     ap.add_argument("--replay", type=float, default=0.25, help="data.replay_fraction of replay")
     ap.add_argument("--prompts", type=int, default=20, help="prompts a benchmark")
+    ap.add_argument(
+        "--gsm8k", help="GSM8K's test.jsonl (no embedded copy): without it, no GSM8K row"
+    )
     args = ap.parse_args()
     work = (REPO / args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    py, benches = sys.executable, f"mt_bench,humaneval,gsm8k={GSM8K}"
+    py = sys.executable
+    benches = "mt_bench,humaneval" + (f",gsm8k={args.gsm8k}" if args.gsm8k else "")
 
     run([py, "-m", "datagen.offpolicy", "--prompts", "sharegpt", "--limit", str(args.generic),
          "--split", "train", "--max-turns", "2", "--exclude-benchmarks", benches,
