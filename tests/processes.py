@@ -20,12 +20,3 @@ def descendants(pid: int) -> list[int]:
     for p in found:  # grows while it is walked: breadth first
         found += children.get(p, [])
     return found
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nobody listens on now (the servers and torchrun the tests start)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

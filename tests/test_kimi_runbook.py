@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from datagen.openrouter import fake_server
-from tests.processes import free_port
+from eagle3.engine.server import free_port
 from tests.train.test_kimi_recipe import PROMPTS  # eight short questions
 
 pytestmark = pytest.mark.slow

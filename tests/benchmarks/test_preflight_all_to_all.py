@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from preflight_all_to_all import Exchange, main, recipe_exchange
 
-from tests.processes import free_port
+from eagle3.engine.server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LONG = str(REPO / "configs/train/kimi-k2.5-offline-long.yaml")

@@ -11,7 +11,6 @@ import os
 import random
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,6 +26,7 @@ from datagen import capture
 from datagen.render import Item
 from eagle3.data.chat import render_record
 from eagle3.data.shards import ShardDataset, ShardWriter, read_index, read_meta
+from eagle3.engine.server import free_port
 from eagle3.errors import Eagle3Error
 from eagle3.target import load_target, tokenizer_fingerprint
 
@@ -392,12 +392,6 @@ KILLED = textwrap.dedent(
     sys.exit(capture.main(sys.argv[1:]))
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def many_records(n: int) -> list[dict]:
