@@ -67,7 +67,7 @@ def main() -> None:
     base = None
     if args.baseline:  # first: packing changes the model in place
         plain = generator(pack_weights=False)
-        plain._plain_cache = False  # transformers' generate, plain nn.Linear weights
+        plain.plain_cache = False  # transformers' generate, plain nn.Linear weights
         torch.manual_seed(0)
         plain.generate(conversations[: min(2, len(conversations))])  # warm-up
         t0 = time.perf_counter()

@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from eagle3 import ttt_attention as ttt_module
 from eagle3.loss import soft_cross_entropy, ttt_loss
 from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
+from eagle3.ttt_attention.flex import plain_block_mask
 from train.config import load_config
 from train.draft import draft_config
 from train.memory_plan import GB, Node, RunShape, ZeroSetup, plan_memory, target_shape
@@ -327,7 +328,7 @@ def check_recompiles(run: Run) -> dict:
             q, keys, values = attention_inputs(device, tiny, T, 2)
             ttt_module.flex_ttt(q, keys, values, scale=0.1).float().sum().backward()
         else:
-            ttt_module._plain_block_mask(T, 2, device)
+            plain_block_mask(T, 2, device)
     return {
         "lengths": lengths,
         "unique_graphs": counters["stats"]["unique_graphs"],

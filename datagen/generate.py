@@ -101,7 +101,10 @@ class Generator:
             raise ValueError("the tokenizer has no EOS or end-of-turn token to stop on")
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = pad if pad is not None else self.eot[0]
-        self._plain_cache: bool | None = None  # decided on first use (_probe_cache)
+        # Whether the KV cache is the plain per-layer kind continuous batching needs: decided on
+        # first use (_probe_cache). Public: False forces transformers' generate, the reference
+        # a benchmark or test compares against.
+        self.plain_cache: bool | None = None
         self._cache_kw = cache_kwarg(self.model)  # "cache" (transformers 5) or "past_key_values"
         sampling = temperature > 0
         self.config = GenerationConfig(
@@ -141,9 +144,9 @@ class Generator:
         per-layer kind; otherwise (sliding-window, hybrid or custom caches) length-sorted
         batches through ``model.generate``.
         """
-        if self._plain_cache is None:
-            self._plain_cache = self._probe_cache()
-        if self._plain_cache:
+        if self.plain_cache is None:
+            self.plain_cache = self._probe_cache()
+        if self.plain_cache:
             return self._continuous(prompts, on_done)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         results: list[Turn | None] = [None] * len(prompts)

@@ -87,12 +87,11 @@ from eagle3.ttt_attention.chunked import (
     CUDA_CHUNK_SIZE,
     CUDA_KEY_BLOCK,
     KEY_BLOCK,
-    _ChunkedTTT,
-    _documents,
+    ChunkedTTT,
+    row_documents,
     tile_size,
 )
-from eagle3.ttt_attention.chunked import _segment_bounds as _segment_bounds  # for the tests
-from eagle3.ttt_attention.flash import _FLASH_CPU, _FlashTTT
+from eagle3.ttt_attention.flash import FLASH_CPU, FlashTTT
 from eagle3.ttt_attention.flex import (
     SMALL_SMEM_FLEX_OPTIONS,
     SMALL_SMEM_GPUS,
@@ -103,8 +102,6 @@ from eagle3.ttt_attention.flex import (
     kernel_options_for,
     ttt_mask_mod,
 )
-from eagle3.ttt_attention.flex import _compiled_flex as _compiled_flex  # tests, gpu_check.py
-from eagle3.ttt_attention.flex import _plain_block_mask as _plain_block_mask  # likewise
 from eagle3.ttt_attention.reference import sdpa_ttt, split_ttt, ttt_mask
 
 IMPLS = ("auto", "chunked", "flash", "flex", "sdpa", "split")
@@ -137,21 +134,21 @@ def ttt_attention(
                 return out
             impl = "chunked"  # flex failed at these shapes, on this rank or another (logged)
     if impl == "flash":
-        if q.is_cuda or _FLASH_CPU is None:
+        if q.is_cuda or FLASH_CPU is None:
             raise Eagle3Error(
                 "ttt_impl 'flash' is torch's CPU flash-attention kernel (torch >= 2.3, CPU "
                 "tensors); use 'auto' (flex on CUDA) or 'chunked'"
             )
-        documents = _documents(segment_ids)
+        documents = row_documents(segment_ids)
         if documents is not None and q.shape[2] > 0:  # else "chunked" masks exactly
             with torch.autocast(q.device.type, enabled=False):
-                return _FlashTTT.apply(q, documents, scale, *keys, *values)
+                return FlashTTT.apply(q, documents, scale, *keys, *values)
         impl = "chunked"
     if impl == "chunked":  # in the inputs' dtype: autocast would recast its matmuls
         rows, block = tile_size(q.device)
         chunk_size, key_block = chunk_size or rows, key_block or block
         with torch.autocast(q.device.type, enabled=False):
-            return _ChunkedTTT.apply(q, segment_ids, scale, chunk_size, key_block, *keys, *values)
+            return ChunkedTTT.apply(q, segment_ids, scale, chunk_size, key_block, *keys, *values)
     if impl == "flex":
         if not q.is_cuda or flex_attention is None:
             raise Eagle3Error(
@@ -171,7 +168,7 @@ def auto_impl(device: torch.device, dqk: int, dv: int) -> str:
     (the module docstring says why); on CUDA "flex" then falls back per shape (auto_flex)."""
     if device.type == "cuda":
         return "flex" if flex_attention is not None else "chunked"
-    flash = device.type == "cpu" and _FLASH_CPU is not None and dqk == dv
+    flash = device.type == "cpu" and FLASH_CPU is not None and dqk == dv
     return "flash" if flash else "chunked"
 
 

@@ -1,6 +1,9 @@
 """The "chunked" TTT attention path: exact, linear memory, any device (:mod:`eagle3.ttt_attention`
 says why): a flash-attention-style autograd.Function over tiles of (query chunk, key block), and
-the helpers the "flash" path shares (the diagonal's logits and gradients, a row's documents)."""
+the helpers the "flash" path shares. Those are public because flash.py and the package use them:
+acc_dtype, stack_diag, diag_logits and diag_grads (the diagonal keys' logits and gradients, one
+code for both paths), row_documents (a packed row's documents); segment_bounds and ChunkedTTT are
+public for the package and its tests."""
 
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ def tile_size(device: torch.device) -> tuple[int, int]:
     return (CUDA_CHUNK_SIZE, CUDA_KEY_BLOCK) if device.type == "cuda" else (CHUNK_SIZE, KEY_BLOCK)
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax / LSE / gradient-accumulation dtype: float32 for half types, else the input's."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
@@ -74,7 +77,7 @@ def _add_matmul(acc, a, b, low_buf):
     return acc.add_(torch.bmm(a, b, out=_view(low_buf, acc.shape)))
 
 
-def _documents(segment_ids: torch.Tensor | None) -> tuple | None:
+def row_documents(segment_ids: torch.Tensor | None) -> tuple | None:
     """The documents of packed rows: per batch row a tuple of (start, end). () without
     segment_ids (each row one document: one kernel call for the batch); None when a row's ids
     are not contiguous runs (an id that returns; packing never makes one)."""
@@ -89,7 +92,7 @@ def _documents(segment_ids: torch.Tensor | None) -> tuple | None:
     return tuple(rows)
 
 
-def _segment_bounds(segment_ids, T, chunk_size):
+def segment_bounds(segment_ids, T, chunk_size):
     """Per query chunk [a, b): (lo, clean_from). lo: the first step-0 key any of its rows may
     see (keys below it are all another document's: skipped); clean_from: keys and rows at or
     above it are all of one document (no segment mask needed there). Both assume contiguous
@@ -100,7 +103,7 @@ def _segment_bounds(segment_ids, T, chunk_size):
     seg = segment_ids.cpu()
     new = torch.ones_like(seg, dtype=torch.bool)  # (B, T): where a segment begins
     new[:, 1:] = seg[:, 1:] != seg[:, :-1]
-    if _documents(seg) is None:  # an id that returns: not contiguous
+    if row_documents(seg) is None:  # an id that returns: not contiguous
         return [0] * len(starts), [T + 1] * len(starts)
     first = torch.where(new, torch.arange(T), 0).cummax(-1).values  # (B, T): its segment's start
     lo = first[:, list(starts)].amin(0).tolist()  # the chunk's first row has the earliest start
@@ -121,24 +124,24 @@ def _block_allowed(a, b, s, e, segment_ids, clean_from, device):
     return allowed
 
 
-def _stack_diag(xs):
+def stack_diag(xs):
     """Steps 1..k's keys or values [(B, nkv, T, d)] -> (B, nkv, T, k, d), or None when k = 0."""
     return torch.stack(xs[1:], dim=-2) if len(xs) > 1 else None
 
 
-def _diag_logits(qs, kd, a, b):
+def diag_logits(qs, kd, a, b):
     """(B, nkv, rep, C, k) logits of rows [a, b) against their own position's keys of steps 1..k
     (kd (B, nkv, T, k, dqk)), in the accumulation dtype."""
-    return (qs.unsqueeze(-2) * kd[:, :, None, a:b]).sum(-1).to(_acc_dtype(qs.dtype))
+    return (qs.unsqueeze(-2) * kd[:, :, None, a:b]).sum(-1).to(acc_dtype(qs.dtype))
 
 
-def _diag_grads(qs, kd, vd, do, lse, D, a, b):
+def diag_grads(qs, kd, vd, do, lse, D, a, b):
     """Rows [a, b)'s gradients through their diagonal logits, given the joint softmax's LSE and
     D = rowsum(dO * O) (both (B, nkv, rep, T)): qs the rows' scaled queries (B, nkv, rep, C,
     dqk), do their dO (B, nkv, rep, C, dv), kd / vd (B, nkv, T, k, d) ->
     (dq (B, nkv, rep, C, dqk), still to be multiplied by the scale; dkd (B, nkv, C, k, dqk);
     dvd (B, nkv, C, k, dv)), the last two summed over the rep query heads of their KV head."""
-    pd = _diag_logits(qs, kd, a, b).sub_(lse[..., a:b, None]).exp_()  # (B, nkv, rep, C, k)
+    pd = diag_logits(qs, kd, a, b).sub_(lse[..., a:b, None]).exp_()  # (B, nkv, rep, C, k)
     vdc, kdc = vd[:, :, None, a:b], kd[:, :, None, a:b]  # (B, nkv, 1, C, k, d)
     dsd = (do.unsqueeze(-2) * vdc).sum(-1).to(pd.dtype)  # dP of the diagonal
     dsd = dsd.sub_(D[..., a:b, None]).mul_(pd).to(qs.dtype)  # dS: the logits' gradient
@@ -148,7 +151,7 @@ def _diag_grads(qs, kd, vd, do, lse, D, a, b):
     return dq, dkd, dvd
 
 
-class _ChunkedTTT(torch.autograd.Function):
+class ChunkedTTT(torch.autograd.Function):
     """Flash-attention-style TTT attention over tiles of (query chunk, key block); see the
     module docstring.
 
@@ -163,17 +166,17 @@ class _ChunkedTTT(torch.autograd.Function):
         keys, values = kv[:n], kv[n:]
         B, nh, T, dqk = q.shape
         nkv, dv = keys[0].shape[1], values[0].shape[-1]
-        rep, acc, G = nh // nkv, _acc_dtype(q.dtype), B * nkv
+        rep, acc, G = nh // nkv, acc_dtype(q.dtype), B * nkv
         qg = q.view(B, nkv, rep, T, dqk)  # (B, nkv, rep, T, dqk)
         k0, v0 = keys[0].reshape(G, T, dqk), values[0].reshape(G, T, dv)
-        kd, vd = _stack_diag(keys), _stack_diag(values)  # (B, nkv, T, k, d)
+        kd, vd = stack_diag(keys), stack_diag(values)  # (B, nkv, T, k, d)
         out = q.new_empty(B, nkv, rep, T, dv)
         lse = q.new_empty(B, nkv, rep, T, dtype=acc)
         tile = G * rep * min(chunk_size, T) * min(key_block, T)  # a tile's scores, at most
         s_buf = q.new_empty(tile, dtype=acc)
         low_buf = q.new_empty(tile) if acc != q.dtype else None
         term_buf = q.new_empty(G * rep * chunk_size * dv) if low_buf is not None else None
-        los, clean = _segment_bounds(segment_ids, T, chunk_size)
+        los, clean = segment_bounds(segment_ids, T, chunk_size)
         for i, a in enumerate(range(0, T, chunk_size)):
             b = min(a + chunk_size, T)
             C, R = b - a, rep * (b - a)
@@ -183,7 +186,7 @@ class _ChunkedTTT(torch.autograd.Function):
             # keys in some block are all masked then never meets exp(-inf - -inf).
             m = (qs * keys[0][:, :, None, a:b]).sum(-1).to(acc)  # (B, nkv, rep, C)
             if n > 1:  # the diagonal keys open the online softmax
-                diag = _diag_logits(qs, kd, a, b)  # (B, nkv, rep, C, k)
+                diag = diag_logits(qs, kd, a, b)  # (B, nkv, rep, C, k)
                 m = torch.maximum(m, diag.amax(-1))
                 pd = diag.sub_(m[..., None]).exp_()
                 denom = pd.sum(-1).view(G, R)
@@ -224,13 +227,13 @@ class _ChunkedTTT(torch.autograd.Function):
         keys, values = kv[:n], kv[n:]
         B, nh, T, dqk = q.shape
         nkv, dv = keys[0].shape[1], values[0].shape[-1]
-        rep, acc, G = nh // nkv, _acc_dtype(q.dtype), B * nkv
+        rep, acc, G = nh // nkv, acc_dtype(q.dtype), B * nkv
         qg = q.view(B, nkv, rep, T, dqk)  # (B, nkv, rep, T, dqk)
         dog = dout.contiguous().view(B, nkv, rep, T, dv)  # (B, nkv, rep, T, dv)
         lse = lse.view(B, nkv, rep, T)
         D = (dout.to(acc) * out.to(acc)).sum(-1).view(B, nkv, rep, T)  # rowsum(dO * O)
         k0, v0 = keys[0].reshape(G, T, dqk), values[0].reshape(G, T, dv)
-        kd, vd = _stack_diag(keys), _stack_diag(values)  # (B, nkv, T, k, d)
+        kd, vd = stack_diag(keys), stack_diag(values)  # (B, nkv, T, k, d)
         dq = torch.empty_like(qg)
         dk0 = q.new_zeros(G, T, dqk, dtype=acc)
         dv0 = q.new_zeros(G, T, dv, dtype=acc)
@@ -270,7 +273,7 @@ class _ChunkedTTT(torch.autograd.Function):
                 _add_matmul(dk0[:, s:e], ds.transpose(1, 2), qr, term_buf)
             dqc = dqc.view(B, nkv, rep, C, dqk)
             if n > 1:
-                dq_diag, dkd[:, :, a:b], dvd[:, :, a:b] = _diag_grads(qs, kd, vd, do, lse, D, a, b)
+                dq_diag, dkd[:, :, a:b], dvd[:, :, a:b] = diag_grads(qs, kd, vd, do, lse, D, a, b)
                 dqc += dq_diag
             dq[..., a:b, :] = dqc * scale
         dkeys = [dk0.view(keys[0].shape)]

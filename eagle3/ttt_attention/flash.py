@@ -1,16 +1,17 @@
 """The "flash" TTT attention path (CPU): torch's own flash-attention kernel for the causal step-0
 part, one call per document, the diagonal merged by log-sum-exp (:mod:`eagle3.ttt_attention`
-says why)."""
+says why). FLASH_CPU (the kernel, None on a torch without it) and FlashTTT are what the package
+calls."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from eagle3.ttt_attention.chunked import _acc_dtype, _diag_grads, _diag_logits, _stack_diag
+from eagle3.ttt_attention.chunked import acc_dtype, diag_grads, diag_logits, stack_diag
 
 # torch's CPU flash-attention kernel and its backward (torch >= 2.3): the "flash" path
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_CPU_BACKWARD = getattr(
     torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
 )
@@ -46,12 +47,12 @@ def _merge_diagonal(q, keys, values, out_c, lse_c, scale):
     nkv, dv = keys[0].shape[1], values[0].shape[-1]
     rep = nh // nkv
     qg = q.view(B, nkv, rep, T, dqk)
-    kd, vd = _stack_diag(keys), _stack_diag(values)  # (B, nkv, T, k, d)
+    kd, vd = stack_diag(keys), stack_diag(values)  # (B, nkv, T, k, d)
     oc, lc = out_c.view(B, nkv, rep, T, dv), lse_c.view(B, nkv, rep, T)
     out, lse = torch.empty_like(oc), torch.empty_like(lc)
     for a in range(0, T, DIAG_ROWS):
         b = min(a + DIAG_ROWS, T)
-        diag = _diag_logits(qg[..., a:b, :] * scale, kd, a, b)  # (B, nkv, rep, C, k)
+        diag = diag_logits(qg[..., a:b, :] * scale, kd, a, b)  # (B, nkv, rep, C, k)
         lse[..., a:b] = torch.logaddexp(lc[..., a:b], diag.logsumexp(-1))
         pd = diag.sub_(lse[..., a:b, None]).exp_()
         causal = oc[..., a:b, :].to(pd.dtype) * (lc[..., a:b] - lse[..., a:b]).exp()[..., None]
@@ -59,10 +60,10 @@ def _merge_diagonal(q, keys, values, out_c, lse_c, scale):
     return out.view(B, nh, T, dv), lse.view(B, nh, T)
 
 
-class _FlashTTT(torch.autograd.Function):
+class FlashTTT(torch.autograd.Function):
     """TTT attention through torch's CPU flash-attention kernel; see the module docstring.
 
-    apply(q, documents, scale, *keys, *values); documents as `_documents` returns them.
+    apply(q, documents, scale, *keys, *values); documents as `row_documents` returns them.
     """
 
     @staticmethod
@@ -74,13 +75,13 @@ class _FlashTTT(torch.autograd.Function):
         width = max(dqk, dv)
         qp, kp, vp = _padded(q, width), _padded(keys[0], width), _padded(values[0], width)
         out, lse = _causal_by_document(
-            _FLASH_CPU,
+            FLASH_CPU,
             documents,
             (qp, kp, vp),
             scale,
             lambda: (
                 q.new_empty(B, nh, T, width),
-                q.new_empty(B, nh, T, dtype=_acc_dtype(q.dtype)),
+                q.new_empty(B, nh, T, dtype=acc_dtype(q.dtype)),
             ),
         )
         out = out[..., :dv].contiguous()
@@ -115,17 +116,17 @@ class _FlashTTT(torch.autograd.Function):
         dq, dk0, dv0 = dq[..., :dqk], dk0[..., :dqk], dv0[..., :dv]
         dkeys, dvalues = [dk0], [dv0]
         if n > 1:  # the diagonal's share, in closed form
-            rep, acc = nh // nkv, _acc_dtype(q.dtype)
+            rep, acc = nh // nkv, acc_dtype(q.dtype)
             dq = dq.contiguous().view(B, nkv, rep, T, dqk)
             qg, dog = q.view(B, nkv, rep, T, dqk), dout.view(B, nkv, rep, T, dv)
             lse_g = lse.view(B, nkv, rep, T)
             D = (dout.to(acc) * out.to(acc)).sum(-1).view(B, nkv, rep, T)
-            kd, vd = _stack_diag(keys), _stack_diag(values)  # (B, nkv, T, k, d)
+            kd, vd = stack_diag(keys), stack_diag(values)  # (B, nkv, T, k, d)
             dkd, dvd = torch.empty_like(kd), torch.empty_like(vd)
             for a in range(0, T, DIAG_ROWS):
                 b = min(a + DIAG_ROWS, T)
                 qs = qg[..., a:b, :] * scale
-                dq_diag, dkd[:, :, a:b], dvd[:, :, a:b] = _diag_grads(
+                dq_diag, dkd[:, :, a:b], dvd[:, :, a:b] = diag_grads(
                     qs, kd, vd, dog[..., a:b, :], lse_g, D, a, b
                 )
                 dq[..., a:b, :] += dq_diag * scale

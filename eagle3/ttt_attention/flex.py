@@ -1,6 +1,7 @@
 """The "flex" TTT attention path (CUDA): torch's compiled flex_attention with a block mask over
 the step keys, and the kernel options that fit small-shared-memory GPUs. Choosing it ("auto"'s
-self-test) is :mod:`eagle3.ttt_attention`'s."""
+self-test) is :mod:`eagle3.ttt_attention`'s. compiled_flex and plain_block_mask are public for
+the GPU check (benchmarks/gpu_check.py), which counts their compiles."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def ttt_mask_mod(seq_len: int, segment_ids: torch.Tensor | None = None, device=N
 
 
 @functools.cache
-def _compiled_flex():
+def compiled_flex():
     """(flex_attention, create_block_mask), compiled once: the unfused flex materialises the
     scores and an uncompiled create_block_mask the dense (T, (k+1)T) mask. dynamic=True: one
     graph serves every sequence length (each new length would otherwise be a recompile, and
@@ -103,9 +104,9 @@ def kernel_options_for(device: torch.device, dqk: int, dv: int) -> dict:
 
 
 @functools.lru_cache(maxsize=16)
-def _plain_block_mask(seq_len: int, steps: int, device: torch.device):
+def plain_block_mask(seq_len: int, steps: int, device: torch.device):
     """The block mask without segments depends only on (T, k): built once per shape."""
-    build = _compiled_flex()[1]
+    build = compiled_flex()[1]
     mask_mod = ttt_mask_mod(seq_len, device=device)
     return build(mask_mod, None, None, seq_len, (steps + 1) * seq_len, device=device)
 
@@ -121,9 +122,9 @@ def flex_ttt(q, keys, values, *, scale, segment_ids=None, compile: bool = True):
     steps = len(keys) - 1
     k, v = torch.cat(keys, dim=2), torch.cat(values, dim=2)  # (B, nkv, (k+1)T, d)
     compiled = compile and not torch.compiler.is_compiling()
-    attend, build = _compiled_flex() if compiled else (flex_attention, create_block_mask)
+    attend, build = compiled_flex() if compiled else (flex_attention, create_block_mask)
     if segment_ids is None and compiled:
-        block_mask = _plain_block_mask(T, steps, q.device)
+        block_mask = plain_block_mask(T, steps, q.device)
     else:
         mask_mod = ttt_mask_mod(T, segment_ids, q.device)
         batch = None if segment_ids is None else B

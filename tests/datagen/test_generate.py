@@ -49,7 +49,7 @@ def prompts(n, seed=0):
 def test_greedy_continuous_batching_equals_one_prompt_at_a_time(tiny_model):
     ps = prompts(9)
     probe = generator(tiny_model, 1, [1], max_new_tokens=12, temperature=0)
-    probe._plain_cache = False  # model.generate, one prompt per batch: the reference
+    probe.plain_cache = False  # model.generate, one prompt per batch: the reference
     first = probe.generate_ids(ps)
     # the most frequent generated ids become stop tokens: rows stop early, at different steps
     counts = torch.bincount(
@@ -57,14 +57,14 @@ def test_greedy_continuous_batching_equals_one_prompt_at_a_time(tiny_model):
     )
     stop = counts.topk(3).indices.tolist()
     reference = generator(tiny_model, 1, stop, temperature=0)
-    reference._plain_cache = False
+    reference.plain_cache = False
     want = reference.generate_ids(ps)
     assert {t.finish_reason for t in want} == {"stop", "length"}
     assert len({t.completion_tokens for t in want}) > 2
     for batch_size in (1, 2, 4, 16):
         gen = generator(tiny_model, batch_size, stop, temperature=0)
         got = gen.generate_ids(ps)
-        assert gen._plain_cache is True  # the continuous path really ran
+        assert gen.plain_cache is True  # the continuous path really ran
         assert [
             (t.content, t.finish_reason, t.completion_tokens, t.prompt_tokens) for t in got
         ] == [(t.content, t.finish_reason, t.completion_tokens, t.prompt_tokens) for t in want], (
@@ -161,8 +161,8 @@ def test_decoding_logs_no_cache_deprecation(tiny_model, transformers_warnings):
     """The caches are read under transformers' current name (`cache`), not `past_key_values`."""
     gen = generator(tiny_model, 2, [1], max_new_tokens=4, temperature=0)
     gen.generate_ids(prompts(3))  # continuous batching
-    assert gen._plain_cache is True
-    gen._plain_cache = False
+    assert gen.plain_cache is True
+    gen.plain_cache = False
     gen.generate_ids(prompts(3))  # model.generate
     assert not [m for m in transformers_warnings if "deprecated" in m]
     out = tiny_model(input_ids=torch.tensor([[5]]), use_cache=True)

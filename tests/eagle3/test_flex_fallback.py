@@ -25,6 +25,7 @@ from eagle3.ttt_attention import (
     flex_self_test,
     ttt_attention,
 )
+from eagle3.ttt_attention.flex import compiled_flex, plain_block_mask
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -129,11 +130,11 @@ def test_flex_fallback_block_mask_compiles_once_over_varying_lengths():
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    ttt_module._compiled_flex.cache_clear()
-    ttt_module._plain_block_mask.cache_clear()
+    compiled_flex.cache_clear()
+    plain_block_mask.cache_clear()
     counters.clear()
     for T in (128, 200, 256, 300, 384, 448, 512, 640, 700, 1000):
-        ttt_module._plain_block_mask(T, 2, torch.device("cpu"))
+        plain_block_mask(T, 2, torch.device("cpu"))
     assert 1 <= counters["stats"]["unique_graphs"] <= 2
 
 
@@ -259,13 +260,13 @@ def test_flex_fallback_chunked_tiles_are_the_devices(monkeypatch):
         ttt_module.CUDA_KEY_BLOCK,
     )
     seen = []
-    real = ttt_module._ChunkedTTT.apply
+    real = ttt_module.ChunkedTTT.apply
 
     def apply(q, segment_ids, scale, chunk_size, key_block, *kv):
         seen.append((chunk_size, key_block))
         return real(q, segment_ids, scale, chunk_size, key_block, *kv)
 
-    monkeypatch.setattr(ttt_module._ChunkedTTT, "apply", apply)
+    monkeypatch.setattr(ttt_module.ChunkedTTT, "apply", apply)
     q, keys, values = inputs()
     monkeypatch.setattr(ttt_module, "tile_size", lambda device: (8, 16))
     ttt_attention(q, keys, values, scale=0.2, impl="chunked")

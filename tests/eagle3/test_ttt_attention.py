@@ -12,14 +12,13 @@ from eagle3.errors import Eagle3Error
 from eagle3.model import Eagle3Draft
 from eagle3.ttt_attention import (
     KEY_BLOCK,
-    _documents,
-    _segment_bounds,
     auto_impl,
     flex_ttt,
     ttt_attention,
     ttt_mask,
     ttt_mask_mod,
 )
+from eagle3.ttt_attention.chunked import row_documents, segment_bounds
 
 # A packed row of 3 documents (lengths 7, 12, 9) and 9 padding positions under an id of their own
 PACKED = torch.tensor([0] * 7 + [1] * 12 + [2] * 9 + [-1] * 9)  # T = 37
@@ -144,16 +143,16 @@ def test_packing_key_blocks_and_document_skipping_match_reference(tile, steps):
 
 def test_packing_segment_bounds_skip_only_other_documents():
     """Chunks of 8 over documents [0, 7), [7, 19), [19, 28) and padding [28, 37)."""
-    lo, clean = _segment_bounds(PACKED[None], 37, 8)
+    lo, clean = segment_bounds(PACKED[None], 37, 8)
     # chunk [a, b) may see keys from the start of row a's document: [0, 8) -> 0, [8, 16) -> 7, ...
     assert lo == [0, 7, 7, 19, 28]
     # ... and from the start of row b-1's document on, rows and keys share one document
     assert clean == [7, 7, 19, 28, 28]
     # two rows: the earliest start and the latest one over the batch
-    lo, clean = _segment_bounds(torch.stack([PACKED, torch.zeros(37, dtype=torch.long)]), 37, 8)
+    lo, clean = segment_bounds(torch.stack([PACKED, torch.zeros(37, dtype=torch.long)]), 37, 8)
     assert lo == [0, 0, 0, 0, 0] and clean == [7, 7, 19, 28, 28]
     # an id that comes back (not a packed row): nothing skipped, every block masked
-    assert _segment_bounds(torch.tensor([[0, 0, 1, 1, 0, 0]]), 6, 4) == ([0, 0], [7, 7])
+    assert segment_bounds(torch.tensor([[0, 0, 1, 1, 0, 0]]), 6, 4) == ([0, 0], [7, 7])
 
 
 @pytest.mark.parametrize("steps", [0, 2])
@@ -166,11 +165,11 @@ def test_packing_non_contiguous_segments_stay_exact(impl, steps):
 
 
 def test_packing_documents_are_the_runs_of_one_id():
-    assert _documents(None) == ()
-    assert _documents(PACKED[None]) == (((0, 7), (7, 19), (19, 28), (28, 37)),)
-    two = _documents(torch.stack([PACKED, PACKED.flip(0)]))
+    assert row_documents(None) == ()
+    assert row_documents(PACKED[None]) == (((0, 7), (7, 19), (19, 28), (28, 37)),)
+    two = row_documents(torch.stack([PACKED, PACKED.flip(0)]))
     assert two[1] == ((0, 9), (9, 18), (18, 30), (30, 37))
-    assert _documents(torch.tensor([[0, 0, 1, 1, 0, 0]])) is None  # an id that returns
+    assert row_documents(torch.tensor([[0, 0, 1, 1, 0, 0]])) is None  # an id that returns
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "split"])
@@ -320,7 +319,7 @@ def test_auto_runs_flash_on_cpu_and_chunked_for_mla_or_where_torch_lacks_the_ker
     assert auto_impl(cpu, 192, 128) == "chunked"  # MLA: padded values cost more than it gains
     q, *kv = inputs(steps=2, dqk=16, dv=16)
     flash = ttt_attention(q, kv[:3], kv[3:], scale=0.2, impl="flash")
-    monkeypatch.setattr(ttt_module, "_FLASH_CPU", None)  # an older torch
+    monkeypatch.setattr(ttt_module, "FLASH_CPU", None)  # an older torch
     assert auto_impl(cpu, 64, 64) == "chunked"
     chunked = ttt_attention(q, kv[:3], kv[3:], scale=0.2)
     assert_close([chunked], [flash], 1e-5)

@@ -14,14 +14,14 @@ from eagle3.data.shards.format import (
     FORMAT_VERSION,
     INDEX,
     META,
-    _read_index,
     fp8_scales,
     read_index,
+    read_index_file,
     read_meta,
 )
 from eagle3.data.shards.integrity import (
     ShardProblem,
-    _by_shard,
+    by_shard,
     damage_text,
     record_xxh3,
     shard_problem,
@@ -70,8 +70,8 @@ class ShardDataset(torch.utils.data.Dataset):
         self.meta = meta
         # the fp8 tensors and their scales; a capture from before meta recorded them: its dtype's
         self.fp8_scales = meta.get("fp8_scales", fp8_scales(meta.get("dtype", "bf16")))
-        self.index = read_index(self.dir) if allow_incomplete else _read_index(self.dir / INDEX)
-        shards = _by_shard(self.index)
+        self.index = read_index(self.dir) if allow_incomplete else read_index_file(self.dir / INDEX)
+        shards = by_shard(self.index)
         self._records = {name: n for name, (_, n) in shards.items()}  # per shard, for errors
         problems = [
             ShardProblem(name, why, n)

@@ -1,6 +1,8 @@
 """The shard format's constants, bytes per token, and its two kinds of file besides the shards:
 meta.json (what the data is, the identity a resume and training check) and the index files
-(one line per record). The layout is :mod:`eagle3.data.shards`'s docstring."""
+(one line per record). The layout is :mod:`eagle3.data.shards`'s docstring. The writer,
+the integrity checks and the dataset share its file-level helpers (fsync_dir, read_index_file,
+write_index_file, index_parts): public for them, not exported by the package."""
 
 from __future__ import annotations
 
@@ -68,7 +70,8 @@ def fp8_scales(dtype: str) -> dict[str, str]:
     return {name: FP8_SCALES[name][0] for name, stored in DTYPES[dtype].items() if stored == FP8}
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in directory `path` durable (the writer's crash safety)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -84,7 +87,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def read_meta(out_dir: str | Path) -> dict | None:
@@ -94,7 +97,7 @@ def read_meta(out_dir: str | Path) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def _read_index(path: Path) -> list[dict]:
+def read_index_file(path: Path) -> list[dict]:
     """Index lines of one file; a partial last line (interrupted append) is ignored."""
     if not path.is_file():
         return []
@@ -108,7 +111,7 @@ def _read_index(path: Path) -> list[dict]:
     return out
 
 
-def _write_index(path: Path, entries: Iterable[dict]) -> None:
+def write_index_file(path: Path, entries: Iterable[dict]) -> None:
     """Replace index file `path` with `entries` (temp file, fsync, rename)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -117,10 +120,11 @@ def _write_index(path: Path, entries: Iterable[dict]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _parts(out_dir: Path) -> list[Path]:
+def index_parts(out_dir: Path) -> list[Path]:
+    """The writers' unmerged index files of DIR (index-PPP.jsonl), in part order."""
     return sorted(out_dir.glob("index-*.jsonl"))
 
 
@@ -129,8 +133,8 @@ def read_index(out_dir: str | Path) -> list[dict]:
     out_dir = Path(out_dir)
     seen: set[str] = set()
     entries = []
-    for path in [out_dir / INDEX, *_parts(out_dir)]:
-        for e in _read_index(path):
+    for path in [out_dir / INDEX, *index_parts(out_dir)]:
+        for e in read_index_file(path):
             if e["id"] not in seen:
                 seen.add(e["id"])
                 entries.append(e)

@@ -21,11 +21,11 @@ from eagle3.data.records import try_lock
 from eagle3.data.shards.format import (
     INDEX,
     META,
-    _parts,
-    _read_index,
-    _write_index,
+    index_parts,
     read_index,
+    read_index_file,
     read_meta,
+    write_index_file,
     write_json_atomic,
 )
 from eagle3.errors import Eagle3Error
@@ -94,7 +94,7 @@ def shard_problem(out_dir: Path, name: str, entry: dict, *, checksum: bool) -> s
     return None
 
 
-def _by_shard(entries: list[dict]) -> dict[str, tuple[dict, int]]:
+def by_shard(entries: list[dict]) -> dict[str, tuple[dict, int]]:
     """shard name -> (its first index line, how many records it holds), in index order."""
     counts = Counter(e["shard"] for e in entries)
     first: dict[str, dict] = {}
@@ -106,7 +106,7 @@ def _by_shard(entries: list[dict]) -> dict[str, tuple[dict, int]]:
 def verify_shards(out_dir: str | Path, *, checksum: bool = True) -> list[ShardProblem]:
     """Every damaged or missing shard of DIR's index (merged and parts), in index order."""
     out_dir = Path(out_dir)
-    shards = _by_shard(read_index(out_dir))
+    shards = by_shard(read_index(out_dir))
 
     def check(name: str) -> ShardProblem | None:
         entry, records = shards[name]
@@ -150,11 +150,11 @@ def repair(out_dir: str | Path) -> list[ShardProblem]:
         dropped = {p.shard for p in problems}
         if meta.get("complete"):
             write_json_atomic(out_dir / META, {**meta, "complete": False})
-        for path in [out_dir / INDEX, *_parts(out_dir)]:
-            entries = _read_index(path)
+        for path in [out_dir / INDEX, *index_parts(out_dir)]:
+            entries = read_index_file(path)
             keep = [e for e in entries if e["shard"] not in dropped]
             if len(keep) < len(entries):
-                _write_index(path, keep)
+                write_index_file(path, keep)
         for name in dropped:
             (out_dir / name).unlink(missing_ok=True)
     return problems

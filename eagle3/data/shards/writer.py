@@ -26,13 +26,13 @@ from eagle3.data.shards.format import (
     INDEX,
     META,
     SHARD_RE,
-    _fsync_dir,
-    _parts,
-    _write_index,
     check_meta,
     fp8_scales,
+    fsync_dir,
+    index_parts,
     read_index,
     read_meta,
+    write_index_file,
     write_json_atomic,
 )
 from eagle3.data.shards.integrity import file_xxh3, record_xxh3
@@ -229,7 +229,7 @@ class ShardWriter:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, self.dir / name)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         lines = "".join(
             json.dumps({**e, "shard": name, "xxh3": digest, **shard}, ensure_ascii=False) + "\n"
             for e, digest in zip(entries, digests)
@@ -280,8 +280,8 @@ def finalize(out_dir: str | Path, extra_meta: dict | None = None) -> dict:
     out_dir = Path(out_dir)
     entries = read_index(out_dir)
     entries.sort(key=lambda e: (e["shard"], e["offset"]))
-    _write_index(out_dir / INDEX, entries)
-    for part in _parts(out_dir):
+    write_index_file(out_dir / INDEX, entries)
+    for part in index_parts(out_dir):
         part.unlink()
     referenced = {e["shard"] for e in entries}
     for path in out_dir.glob("shard-*.safetensors"):

@@ -199,7 +199,7 @@ def test_second_writer_of_the_same_part_is_refused(tmp_path):
 CRASH = textwrap.dedent(
     """
     import os, signal, sys
-    import eagle3.data.shards.writer as shards  # where ShardWriter looks up save_file, _fsync_dir
+    import eagle3.data.shards.writer as shards  # where ShardWriter looks up save_file, fsync_dir
     from eagle3.data.shards import ShardWriter
 
     out, where, nth = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -220,7 +220,7 @@ CRASH = textwrap.dedent(
     if where == "before_rename":  # the temp file is written, never renamed
         shards.save_file = die_on_nth(shards.save_file)
     else:  # renamed, but its index lines are never written
-        shards._fsync_dir = die_on_nth(shards._fsync_dir)  # runs right after the rename
+        shards.fsync_dir = die_on_nth(shards.fsync_dir)  # runs right after the rename
     for i in range(30):
         w.add(*make(i)[:5])
     w.close()
