@@ -68,17 +68,18 @@ import os
 from pathlib import Path
 
 from datagen.capture.pipeline import capture
-from datagen.capture.serve import run_serve
 from datagen.capture.settings import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_LENGTH, CaptureSettings
-from datagen.capture.verify import run_verify
+from datagen.capture.target import run_serve
 from datagen.estimate import parse_count, run_estimate
 from datagen.render import Rendering
-from eagle3.cli import HelpFormatter, run_main
+from eagle3.cli import EXIT_ERROR, HelpFormatter, run_main
 from eagle3.data.chat import load_chat_template
-from eagle3.data.shards import DTYPES
+from eagle3.data.shards import DTYPES, read_index, read_meta, recapture_command, verify_shards
 from eagle3.data.windows import MODES as WINDOW_MODES
 from eagle3.engine.server import EngineSettings, add_engine_args
 from eagle3.errors import Eagle3Error
+
+EXIT_DAMAGED = EXIT_ERROR  # --verify found damage: 1, as `sha256sum -c` for a mismatch
 
 # flags that change neither which records are captured nor what is stored: not in meta's command
 NOT_IN_COMMAND = {
@@ -290,6 +291,32 @@ def run(s: CaptureSettings) -> int:
         return run_estimate(s.target, s.rendering, s.dtype, data=s.data, limit=s.limit,
                             out=s.out, tokens=s.tokens, tokens_per_s=s.tokens_per_s)  # fmt: skip
     return capture(s)
+
+
+def run_verify(out: Path) -> int:
+    """--verify: is every shard of --out whole? One line per damaged or missing shard, then a
+    summary (no model; a resume recaptures the rest)."""
+    meta = read_meta(out)
+    if meta is None:
+        raise Eagle3Error(f"{out} is not a hidden-state capture (no meta.json); nothing to verify")
+    entries = read_index(out)
+    shards = len({e["shard"] for e in entries})
+    problems = verify_shards(out)
+    for p in problems:
+        print(f"{out / p.shard}: {p.problem}, {p.records} record(s)")
+    unfinished = "" if meta.get("complete") else " (the capture did not finish)"
+    if problems:
+        print(
+            f"{len(problems)} of {shards} shards damaged or missing, "
+            f"{sum(p.records for p in problems)} of {len(entries)} records{unfinished}; "
+            f"recapture exactly those by resuming the capture: {recapture_command(out, meta)}"
+        )
+        return EXIT_DAMAGED
+    how = "size and xxh3"
+    if not all("shard_xxh3" in e for e in entries):  # captured before checksums were recorded
+        how = "size and xxh3 where recorded, else the size the shard's header says"
+    print(f"all {shards} shards of {out} are intact ({len(entries)} records; {how}){unfinished}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

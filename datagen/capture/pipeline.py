@@ -1,12 +1,18 @@
 """One capture, top to bottom: records -> token ids -> the target's forwards -> shards, resumed
-where an earlier run stopped; process 0 merges the index and meta.json at the end."""
+where an earlier run stopped; process 0 merges the index and meta.json at the end. Here too:
+which records a run captures and which process captures each, and the processes themselves
+(one alone, or accelerate's under ``accelerate launch`` or torchrun)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from datagen.capture.forward import capture_items
 from datagen.capture.meta import (
@@ -16,8 +22,6 @@ from datagen.capture.meta import (
     merge_provenance,
     response_origins,
 )
-from datagen.capture.processes import gather_all, process_state
-from datagen.capture.records import my_slice, select
 from datagen.capture.report import (
     already_tokens,
     capture_progress,
@@ -35,6 +39,52 @@ from eagle3.errors import Eagle3Error
 from eagle3.target import resolve
 
 log = logging.getLogger("datagen.capture")
+
+
+def process_state():
+    """accelerate's process state: rank/world/barrier under `accelerate launch` or torchrun."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
+def gather_all(state, obj: Any) -> list[Any]:
+    """`obj` of every process, in rank order (a plain list of one without a process group)."""
+    if state.num_processes == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * state.num_processes
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def select(records: list[dict], done: set[str], stats: Counter) -> list[dict]:
+    """Records still to capture: unique ids, not already in complete shards."""
+    seen: set[str] = set()
+    out = []
+    for record in records:
+        rid = record.get("id") if isinstance(record, dict) else None
+        if not isinstance(rid, str | int) or str(rid) == "":
+            stats["skipped: bad record"] += 1
+            continue
+        rid = str(rid)
+        if rid in seen:
+            stats["skipped: duplicate id"] += 1
+            continue
+        seen.add(rid)
+        if rid in done:
+            stats["already captured"] += 1
+            continue
+        out.append(record)
+    return out
+
+
+def my_slice(records: list[dict], rank: int, world: int) -> list[dict]:
+    """This process's records: longest first, dealt round-robin so every process gets about
+    the same number of tokens. Every record goes to exactly one process."""
+    order = sorted(records, key=lambda r: (-len(json.dumps(r.get("messages"))), str(r["id"])))
+    return order[rank::world]
 
 
 def check_disk(state, items: list[Item], hidden_size: int, s: CaptureSettings, out: Path) -> None:
@@ -101,7 +151,9 @@ def capture(s: CaptureSettings) -> int:
     mine = my_slice(pending, rank, world)
     lengths: list[tuple[int, int, int]] = []
     items = render_all(mine, target.tokenizer, s.rendering, stats, lengths, done)
-    report_lengths(state, lengths, s.rendering)
+    every = [row for part in gather_all(state, lengths) for row in part]  # all processes'
+    if rank == 0:
+        report_lengths(every, s.rendering)
     check_disk(state, items, target.hidden_size, s, out)
     models, providers = response_origins(mine, items)
 

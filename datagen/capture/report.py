@@ -7,7 +7,6 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from datagen.capture.processes import gather_all
 from datagen.render import Item, Rendering
 from eagle3.data.shards import read_index
 from eagle3.data.windows import lengths_line, record_of
@@ -16,11 +15,10 @@ from eagle3.progress import Progress, count
 log = logging.getLogger("datagen.capture")
 
 
-def report_lengths(state, lengths: list[tuple[int, int, int]], rendering: Rendering) -> None:
-    """Process 0 prints this run's records' length distribution and what a cut at
-    --max-length would drop (every process's records)."""
-    rows = [row for part in gather_all(state, lengths) for row in part]
-    if state.process_index == 0 and rows:
+def report_lengths(rows: list[tuple[int, int, int]], rendering: Rendering) -> None:
+    """This run's records' length distribution (every process's rows, printed by process 0)
+    and what a cut at --max-length would drop."""
+    if rows:
         cuts = [(d, t) for _, d, t in rows]
         line = lengths_line([n for n, _, _ in rows], cuts, rendering.max_length)
         how = "windows" if rendering.long_records == "window" else "cut"
