@@ -182,7 +182,7 @@ class Requester:
         self._stopping = asyncio.Event()
         self._settled = asyncio.Event()
         self._workers: list[asyncio.Task] = []
-        self._t0 = time.monotonic()
+        self.started = time.monotonic()  # the run's tok/s counts from here
 
     # ------------------------------------------------------------------ stopping
 
@@ -250,7 +250,20 @@ class Requester:
             loop.add_signal_handler(sig, self._on_signal, sig)
         connector = aiohttp.TCPConnector(limit=self.settings.concurrency, keepalive_timeout=75)
         timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout)
-        progress = self.progress = Progress(self)
+        settings = self.settings
+        progress = self.progress = Progress(
+            self.out,
+            self.throttle,
+            self.ledger,
+            self.store,
+            total=self.total,
+            already=settings.done_before,
+            budget=settings.budget,
+            plan_usd_per_m_out=settings.plan_usd_per_m_out,
+            started=self.started,
+            every_s=settings.log_every,
+            bar=settings.progress_bar,
+        )
         if self.orphans is not None:
             self.orphans.on_change = self._notify_settled
         try:
