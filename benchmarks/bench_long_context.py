@@ -63,6 +63,7 @@ from bench_train import (
 )
 
 from eagle3.compute import matmul_peak
+from eagle3.draft_shapes import draft_shape
 from eagle3.loss import ttt_loss
 from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
 from eagle3.ttt_attention import CHUNK_SIZE, IMPLS, KEY_BLOCK, auto_impl
@@ -92,38 +93,14 @@ def draft_setup(name: str) -> tuple[DraftConfig, int]:
         draft_vocab = min(cfg.model.draft_vocab_size, facts["vocab_size"])
         aux_ids = cfg.target.aux_layer_ids or [1, 14, 26]
         return recipe_draft_config(cfg, facts, draft_vocab, aux_ids), cfg.model.ttt_steps
-    if name == "kimi-layout":
-        draft_cfg = DraftConfig(
-            hidden_size=1024,
-            intermediate_size=2816,
-            num_attention_heads=56,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=163840,  # Kimi-K2.5's; only the frozen embedding table is this size
-            draft_vocab_size=8000,
-            target_hidden_size=1024,
-            aux_layer_ids=[1, 29, 57],
-        )
-        return draft_cfg, 7
-    if name == "kimi-mla":  # the Kimi recipes' default: MLA with Kimi's own dims, hidden 1024
-        draft_cfg = DraftConfig(
-            hidden_size=1024,
-            intermediate_size=2816,
-            num_attention_heads=64,
-            num_key_value_heads=64,
-            head_dim=192,
-            vocab_size=163840,
-            draft_vocab_size=8000,
-            target_hidden_size=1024,
-            aux_layer_ids=[1, 29, 57],
-            attention="mla",
-            q_lora_rank=1536,
-            kv_lora_rank=512,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-        )
-        return draft_cfg, 7
+    # The Kimi drafts' head layouts at hidden 1024: the frozen embedding table keeps Kimi's
+    # 163,840 rows (vocab_size), the rest is sized to run on a CPU.
+    cpu_size = dict(hidden_size=1024, intermediate_size=2816, draft_vocab_size=8000,
+                    target_hidden_size=1024)  # fmt: skip
+    if name == "kimi-layout":  # the Kimi recipes' GQA alternative: 56 heads of 128, 8 KV heads
+        return draft_shape("kimi-k2.5-gqa", **cpu_size), 7
+    if name == "kimi-mla":  # the Kimi recipes' default: MLA with Kimi's own dims
+        return draft_shape("kimi-k2.5-mla", **cpu_size), 7
     raise SystemExit(f"unknown draft {name!r}: use smollm2, kimi-layout or kimi-mla")
 
 

@@ -40,20 +40,8 @@ SIZE = dict(
     target_hidden_size=256,
     aux_layer_ids=[1, 2, 3],
 )
-HEADS = {
-    "mla": dict(
-        attention="mla",
-        num_attention_heads=64,
-        num_key_value_heads=64,
-        head_dim=192,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-    ),
-    "gqa": dict(attention="gqa", num_attention_heads=56, num_key_value_heads=8, head_dim=128),
-}
+# --attention: the Kimi drafts' head layouts (eagle3.draft_shapes), at SIZE
+HEADS = {"mla": "kimi-k2.5-mla", "gqa": "kimi-k2.5-gqa"}
 
 
 def rss(field: str) -> int:
@@ -68,8 +56,9 @@ def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    from eagle3.draft_shapes import draft_shape
     from eagle3.loss import ttt_loss, valid_counts
-    from eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3.model import Eagle3Draft
     from train.sequence_parallel import data_layout, make_group, sequence_parallel, shard_batch
 
     torch.set_num_threads(spec["threads"])
@@ -79,7 +68,7 @@ def worker(spec: dict) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
         dist.init_process_group("gloo", rank=rank, world_size=world)
         group = make_group(data_layout(rank, world, world))
-    cfg = DraftConfig(**SIZE, **HEADS[spec["attention"]])
+    cfg = draft_shape(HEADS[spec["attention"]], **SIZE)
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
     draft.midlayer.self_attn.ttt_impl = spec["ttt_impl"]

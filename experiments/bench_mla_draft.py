@@ -35,21 +35,11 @@ from pathlib import Path
 import torch
 
 from eagle3.checkpoint import load_config
+from eagle3.draft_shapes import draft_shape
 from eagle3.model import DraftConfig, Eagle3Draft
 
 REPO = Path(__file__).resolve().parents[1]
 KIND = ("mla", "gqa")
-KIMI = dict(  # Kimi-K2.5's text config (config.json), the sizes its drafts take
-    hidden_size=7168,
-    intermediate_size=18432,
-    num_attention_heads=64,
-    vocab_size=163840,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-)
 
 
 def run(*cmd: str) -> str:
@@ -75,10 +65,8 @@ def params(cfg: DraftConfig) -> int:
 
 
 def kimi_config(kind: str) -> DraftConfig:
-    from types import SimpleNamespace
-
-    target = SimpleNamespace(**KIMI, rope_theta=50000.0, max_position_embeddings=262144)
-    return DraftConfig.from_target_config(target, 32000, [1, 29, 57], attention=kind)
+    """The Kimi-K2.5 draft of attention `kind` at full size (eagle3.draft_shapes)."""
+    return draft_shape(f"kimi-k2.5-{kind}")
 
 
 def main() -> int:

@@ -58,6 +58,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3.draft_shapes import target_shape
 from eagle3.errors import Eagle3Error
 from eagle3.model import DraftConfig
 from eagle3.ttt_attention import CUDA_CHUNK_SIZE, CUDA_KEY_BLOCK
@@ -525,18 +526,6 @@ def engine_fraction(engine_args: list[str]) -> float:
 
 
 # -- the plan of a recipe ---------------------------------------------------------------------
-def target_shape(name: str):
-    """The target's text config: the registry's `plan_shape` (no download), else its
-    config.json (eagle3.target.target_facts: the config alone, never weights)."""
-    from types import SimpleNamespace
-
-    from eagle3.target import resolve, target_facts
-
-    target = resolve(name)  # a local Kimi-K2.5 directory is the registry's kimi-k2.5
-    shape = (target.spec or {}).get("plan_shape")
-    return SimpleNamespace(**shape) if shape else target_facts(target)["hf_config"]
-
-
 def served_weights_gb(name: str) -> float:
     """The registry's `served_weights_gb` of a target (what an engine loads), 0 if unknown."""
     from eagle3.target import resolve

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from eagle3.checkpoint import load_config, load_draft, save_draft
+from eagle3.draft_shapes import target_shape
 from eagle3.errors import Eagle3Error
 from eagle3.model import DraftConfig, Eagle3Draft
 from eagle3.rope import rope_inv_freq, rope_scaling_for_engines, target_rope
@@ -144,13 +145,7 @@ def test_kimi_sized_target_gets_specforges_gqa_shape():
     from transformers import DeepseekV3Config
 
     hf = DeepseekV3Config(  # Kimi-K2.5's text config sizes (config only, no weights)
-        hidden_size=7168,
-        num_attention_heads=64,
-        num_key_value_heads=64,
-        intermediate_size=18432,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        vocab_size=163840,
+        **vars(target_shape("kimi-k2.5")),  # the registry's
         rope_parameters={**KIMI_YARN, "rope_theta": 50000.0},
     )
     cfg = DraftConfig.from_target_config(hf, 32000, [1, 29, 57])

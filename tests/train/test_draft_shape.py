@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle3.draft_shapes import target_shape
 from eagle3.errors import ConfigError
 from train.config import load_config
 
@@ -59,13 +60,7 @@ def test_bad_values_are_one_config_error(override, message):
 
 def _kimi_text_config():
     """Kimi-K2.5's text config sizes (its config.json needs the hub; the sizes are enough)."""
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(
-        hidden_size=7168, intermediate_size=18432, num_attention_heads=64,
-        num_key_value_heads=64, vocab_size=163840, q_lora_rank=1536, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_theta=50000.0,
-    )  # fmt: skip
+    return target_shape("kimi-k2.5")  # the registry's
 
 
 @pytest.mark.parametrize("name", ["kimi-k2.5-offline.yaml", "kimi-k2.5-online.yaml"])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle3.draft_shapes import draft_shape
 from eagle3.errors import Eagle3Error
 from eagle3.model import DraftConfig
 from train.config import load_config
@@ -40,23 +41,15 @@ ZERO2 = REPO / "configs/accelerate/8gpu-zero2.yaml"
 
 # Kimi's draft head layout (64 heads, MLA q_lora 1536 / kv_lora 512 / nope 128 / rope 64 /
 # v 128) at a small hidden size and vocab, three TTT steps: seconds on a CPU
-SMALL_KIMI_MLA = dict(
+SMALL_KIMI_MLA = draft_shape(
+    "kimi-k2.5-mla",
     hidden_size=256,
     intermediate_size=512,
-    num_attention_heads=64,
-    num_key_value_heads=64,
-    head_dim=192,
     vocab_size=4000,
     draft_vocab_size=1000,
     target_hidden_size=256,
     aux_layer_ids=[1, 2, 3],
-    attention="mla",
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-)
+).to_dict()
 TTT_STEPS = 3
 
 # one training step's peak RSS increase at T tokens, in a fresh interpreter (its own peak)
