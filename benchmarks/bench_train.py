@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 
 from eagle3.compute import describe_peak, matmul_peak
+from eagle3.draft_shapes import target_shape
 from eagle3.loss import target_probs, ttt_loss
 from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
 from train.config import load_config
-from train.memory_plan import target_shape
 from train.metrics import peak_memory_gb
 from train.recompute import recomputed_ttt_loss
 

@@ -62,12 +62,13 @@ import torch
 import torch.nn.functional as F
 
 from eagle3 import ttt_attention as ttt_module
+from eagle3.draft_shapes import target_shape
 from eagle3.loss import soft_cross_entropy, ttt_loss
 from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
 from eagle3.ttt_attention.flex import plain_block_mask
 from train.config import load_config
 from train.draft import draft_config
-from train.memory_plan import GB, Node, RunShape, ZeroSetup, plan_memory, target_shape
+from train.memory_plan import GB, Node, RunShape, ZeroSetup, plan_memory
 from train.recompute import recomputed_ttt_loss
 
 REPO = Path(__file__).resolve().parents[1]

@@ -62,9 +62,9 @@ def recipe_exchange(
 ) -> tuple[Exchange, int]:
     """The exchange of a recipe's draft at its length and sequence-parallel size, and its
     TTT steps."""
+    from eagle3.draft_shapes import target_shape
     from train.config import load_config
     from train.draft import draft_config
-    from train.memory_plan import target_shape
 
     cfg = load_config(config, overrides, check_paths=False)
     sp = cfg.train.sequence_parallel

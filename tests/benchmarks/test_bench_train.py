@@ -10,8 +10,8 @@ from pathlib import Path
 
 from bench_train import recipe_draft_config
 
+from eagle3.draft_shapes import target_shape
 from train.config import load_config
-from train.memory_plan import target_shape
 
 REPO = Path(__file__).resolve().parents[2]
 
