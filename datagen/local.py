@@ -419,9 +419,7 @@ def first_user_turns(prompt: Prompt, n: int) -> Prompt:
 def select_prompts(args) -> list[Prompt]:
     prompts: list[Prompt] = []
     for source in args.prompts:
-        loaded = load_prompts(source, limit=args.limit)
-        log.info("%s", loaded.report.summary())
-        prompts.extend(loaded)
+        prompts.extend(load_prompts(source, limit=args.limit))  # it logs its source's line
     prompts = dedupe(prompts)
     if args.max_turns:
         prompts = [first_user_turns(p, args.max_turns) for p in prompts]

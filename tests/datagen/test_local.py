@@ -76,6 +76,17 @@ def test_max_turns_keeps_the_first_user_turns():
     assert local.first_user_turns(p, 1).id == "x"
 
 
+def test_each_prompt_source_is_one_line(prompts_file, tmp_path, caplog):
+    """~0.1 s: selecting the prompts logs each source's line (kept, skipped) once, the loader's
+    (generate printed it twice)."""
+    args = local.parse_args(["--prompts", str(prompts_file), "--out", str(tmp_path / "out"),
+                             "--base-url", "http://127.0.0.1:9"])  # fmt: skip
+    with caplog.at_level("INFO"):
+        local.select_prompts(args)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("chat: ")]
+    assert len(lines) == 1 and "kept 5 prompts" in lines[0], lines
+
+
 def test_servers_round_robin_retries_reasoning_resume(
     servers, prompts_file, tmp_path, capsys, monkeypatch
 ):
