@@ -26,14 +26,23 @@ class Counts(Protocol):
     errors: Counter
 
 
+class RunSettings(Protocol):
+    """What the progress line reads of :class:`datagen.openrouter.requester.Settings`."""
+
+    progress_bar: bool | None  # None: a bar when stderr is a terminal
+    log_every: float  # seconds between plain lines
+    done_before: int  # prompts earlier runs finished: already done
+    budget: float
+    plan_usd_per_m_out: float | None
+
+
 class Progress:
     """Prompts resolved (written or failed for good) out of all the run's prompts, those done by
     earlier runs counted as already done (:mod:`eagle3.progress`: a bar on a terminal, a line
-    every ``every_s`` s otherwise), with the run's figures: in flight, tok/s, spend, retries.
+    every ``log_every`` s otherwise), with the run's figures: in flight, tok/s, spend, retries.
     The workers only count in `out`; the ticker brings the count up to date. Everything it
-    shows is passed in: the requester's counts, throttle, ledger and store, the run's `total`
-    prompts (`already` more done by earlier runs), its budget and plan price, and `started`
-    (time.monotonic() when the run began: the tok/s)."""
+    shows is passed in: the requester's counts, throttle, ledger, store and settings, the run's
+    `total` prompts and `started` (time.monotonic() when the run began: the tok/s)."""
 
     def __init__(
         self,
@@ -41,25 +50,22 @@ class Progress:
         throttle: Throttle,
         ledger: Ledger,
         store: ResultStore,
+        settings: RunSettings,
         *,
         total: int,
-        already: int,
-        budget: float,
-        plan_usd_per_m_out: float | None,
         started: float,
-        every_s: float,
-        bar: bool | None,
     ):
         self.out, self.throttle, self.ledger, self.store = out, throttle, ledger, store
-        self.budget, self.plan_usd_per_m_out, self.started = budget, plan_usd_per_m_out, started
+        self.settings, self.started = settings, started
+        bar = settings.progress_bar
         mode = None if bar is None else "bar" if bar else "lines"  # None: by stderr
         self.counter = ProgressCounter(
             "openrouter",
-            already + total,
+            settings.done_before + total,
             "prompts",
-            already=already,
+            already=settings.done_before,
             status=self.line,
-            every_s=every_s,
+            every_s=settings.log_every,
             mode=mode,
         )
         self.bar = self.counter.bar  # the countdown of a wait for held orphans writes on it
@@ -71,7 +77,7 @@ class Progress:
         return (
             f"in flight {self.throttle.active}/{self.throttle.limit}, "
             f"{out.output_tokens / elapsed:,.0f} tok/s, "
-            f"${self.ledger.spent_usd:.2f}/${self.budget:.2f}, "
+            f"${self.ledger.spent_usd:.2f}/${self.settings.budget:.2f}, "
             f"{self.paid()}, "
             f"retries {sum(out.retries.values())}, failed {out.failed}, errors: {errors}"
         )
@@ -79,7 +85,7 @@ class Progress:
     def paid(self) -> str:
         """$/M output tokens paid this run (all of a request's cost over its output tokens),
         next to the plan's blended figure at the cheapest allowed endpoint."""
-        out, plan = self.out, self.plan_usd_per_m_out
+        out, plan = self.out, self.settings.plan_usd_per_m_out
         paid = f"${out.cost_usd / out.cost_tokens * 1e6:.2f}" if out.cost_tokens else "-"
         return f"{paid}/M out paid" + (f" (plan ${plan:.2f}/M)" if plan is not None else "")
 

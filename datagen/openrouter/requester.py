@@ -250,20 +250,10 @@ class Requester:
             loop.add_signal_handler(sig, self._on_signal, sig)
         connector = aiohttp.TCPConnector(limit=self.settings.concurrency, keepalive_timeout=75)
         timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout)
-        settings = self.settings
         progress = self.progress = Progress(
-            self.out,
-            self.throttle,
-            self.ledger,
-            self.store,
-            total=self.total,
-            already=settings.done_before,
-            budget=settings.budget,
-            plan_usd_per_m_out=settings.plan_usd_per_m_out,
-            started=self.started,
-            every_s=settings.log_every,
-            bar=settings.progress_bar,
-        )
+            self.out, self.throttle, self.ledger, self.store, self.settings,
+            total=self.total, started=self.started,
+        )  # fmt: skip
         if self.orphans is not None:
             self.orphans.on_change = self._notify_settled
         try:

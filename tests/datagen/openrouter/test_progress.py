@@ -32,21 +32,19 @@ def test_a_run_opens_with_its_total_and_closes_with_where_the_records_are(tmp_pa
 
 def test_a_resumed_run_counts_earlier_prompts_as_already_done(tmp_path, capsys, monkeypatch):
     """~0.1 s: 40 prompts left after 60 done by earlier runs; the figures shown are the ones
-    passed in (counts, throttle, ledger, store, budget, plan price)."""
+    passed in (counts, throttle, ledger, store, settings)."""
     stream = io.StringIO()
     monkeypatch.setattr("sys.stderr", stream)
+    settings = SimpleNamespace(progress_bar=False, log_every=30.0, done_before=60,
+                               budget=5.0, plan_usd_per_m_out=2.46)  # fmt: skip
     progress = Progress(
         Outcome(done=9, failed=1, errors=Counter({"http 429": 3})),
         SimpleNamespace(active=7, limit=64),
         SimpleNamespace(spent_usd=1.25, path=tmp_path / "ledger.jsonl"),
         SimpleNamespace(dir=tmp_path, datasets=lambda: ["chat", "code"]),
+        settings,
         total=40,
-        already=60,
-        budget=5.0,
-        plan_usd_per_m_out=2.46,
         started=0.0,
-        every_s=30.0,
-        bar=False,
     )
     assert stream.getvalue().startswith("openrouter: 60/100 prompts (60%, 60 already done), eta -")
     progress.close()
