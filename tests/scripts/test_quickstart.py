@@ -252,8 +252,9 @@ def test_quickstart_method_is_one_value_with_its_own_run(tmp_path):
 def test_quickstart_launch_warns_of_nothing_and_adds_no_traceback_to_an_error(tmp_path):
     """The train stage's `accelerate launch` passes every value accelerate would otherwise
     default and list in a warning, and on the recipe's `error:` line (exit 2) the launcher adds
-    no traceback of its own: its whole output is that line (~5 s: the launcher's imports, a
-    child that only fails; OMP_NUM_THREADS unset, as on a user's machine)."""
+    no traceback of its own: its whole output is that line (9.5 s measured beside other
+    jobs on 2 cores: the launcher's imports and a child that only fails; OMP_NUM_THREADS unset,
+    as on a user's machine)."""
     child = tmp_path / "fails.py"
     child.write_text('import sys\nprint("error: bad key", file=sys.stderr)\nsys.exit(2)\n')
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
