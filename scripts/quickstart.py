@@ -47,6 +47,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil  # accelerate's dependency: it counts a CPU's cores with it
+
 from eagle3.cli import HelpFormatter, run_cli
 from eagle3.config import merge, parse_overrides, read_yaml
 from eagle3.errors import Eagle3Error
@@ -124,11 +126,18 @@ def train_dir(args: argparse.Namespace) -> str:
     return "train" if args.method == "eagle3" else f"train-{args.method}"
 
 
-def train_command(args: argparse.Namespace, run: Path, out: str, *overrides: str) -> list[str]:
+def launch_command(cpu: bool) -> list[str]:
+    """`accelerate launch` with every value it would otherwise default and list in a warning
+    (processes, machines, mixed precision, dynamo, and on a CPU the threads: the number it would
+    pick, OMP_NUM_THREADS or the physical cores). --quiet: on the recipe's `error:` line and
+    exit 2, the launcher raises CalledProcessError, whose traceback would follow that line;
+    quiet, it exits 1 without one, and run_stage names the stage and its log."""
+    threads = os.environ.get("OMP_NUM_THREADS") or str(psutil.cpu_count(logical=False) or 1)
     return [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
+        "--quiet",
         "--num_processes",
         "1",
         "--num_machines",
@@ -137,7 +146,13 @@ def train_command(args: argparse.Namespace, run: Path, out: str, *overrides: str
         "no",
         "--dynamo_backend",
         "no",
-        *(["--cpu"] if args.cpu else []),
+        *(["--cpu", "--num_cpu_threads_per_process", threads] if cpu else []),
+    ]
+
+
+def train_command(args: argparse.Namespace, run: Path, out: str, *overrides: str) -> list[str]:
+    return [
+        *launch_command(args.cpu),
         str(REPO / "train" / "train_drafter.py"),
         "--config",
         str(TRAIN_RECIPE),
@@ -461,6 +476,10 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("HF_HUB_OFFLINE", "1")  # the embedded target needs no hub; never wait on it
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"  # stage progress shows live, not when a pipe buffer fills
+    # transformers' "Loading weights" bar (the embedded target's 272 tensors, under a second)
+    # comes out of a pipe as one line of carriage returns in every stage that loads the
+    # target; each stage's own progress lines say how it goes
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if args.wandb and not env.get("WANDB_API_KEY"):
         env.setdefault("WANDB_MODE", "offline")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))

@@ -32,9 +32,19 @@ def mixed_precision(asked: str, on_gpu: bool) -> str:
     return asked
 
 
+def cpu_deepspeed(on_gpu: bool) -> None:
+    """Name DeepSpeed's CPU accelerator on a process without a GPU, unless the user named one.
+    accelerate imports DeepSpeed wherever it is installed (unwrap_model, at the first export),
+    and DeepSpeed left to detect its accelerator warns "Setting accelerator to CPU" there, in
+    the middle of the progress lines; on a GPU-less process the CPU is what it picks anyway."""
+    if not on_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def make_accelerator(cfg: Config) -> tuple[Accelerator, torch.dtype]:
     """The Accelerator of this launch and the dtype hidden states are fed in."""
     on_gpu = torch.cuda.is_available()
+    cpu_deepspeed(on_gpu)
     mixed = mixed_precision(cfg.train.mixed_precision, on_gpu)
     # accelerate launch with a DeepSpeed config (or ACCELERATE_USE_DEEPSPEED=true) asks for it;
     # on a CPU that needs cpu=False too (DeepSpeed's CPU accelerator, DS_ACCELERATOR=cpu, gloo)

@@ -277,7 +277,7 @@ def setup(cfg: Config) -> Run:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(cfg.to_yaml())
         (out_dir / "provenance.json").write_text(json.dumps(data.provenance, indent=1))
-        print(cfg.to_yaml(), flush=True)
+        print(f"resolved config -> {out_dir / 'config.yaml'}", flush=True)
         print(
             f"{cfg.data.mode} training on {accelerator.num_processes} process(es) "
             f"({accelerator.distributed_type.value}, {type(model).__name__}"

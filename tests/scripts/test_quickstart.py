@@ -167,6 +167,11 @@ def test_quickstart_tiny_killed_then_resumed(tmp_path):
     done = subprocess.run(tiny_run(run_dir), cwd=REPO, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "generate: done, skipped" in done.stdout
+    # the console says what each stage does, where its files go and how it goes, nothing more:
+    # no launcher warning, no resolved config (its file is named), no DeepSpeed or loading bar
+    assert f"resolved config -> {run_dir / 'train' / 'config.yaml'}" in done.stdout
+    for noise in ("were not passed", "\noptim:", "Setting accelerator", "Loading weights"):
+        assert noise not in done.stdout + done.stderr, noise
     stages = stage_status(run_dir)
     names = ("generate", "offpolicy", "capture", "capture-offpolicy", "train", "evaluate")
     assert [stages[s]["status"] for s in names] == ["done"] * 6
@@ -242,3 +247,19 @@ def test_quickstart_method_is_one_value_with_its_own_run(tmp_path):
     peagle = quickstart.parse_args(["--run-dir", str(tmp_path), "--method", "p-eagle"])
     evaluate = dict(quickstart.stage_commands(peagle, tmp_path))["evaluate"]
     assert not any(arg.startswith("tree:") for arg in evaluate)  # chains only
+
+
+def test_quickstart_launch_warns_of_nothing_and_adds_no_traceback_to_an_error(tmp_path):
+    """The train stage's `accelerate launch` passes every value accelerate would otherwise
+    default and list in a warning, and on the recipe's `error:` line (exit 2) the launcher adds
+    no traceback of its own: its whole output is that line (9.5 s measured beside other
+    jobs on 2 cores: the launcher's imports and a child that only fails; OMP_NUM_THREADS unset,
+    as on a user's machine)."""
+    child = tmp_path / "fails.py"
+    child.write_text('import sys\nprint("error: bad key", file=sys.stderr)\nsys.exit(2)\n')
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.run(
+        [*quickstart.launch_command(cpu=True), str(child)], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 1  # accelerate's, under --quiet: the stage's failure is reported
+    assert proc.stdout + proc.stderr == "error: bad key\n"

@@ -84,3 +84,19 @@ def test_compile_threads_share_the_node_between_its_ranks(monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS")
     share_compile_threads(len(os.sched_getaffinity(0)))
     assert inductor.compile_threads == 1
+
+
+def test_a_gpu_less_process_names_deepspeeds_cpu_accelerator(monkeypatch):
+    """~0.01 s: without a GPU DS_ACCELERATOR is cpu (DeepSpeed, imported by accelerate at the
+    first export, then warns nothing between progress lines); a user's value is kept, and a GPU
+    process leaves DeepSpeed to detect its own."""
+    from train.distributed import cpu_deepspeed
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    cpu_deepspeed(on_gpu=True)
+    assert "DS_ACCELERATOR" not in os.environ
+    cpu_deepspeed(on_gpu=False)
+    assert os.environ["DS_ACCELERATOR"] == "cpu"
+    monkeypatch.setenv("DS_ACCELERATOR", "xpu")
+    cpu_deepspeed(on_gpu=False)
+    assert os.environ["DS_ACCELERATOR"] == "xpu"
