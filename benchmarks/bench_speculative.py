@@ -25,7 +25,7 @@ from eagle3.compute import (
     peak_share,
     weight_flops_per_token,
 )
-from eagle3.speculative import (
+from eagle3.decoding.decoder import (
     DraftTree,
     SpeculativeDecoder,
     plain_generate,

@@ -41,11 +41,7 @@ import torch
 
 from eagle3.data.chat import next_turns, prompt_ids
 from eagle3.data.prompts import user_turns
-from eagle3.engine.metrics import SpecDecodeMetrics
-from eagle3.errors import Eagle3Error
-from eagle3.progress import Progress
-from eagle3.prompt_lookup import PromptLookupDrafter
-from eagle3.speculative import (
+from eagle3.decoding.decoder import (
     AcceptanceStats,
     DecodeConfig,
     EagleDrafter,
@@ -53,6 +49,10 @@ from eagle3.speculative import (
     SpeculativeDecoder,
     plain_generate,
 )
+from eagle3.decoding.prompt_lookup import PromptLookupDrafter
+from eagle3.engine.metrics import SpecDecodeMetrics
+from eagle3.errors import Eagle3Error
+from eagle3.progress import Progress
 from eagle3.target import eos_token_ids, target_facts
 
 if TYPE_CHECKING:

@@ -58,9 +58,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3.decoding.decoder import DecodeConfig, DraftTree, gumbel_topk
 from eagle3.errors import Eagle3Error
 from eagle3.model import MLP, Attention, DraftConfig, Eagle3Draft, RMSNorm
-from eagle3.speculative import DecodeConfig, DraftTree, gumbel_topk
 
 
 class PlainLayer(nn.Module):

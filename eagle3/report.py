@@ -35,8 +35,8 @@ from eagle3.statistics import (
 from eagle3.tracking import wandb_mode
 
 if TYPE_CHECKING:
+    from eagle3.decoding.decoder import AcceptanceStats
     from eagle3.measure import EngineResult, Tally
-    from eagle3.speculative import AcceptanceStats
 
 log = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from eagle3.decoding.decoder import AcceptanceStats, Generation
 from eagle3.measure import Tally
 from eagle3.report import format_context_table, format_table, result_row, speedup_note
-from eagle3.speculative import AcceptanceStats, Generation
 
 
 def test_table_shows_intervals_and_says_why_an_engine_row_has_none():

@@ -8,10 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from eagle3.errors import Eagle3Error
-from eagle3.model import DraftConfig, Eagle3Draft
-from eagle3.prompt_lookup import PromptLookupDrafter
-from eagle3.speculative import (
+from eagle3.decoding.decoder import (
     AcceptanceStats,
     DecodeConfig,
     DraftTree,
@@ -21,6 +18,9 @@ from eagle3.speculative import (
     accept_sampling,
     plain_generate,
 )
+from eagle3.decoding.prompt_lookup import PromptLookupDrafter
+from eagle3.errors import Eagle3Error
+from eagle3.model import DraftConfig, Eagle3Draft
 from eagle3.target import Target
 
 CHAIN = dict(mode="chain", steps=4)
