@@ -25,11 +25,8 @@ from eagle3.compute import (
     peak_share,
     weight_flops_per_token,
 )
-from eagle3.decoding.decoder import (
-    DraftTree,
-    SpeculativeDecoder,
-    plain_generate,
-)
+from eagle3.decoding.decoder import SpeculativeDecoder, plain_generate
+from eagle3.decoding.tree import DraftTree
 from eagle3.target import eos_token_ids
 
 

@@ -41,14 +41,10 @@ import torch
 
 from eagle3.data.chat import next_turns, prompt_ids
 from eagle3.data.prompts import user_turns
-from eagle3.decoding.decoder import (
-    AcceptanceStats,
-    DecodeConfig,
-    EagleDrafter,
-    Generation,
-    SpeculativeDecoder,
-    plain_generate,
-)
+from eagle3.decoding.acceptance import AcceptanceStats
+from eagle3.decoding.decode_config import DecodeConfig
+from eagle3.decoding.decoder import Generation, SpeculativeDecoder, plain_generate
+from eagle3.decoding.eagle import EagleDrafter
 from eagle3.decoding.prompt_lookup import PromptLookupDrafter
 from eagle3.engine.metrics import SpecDecodeMetrics
 from eagle3.errors import Eagle3Error

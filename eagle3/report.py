@@ -35,7 +35,7 @@ from eagle3.statistics import (
 from eagle3.tracking import wandb_mode
 
 if TYPE_CHECKING:
-    from eagle3.decoding.decoder import AcceptanceStats
+    from eagle3.decoding.acceptance import AcceptanceStats
     from eagle3.measure import EngineResult, Tally
 
 log = logging.getLogger(__name__)

@@ -193,7 +193,8 @@ def test_drafter_on_non_default_aux_layers_is_evaluated_on_its_own_layers(
 ):
     """A drafter trained on aux ids other than the target's default (here [0, 2, 6] vs the
     default [1, 3, 4]) is evaluated, and the decoder feeds it exactly those layers' outputs."""
-    from eagle3.decoding.decoder import DecodeConfig, SpeculativeDecoder
+    from eagle3.decoding.decode_config import DecodeConfig
+    from eagle3.decoding.decoder import SpeculativeDecoder
     from eagle3.measure import load_drafter
     from eagle3.target import load_target
 
@@ -365,7 +366,8 @@ def test_one_run_measures_a_checkpoint_as_chain_and_tree_with_rows_per_turn(
     """`--draft DIR --draft tree:DIR` (what the quickstart runs): one plain decoding, the chain
     of --steps and the tree of --topk/--depth/--total-tokens of the same checkpoint, each exact
     at T=0; the two-turn prompt adds rows per turn; vLLM is never asked to serve the tree."""
-    from eagle3.decoding.decoder import DecodeConfig, EagleDrafter
+    from eagle3.decoding.decode_config import DecodeConfig
+    from eagle3.decoding.eagle import EagleDrafter
     from eagle3.engine.server import EngineSettings
     from eagle3.measure import engine_runs
     from eagle3.target import load_target, resolve

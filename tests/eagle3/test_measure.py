@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3.decoding.decoder import DecodeConfig
+from eagle3.decoding.decode_config import DecodeConfig
 from eagle3.engine.metrics import SpecDecodeMetrics
 from eagle3.measure import EngineResult, EngineRun, engine_pass, request_steps
 from eagle3.report import engine_row

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3.decoding.decoder import AcceptanceStats, Generation
+from eagle3.decoding.acceptance import AcceptanceStats
+from eagle3.decoding.decoder import Generation
 from eagle3.measure import Tally
 from eagle3.report import format_context_table, format_table, result_row, speedup_note
 

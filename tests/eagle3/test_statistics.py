@@ -47,7 +47,7 @@ def test_engine_alpha_is_conditional_like_in_house():
 # -- acceptance by context position (each test well under a second) -----------------------------
 def _logged(steps: list[tuple[int, int, int]]):
     """AcceptanceStats of (context, accepted, offered) steps, each logged with its context."""
-    from eagle3.decoding.decoder import AcceptanceStats
+    from eagle3.decoding.acceptance import AcceptanceStats
 
     stats = AcceptanceStats()
     for context, accepted, offered in steps:

@@ -111,7 +111,8 @@ def test_quickstart_evaluates_chain_tree_and_prompt_lookup_against_one_plain_run
 
 
 def test_quickstart_table_splits_turns_and_says_what_the_speedups_mean(tmp_path):
-    from eagle3.decoding.decoder import AcceptanceStats, Generation
+    from eagle3.decoding.acceptance import AcceptanceStats
+    from eagle3.decoding.decoder import Generation
     from eagle3.measure import Tally
     from eagle3.report import result_row
 
