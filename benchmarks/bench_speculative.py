@@ -53,7 +53,7 @@ def main() -> int:
     from eagle3.data.chat import next_turns, prompt_ids
     from eagle3.data.prompts import load_prompts
     from eagle3.errors import Eagle3Error
-    from eagle3.measure import add_decode_args, decode_config, load_drafter
+    from eagle3.evaluation.measure import add_decode_args, decode_config, load_drafter
     from eagle3.target import load_target
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -51,7 +51,7 @@ from eagle3.cli import HelpFormatter, run_cli
 from eagle3.data.chat import RenderError, load_chat_template, render_record
 from eagle3.data.records import read_records
 from eagle3.errors import Eagle3Error
-from eagle3.statistics import bootstrap_ci, ratio_of_sums
+from eagle3.evaluation.statistics import bootstrap_ci, ratio_of_sums
 
 log = logging.getLogger(__name__)
 

@@ -379,7 +379,7 @@ def run_inprocess(args, prompts: list[Prompt], store: ResultStore, stats: Stats)
 def run_engine(args, prompts: list[Prompt], store: ResultStore, stats: Stats) -> None:
     """--engine vllm: a managed server for --target, then the server path (ServerPool)."""
     from eagle3.engine.server import EngineSettings, managed_engine
-    from eagle3.measure import context_of, engine_context
+    from eagle3.evaluation.measure import context_of, engine_context
     from eagle3.target import load_tokenizer, resolve
 
     target = resolve(args.target)

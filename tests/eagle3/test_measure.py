@@ -8,8 +8,8 @@ import pytest
 
 from eagle3.decoding.decode_config import DecodeConfig
 from eagle3.engine.metrics import SpecDecodeMetrics
-from eagle3.measure import EngineResult, EngineRun, engine_pass, request_steps
-from eagle3.report import engine_row
+from eagle3.evaluation.measure import EngineResult, EngineRun, engine_pass, request_steps
+from eagle3.evaluation.report import engine_row
 
 
 def _reply(accepted, drafted, completion_tokens):

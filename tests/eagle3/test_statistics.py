@@ -7,7 +7,7 @@ import pytest
 
 from eagle3.engine.metrics import SpecDecodeMetrics
 from eagle3.errors import Eagle3Error
-from eagle3.statistics import (
+from eagle3.evaluation.statistics import (
     bootstrap_ci,
     bucket_label,
     by_context,

@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3.statistics import (
+from eagle3.evaluation.statistics import (
     bootstrap_ci,
     by_context,
     default_context_edges,
@@ -36,7 +36,7 @@ from eagle3.tracking import wandb_mode
 
 if TYPE_CHECKING:
     from eagle3.decoding.acceptance import AcceptanceStats
-    from eagle3.measure import EngineResult, Tally
+    from eagle3.evaluation.measure import EngineResult, Tally
 
 log = logging.getLogger(__name__)
 
