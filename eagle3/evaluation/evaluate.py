@@ -68,12 +68,12 @@ from eagle3.data.long_context import NAME as LONG_CONTEXT
 from eagle3.data.prompts import load_prompts, user_turns
 from eagle3.data.records import read_records
 from eagle3.engine.server import EngineSettings, add_engine_args
+from eagle3.engine.sizing import target_context
 from eagle3.errors import Eagle3Error
 from eagle3.evaluation.measure import (
     TREE,
     add_decode_args,
     check_drafter,
-    context_of,
     decode_config,
     decodes,
     drafter_name,
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     benches = parse_benches(args.bench) if args.bench or not args.held_out else []
     specs = [s.strip() for item in args.draft for s in item.split(",") if s.strip()]
     model = resolve(args.target)  # once: every loader below takes this value
-    context = context_of(model)
+    context = target_context(model)
     edges = (
         parse_context_edges(args.context_buckets)
         if args.context_buckets

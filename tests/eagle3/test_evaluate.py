@@ -422,7 +422,7 @@ def test_engine_context_is_the_longest_conversation_at_most_the_targets():
     """Pure (~0.01 s): every user turn of the longest prompt plus an answer of max_new_tokens
     (and slack) per turn, capped at the target's context."""
     from eagle3.data.prompts import Prompt
-    from eagle3.evaluation.measure import ANSWER_SLACK, engine_context
+    from eagle3.engine.sizing import ANSWER_SLACK, engine_context
 
     class Chars:  # a tokenizer of one token per character; its template joins the contents
         chat_template = "contents"
@@ -439,10 +439,9 @@ def test_engine_context_is_the_longest_conversation_at_most_the_targets():
     one = Prompt(id="a", dataset="x", messages=[{"role": "user", "content": "x" * 10}])
     two = Prompt(id="b", dataset="x", messages=[{"role": "user", "content": "y" * 4},
                                                 {"role": "user", "content": "z" * 4}])  # fmt: skip
-    benches = [("x", [one, two])]
     per_turn = 100 + ANSWER_SLACK
-    assert engine_context(Chars(), benches, 100, None) == 8 + 2 * per_turn
-    assert engine_context(Chars(), benches, 100, 200) == 200
+    assert engine_context(Chars(), [one, two], 100, None) == 8 + 2 * per_turn
+    assert engine_context(Chars(), [one, two], 100, 200) == 200
 
 
 def test_long_context_benchmark_reports_tau_by_context_position(chat_target_dir, tmp_path, capsys):
