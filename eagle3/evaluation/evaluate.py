@@ -21,8 +21,8 @@ drafts: tau = 1, shows the loop's own overhead).
 server without a drafter answers every turn (plain tok/s; its answers condition later
 turns), then one with each checkpoint drafter (method eagle3, num_speculative_tokens = the
 chain steps) decodes the same token-id prompts at the same temperature; tau and alpha_i come
-from vLLM's spec-decode counters over that window (alpha_i conditional, as in-house; one
-window over all requests: no per-prompt counts, so no interval). Rows "[vllm]" run one
+from vLLM's spec-decode counters over that window (alpha_i conditional, as in-house), tau's
+interval from each response's own per-step counts (the same steps, per prompt). Rows "[vllm]" run one
 request at a time, rows "[vllm xN]" N at a time (`--engine-batch`), each against plain vLLM
 run the same way. Engine flags: eagle3.engine.server.add_engine_args.
 

@@ -17,9 +17,9 @@ The serving engine (:func:`engine_runs`): a managed vLLM server without a drafte
 turn (plain tok/s; its answers condition later turns), then one with each checkpoint drafter
 (method eagle3, num_speculative_tokens = the chain steps) decodes the same token-id prompts at
 the same temperature; tau and alpha_i come from vLLM's spec-decode counters over that window
-(one window over all requests: no per-prompt counts). Each pass runs one request at a time and
-`--engine-batch` N at a time, against plain vLLM run the same way. Engine flags:
-eagle3.engine.server.add_engine_args.
+(one window over all requests; each response's own per-step counts, below, give the
+per-prompt counts). Each pass runs one request at a time and `--engine-batch` N at a time,
+against plain vLLM run the same way. Engine flags: eagle3.engine.server.add_engine_args.
 
 Acceptance by context position: every in-house step is logged with its context (the tokens
 before its first drafted token; `Tally.prompt_stats`, per prompt). The drafter servers run with

@@ -6,8 +6,10 @@ interval, and `per_prompt` (every prompt's counts, and each of its turns' in `pe
 benchmark with several turns adds `per_turn`, the same measures over each turn alone (`turn`
 1, 2, ...). Rows "x/final [tree]" are a checkpoint drafting a dynamic tree (the report's
 `config` holds its shape) beside its chain row "x/final". Rows "[vllm]" / "[vllm xN]" are the
-serving engine's: one window of vLLM's counters over all requests, so no per-prompt counts and
-no interval (`ci_note` says so), and an `engine` block with the raw counters. The table adds a
+serving engine's: tau and alpha_i are one window of vLLM's counters over all requests, tau's
+interval is bootstrapped over prompts from each response's own per-step counts (the same steps),
+the speedup has none (one timed pass; `ci_note` says so), and an `engine` block holds the raw
+counters. The table adds a
 "plain" row per benchmark (the target alone, the in-house speedups' denominator).
 
 Every row also holds `by_context`: tau and alpha_i of its verification steps in buckets of the
@@ -31,6 +33,7 @@ from eagle3.evaluation.statistics import (
     engine_alpha,
     ratio_of_sums,
     speedup_of_sums,
+    tau_interval,
 )
 from eagle3.tracking import wandb_mode
 
@@ -41,8 +44,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EVAL_FILE = "eagle3_eval.json"  # the results file also stored with a W&B run
-# vLLM's /metrics counters are one window over every request of a pass: no per-prompt counts
+# vLLM's /metrics counters are one window over every request of a pass: no per-prompt counts;
+# each response's per-step counts (PER_STEP_ARGS) are, so tau gets its interval from those
 ENGINE_CI_NOTE = "none: vLLM's spec-decode counters are one window over all requests"
+ENGINE_TAU_CI_NOTE = (
+    "tau: bootstrapped over prompts from each response's per-step counts; "
+    "speedup: none, one timed pass over all requests"
+)
 NO_ENGINE_CI = "n/a (one vLLM window)"
 
 
@@ -124,8 +132,8 @@ def _measures(
 
 def engine_row(result: EngineResult, k: int, edges: list[int] | None = None) -> dict[str, Any]:
     """A serving-engine row: drafter "x/final [vllm]" (one request at a time) or
-    "x/final [vllm xN]" (N at a time). Its tau and alpha_i are the counters' window; its
-    `by_context` comes from each response's own per-step counts (the same steps, with their
+    "x/final [vllm xN]" (N at a time). Its tau and alpha_i are the counters' window; tau's
+    interval and its `by_context` come from each response's own per-step counts (the same steps, with their
     contexts rebuilt from the prompt's length: eagle3.measure.request_steps), None where the
     engine returned none."""
     run_, base, n = result.spec, result.plain, result.concurrency
@@ -135,8 +143,8 @@ def engine_row(result: EngineResult, k: int, edges: list[int] | None = None) -> 
         "drafter": f"{result.drafter} [vllm]" if n == 1 else f"{result.drafter} [vllm x{n}]",
         "bench": result.bench,
         "tau": run_.window.tau,
-        "tau_ci95": None,
-        "ci_note": ENGINE_CI_NOTE,
+        "tau_ci95": None if prompt_stats is None else tau_interval(prompt_stats),
+        "ci_note": ENGINE_CI_NOTE if prompt_stats is None else ENGINE_TAU_CI_NOTE,
         "alpha": engine_alpha(run_.window, k),
         "spec_tokens_per_s": run_.rate,
         "plain_tokens_per_s": base.rate,

@@ -154,14 +154,18 @@ def by_context(
                 "prompts": len(mine),
                 "accepted": total.accepted_total,
                 "tau": total.tau,
-                "tau_ci95": bootstrap_ci(
-                    [[s.accepted_total + s.steps, s.steps] for s in mine], ratio_of_sums
-                ),
+                "tau_ci95": tau_interval(mine),
                 "alpha": total.alpha(k) if drafts else [],
                 "alpha_ci95": alpha_ci,
             }
         )
     return rows
+
+
+def tau_interval(per_prompt: Sequence[AcceptanceStats]) -> list[float] | None:
+    """tau's 95% interval over prompts from each prompt's steps: a ratio of sums, accepted +
+    steps over steps (None under 2 prompts)."""
+    return bootstrap_ci([[s.accepted_total + s.steps, s.steps] for s in per_prompt], ratio_of_sums)
 
 
 def _at(counts: list[int], i: int) -> int:
