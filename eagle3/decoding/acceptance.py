@@ -16,7 +16,7 @@ class AcceptanceStats:
     accepted_at: list[int] = field(default_factory=list)  # [i-1]: steps with >= i accepted
     offered_at: list[int] = field(default_factory=list)  # [i-1]: steps offering depth i
     # (context, accepted, offered) of every step recorded with its context: the tokens before
-    # the step's first drafted token (prompt + generated so far); eagle3.statistics buckets them
+    # the step's first drafted token (prompt + generated so far); eagle3.evaluation.statistics buckets them
     step_log: list[tuple[int, int, int]] = field(default_factory=list)
 
     def record(self, accepted: int, offered: int, context: int | None = None) -> None:

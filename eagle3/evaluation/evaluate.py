@@ -8,9 +8,9 @@
 For every prompt (every user turn of it: MT-bench's second turn is conditioned on the
 target's own first answer, from plain decoding) the target first decodes alone (plain tok/s),
 then once per drafter speculatively (spec tok/s, tau, alpha_i), in the same process, so the
-speedup is a ratio measured in one run (eagle3.measure). Each row's tau and speedup come with a
-95% interval bootstrapped over prompts (eagle3.statistics; all turns of a prompt move
-together), and `per_prompt` in the JSON holds every prompt's counts (eagle3.report); a
+speedup is a ratio measured in one run (measure). Each row's tau and speedup come with a
+95% interval bootstrapped over prompts (statistics; all turns of a prompt move
+together), and `per_prompt` in the JSON holds every prompt's counts (report); a
 benchmark with several turns also gets rows per turn (`per_turn`). `--draft` takes a checkpoint
 directory (checked against the target first), `tree:DIR` (that checkpoint drafting an EAGLE-2
 dynamic tree of the --topk/--depth/--total-tokens shape, row "x/final [tree]", beside chains of

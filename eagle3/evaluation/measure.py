@@ -1,5 +1,5 @@
 """Measuring drafters against the target by real speculative decoding: what `eagle3.evaluate`
-counts (the rows and their statistics are `eagle3.report` and `eagle3.statistics`).
+counts (the rows and their statistics are `report` and `statistics` beside it).
 
 For every prompt (every user turn of it: MT-bench's second turn is conditioned on the
 target's own first answer, from plain decoding) the target first decodes alone (plain tok/s),

@@ -62,7 +62,7 @@ def result_row(
     (MT-bench) also gets `per_turn`: the same measures over each turn alone (turn 2 follows the
     target's own first answer, which prompt lookup can copy). `by_context`: tau and alpha_i of
     the steps in each bucket of context length before the step (`edges`: the buckets' lower
-    edges, default doubling from 512), intervals over prompts (eagle3.statistics.by_context)."""
+    edges, default doubling from 512), intervals over prompts (statistics.by_context)."""
     drafts = drafter != "none"
     pairs = list(zip(spec.per_prompt, plain.per_prompt))
     row = {
@@ -134,7 +134,7 @@ def engine_row(result: EngineResult, k: int, edges: list[int] | None = None) -> 
     """A serving-engine row: drafter "x/final [vllm]" (one request at a time) or
     "x/final [vllm xN]" (N at a time). Its tau and alpha_i are the counters' window; tau's
     interval and its `by_context` come from each response's own per-step counts (the same steps, with their
-    contexts rebuilt from the prompt's length: eagle3.measure.request_steps), None where the
+    contexts rebuilt from the prompt's length: measure.request_steps), None where the
     engine returned none."""
     run_, base, n = result.spec, result.plain, result.concurrency
     prompt_stats = result.prompt_stats()
