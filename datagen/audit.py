@@ -201,7 +201,7 @@ def nll_interval(
     seed: int = SEED,
 ) -> tuple[float, float]:
     """Percentile interval of the pooled mean NLL, resampling whole records (fixed seed:
-    eagle3.statistics.bootstrap_ci); one record: its own NLL twice, none: nan."""
+    eagle3.evaluation.statistics.bootstrap_ci); one record: its own NLL twice, none: nan."""
     rows = [(s.nll, s.tokens) for s in scores]
     interval = bootstrap_ci(rows, ratio_of_sums, resamples=n, seed=seed, level=confidence)
     if interval is None:
