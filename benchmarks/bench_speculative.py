@@ -25,11 +25,8 @@ from eagle3.compute import (
     peak_share,
     weight_flops_per_token,
 )
-from eagle3.speculative import (
-    DraftTree,
-    SpeculativeDecoder,
-    plain_generate,
-)
+from eagle3.decoding.decoder import SpeculativeDecoder, plain_generate
+from eagle3.decoding.tree import DraftTree
 from eagle3.target import eos_token_ids
 
 
@@ -56,7 +53,7 @@ def main() -> int:
     from eagle3.data.chat import next_turns, prompt_ids
     from eagle3.data.prompts import load_prompts
     from eagle3.errors import Eagle3Error
-    from eagle3.measure import add_decode_args, decode_config, load_drafter
+    from eagle3.evaluation.measure import add_decode_args, decode_config, load_drafter
     from eagle3.target import load_target
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

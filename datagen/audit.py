@@ -51,7 +51,7 @@ from eagle3.cli import HelpFormatter, run_cli
 from eagle3.data.chat import RenderError, load_chat_template, render_record
 from eagle3.data.records import read_records
 from eagle3.errors import Eagle3Error
-from eagle3.statistics import bootstrap_ci, ratio_of_sums
+from eagle3.evaluation.statistics import bootstrap_ci, ratio_of_sums
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ def nll_interval(
     seed: int = SEED,
 ) -> tuple[float, float]:
     """Percentile interval of the pooled mean NLL, resampling whole records (fixed seed:
-    eagle3.statistics.bootstrap_ci); one record: its own NLL twice, none: nan."""
+    eagle3.evaluation.statistics.bootstrap_ci); one record: its own NLL twice, none: nan."""
     rows = [(s.nll, s.tokens) for s in scores]
     interval = bootstrap_ci(rows, ratio_of_sums, resamples=n, seed=seed, level=confidence)
     if interval is None:

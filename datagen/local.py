@@ -379,7 +379,7 @@ def run_inprocess(args, prompts: list[Prompt], store: ResultStore, stats: Stats)
 def run_engine(args, prompts: list[Prompt], store: ResultStore, stats: Stats) -> None:
     """--engine vllm: a managed server for --target, then the server path (ServerPool)."""
     from eagle3.engine.server import EngineSettings, managed_engine
-    from eagle3.measure import context_of, engine_context
+    from eagle3.engine.sizing import engine_context, target_context
     from eagle3.target import load_tokenizer, resolve
 
     target = resolve(args.target)
@@ -391,7 +391,7 @@ def run_engine(args, prompts: list[Prompt], store: ResultStore, stats: Stats) ->
     served = args.model or target.name
     # the server is told the context these prompts and answers need, not the target's whole
     max_model_len = engine_context(
-        load_tokenizer(target), [("prompts", prompts)], args.max_new_tokens, context_of(target)
+        load_tokenizer(target), prompts, args.max_new_tokens, target_context(target)
     )
     engine = EngineSettings.from_args(args)
     with managed_engine(

@@ -58,9 +58,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3.decoding.decode_config import DecodeConfig
+from eagle3.decoding.eagle import gumbel_topk
+from eagle3.decoding.tree import DraftTree
 from eagle3.errors import Eagle3Error
 from eagle3.model import MLP, Attention, DraftConfig, Eagle3Draft, RMSNorm
-from eagle3.speculative import DecodeConfig, DraftTree, gumbel_topk
 
 
 class PlainLayer(nn.Module):

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from train_arms import last_val, markdown_table, train_arm
 
-from eagle3.measure import drafter_name
-from eagle3.report import format_table
+from eagle3.evaluation.measure import drafter_name
+from eagle3.evaluation.report import format_table
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "train" / "smollm2-q4-cpu.yaml"

@@ -52,8 +52,8 @@ import psutil  # accelerate's dependency: it counts a CPU's cores with it
 from eagle3.cli import HelpFormatter, run_cli
 from eagle3.config import merge, parse_overrides, read_yaml
 from eagle3.errors import Eagle3Error
+from eagle3.evaluation.report import format_table, speedup_note
 from eagle3.model import METHODS
-from eagle3.report import format_table, speedup_note
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_RECIPE = REPO / "configs" / "train" / "smollm2-q4-cpu.yaml"

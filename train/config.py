@@ -55,7 +55,7 @@ class EngineConfig:
 
 @dataclass
 class TargetConfig:
-    name: str = "smollm2-135m-q4"  # registry name (eagle3/targets/), HF dir/hub id, or .gguf
+    name: str = "smollm2-135m-q4"  # name in eagle3/target/registry_entries/, HF dir/hub id, .gguf
     aux_layer_ids: list[int] | None = (
         None  # None: the shards' meta (offline) or the target's default
     )

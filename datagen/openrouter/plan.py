@@ -22,7 +22,7 @@ from datagen.openrouter.config import GenConfig
 from datagen.openrouter.ledger import Ledger
 from eagle3.data.prompts import Prompt, user_turns
 from eagle3.errors import ConfigError
-from eagle3.report import BASELINES
+from eagle3.evaluation.report import BASELINES
 
 COLUMNS = (
     "dataset",

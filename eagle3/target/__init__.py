@@ -1,9 +1,9 @@
 """The target model: loading (registry name, HF dir, GGUF) and aux hidden-state capture.
 
-The registry is eagle3/targets/<name>.yaml, shipped inside the package (an installed wheel
-resolves its targets by name too). `TargetModel` is what every user of a target relies on,
-whether its forwards run in this process (`Target`) or in a vLLM engine
-(eagle3.engine.served_target.ServedTarget): ask `target.served`, never the class.
+The registry is eagle3/target/registry_entries/<name>.yaml, one entry per known target, shipped
+inside the package (an installed wheel resolves its targets by name too). `TargetModel` is what
+every user of a target relies on, whether its forwards run in this process (`Target`) or in a
+vLLM engine (eagle3.engine.served_target.ServedTarget): ask `target.served`, never the class.
 
 Aux convention (SGLang's): `aux_layer_ids` are 0-based decoder-layer indices whose OUTPUT is
 taken, i.e. HF `output_hidden_states[id + 1]`. `Target.capture` hooks exactly those layers and
@@ -16,7 +16,7 @@ GGUF targets (the embedded default `smollm2-135m-q4`) are de-quantized by `trans
 
 Modules: ``registry`` (the registry, ResolvedTarget, resolve), ``gguf`` (conversion and its
 cache), ``facts`` (config and facts without weights, TargetFiles), ``tokenizer`` (load_tokenizer:
-the registry's class checked; the fingerprint shards and drafters record), ``model``
+the registry's class checked; the fingerprint shards and drafters record), ``in_process``
 (TargetModel, Target, the capture hooks), ``loading`` (load_target), ``weights`` (lm_head,
 embeddings and the final norm read alone), ``fit`` (weights against device memory),
 ``generation`` (the KV cache across transformers versions, EOS ids).
@@ -37,8 +37,8 @@ from eagle3.target.generation import (
     output_cache,
 )
 from eagle3.target.gguf import cache_root, gguf_to_hf
+from eagle3.target.in_process import Target, TargetModel, capture_outputs, check_context, decoder_of
 from eagle3.target.loading import load_target
-from eagle3.target.model import Target, TargetModel, capture_outputs, check_context, decoder_of
 from eagle3.target.registry import (
     TARGETS_DIR,
     ResolvedTarget,

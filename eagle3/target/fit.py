@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.target.loading import _default_device
+from eagle3.target.loading import default_device
 from eagle3.target.registry import ResolvedTarget, resolve
 
 
@@ -33,7 +33,7 @@ def weight_file_bytes(target: str | os.PathLike | ResolvedTarget) -> int | None:
 def device_memory_bytes(device: torch.device | str | None) -> int:
     """Memory of the device a whole in-process target would sit on: a CUDA device's total
     memory, else this machine's physical memory."""
-    device = torch.device(device) if device is not None else _default_device()
+    device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

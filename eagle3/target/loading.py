@@ -12,14 +12,14 @@ import torch
 
 from eagle3.compute import matmul_dtype
 from eagle3.errors import Eagle3Error
-from eagle3.target.model import Target
+from eagle3.target.in_process import Target
 from eagle3.target.registry import ResolvedTarget, resolve
 from eagle3.target.tokenizer import find_tokenizer
 
 log = logging.getLogger("eagle3.target")
 
 
-def _default_device() -> torch.device:
+def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -40,7 +40,7 @@ def _load_model(name_or_path: str | os.PathLike, hf_dir: str, kwargs: dict[str, 
 
     upgrade = (
         f"transformers {transformers.__version__} does not know it: upgrade transformers "
-        "(Kimi-K2.5 needs >= 5.24) or set trust_remote_code: true in its eagle3/targets entry"
+        "(Kimi-K2.5 needs >= 5.24) or set trust_remote_code: true in its eagle3/target/registry_entries entry"
     )
     if Path(hf_dir).is_dir() and not (Path(hf_dir) / "config.json").is_file():
         raise Eagle3Error(
@@ -108,7 +108,7 @@ def load_target(
     layers. Every load failure is a one-line Eagle3Error."""
     t = resolve(name_or_path)
     if device_map is None:
-        device = torch.device(device) if device is not None else _default_device()
+        device = torch.device(device) if device is not None else default_device()
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if dtype is None:

@@ -1,4 +1,4 @@
-"""The target registry (eagle3/targets/<name>.yaml, package data) and `resolve`: a registry
+"""The target registry (eagle3/target/registry_entries/<name>.yaml, package data) and `resolve`: a registry
 name, a HF directory, a .gguf or a hub id -> ResolvedTarget, what every loader takes."""
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ from typing import Any
 import yaml
 
 from eagle3.errors import Eagle3Error
-from eagle3.target.gguf import _find_gguf, _packaged_gguf, gguf_to_hf
+from eagle3.target.gguf import find_gguf, gguf_to_hf, packaged_gguf
 
 log = logging.getLogger("eagle3.target")
 
-TARGETS_DIR = Path(__file__).resolve().parents[1] / "targets"  # package data
+TARGETS_DIR = Path(__file__).resolve().parent / "registry_entries"  # package data
 
 
 def registry_names() -> list[str]:
-    """Short target names with an eagle3/targets/<name>.yaml."""
+    """Short target names with a eagle3/target/registry_entries/<name>.yaml."""
     return sorted(p.stem for p in TARGETS_DIR.glob("*.yaml"))
 
 
 def target_spec(name: str) -> dict[str, Any]:
-    """The registry entry for `name` (eagle3/targets/<name>.yaml) as a dict."""
+    """The registry entry for `name` (eagle3/target/registry_entries/<name>.yaml) as a dict."""
     path = TARGETS_DIR / f"{name}.yaml"
     if not path.is_file():
         raise Eagle3Error(
@@ -36,7 +36,7 @@ def target_spec(name: str) -> dict[str, Any]:
     spec = yaml.safe_load(path.read_text())
     if not isinstance(spec, dict) or "source" not in spec:
         raise Eagle3Error(
-            f"{path} has no 'source' section; see eagle3/targets/*.yaml for the format"
+            f"{path} has no 'source' section; see eagle3/target/registry_entries/*.yaml for the format"
         )
     return spec
 
@@ -136,7 +136,7 @@ def resolve(name_or_path: str | os.PathLike | ResolvedTarget) -> ResolvedTarget:
     raw = str(name_or_path)
     path = Path(raw).expanduser()
     if path.exists():
-        gguf = _find_gguf(path)
+        gguf = find_gguf(path)
         if gguf is not None:
             return ResolvedTarget(gguf.stem, str(gguf_to_hf(gguf)[0]))
         spec = match_registry(_config_json(path / "config.json"))
@@ -145,7 +145,7 @@ def resolve(name_or_path: str | os.PathLike | ResolvedTarget) -> ResolvedTarget:
         spec = target_spec(raw)
         source = spec["source"]
         if "gguf_file" in source:
-            return ResolvedTarget(spec["name"], str(gguf_to_hf(_packaged_gguf(source))[0]), spec)
+            return ResolvedTarget(spec["name"], str(gguf_to_hf(packaged_gguf(source))[0]), spec)
         return ResolvedTarget(spec["name"], source["hf_path"], spec)
     if raw.startswith((".", "/", "~")) or raw.endswith(".gguf"):
         raise Eagle3Error(f"target path {raw} does not exist")

@@ -15,8 +15,8 @@ import torch
 from eagle3.checkpoint import save_draft
 from eagle3.data.decontaminate import parse_benches
 from eagle3.errors import Eagle3Error
-from eagle3.evaluate import main
-from eagle3.measure import drafter_name
+from eagle3.evaluation.evaluate import main
+from eagle3.evaluation.measure import drafter_name
 from eagle3.model import DraftConfig, Eagle3Draft
 
 REPO = Path(__file__).resolve().parents[2]
@@ -193,8 +193,9 @@ def test_drafter_on_non_default_aux_layers_is_evaluated_on_its_own_layers(
 ):
     """A drafter trained on aux ids other than the target's default (here [0, 2, 6] vs the
     default [1, 3, 4]) is evaluated, and the decoder feeds it exactly those layers' outputs."""
-    from eagle3.measure import load_drafter
-    from eagle3.speculative import DecodeConfig, SpeculativeDecoder
+    from eagle3.decoding.decode_config import DecodeConfig
+    from eagle3.decoding.decoder import SpeculativeDecoder
+    from eagle3.evaluation.measure import load_drafter
     from eagle3.target import load_target
 
     ckpt = make_ckpt(chat_target_dir, tmp_path / "exp" / "final", aux=(0, 2, 6))
@@ -224,7 +225,7 @@ def test_drafter_on_non_default_aux_layers_is_evaluated_on_its_own_layers(
 def test_wandb_offline_logs_to_the_training_run_and_compare_reads_it(
     chat_target_dir, prompts_file, tmp_path, monkeypatch, capsys
 ):
-    from eagle3.compare import main as compare_main
+    from eagle3.evaluation.compare import main as compare_main
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -303,8 +304,8 @@ def test_engine_only_loads_no_weight_and_tells_the_engine_its_context(
     """--engine-only (a 1T target): the tokenizer, config and generation config, never the
     weights; the drafter is checked against the config; every server gets --max-model-len
     from the prompts and the new tokens. (~1 s: the engine is a stand-in recording its calls.)"""
-    import eagle3.evaluate as evaluate
-    import eagle3.measure as measure
+    import eagle3.evaluation.evaluate as evaluate
+    import eagle3.evaluation.measure as measure
 
     def no_weights(*args, **kwargs):
         raise AssertionError("--engine-only loaded the target's weights")
@@ -349,7 +350,7 @@ def test_engine_only_loads_no_weight_and_tells_the_engine_its_context(
 def test_a_target_that_cannot_fit_is_refused_before_loading(
     chat_target_dir, prompts_file, monkeypatch, capsys
 ):
-    import eagle3.evaluate as evaluate
+    import eagle3.evaluation.evaluate as evaluate
 
     monkeypatch.setattr(evaluate, "device_memory_bytes", lambda device: 1000)
     argv = ["--target", str(chat_target_dir), "--draft", "prompt-lookup",
@@ -365,9 +366,10 @@ def test_one_run_measures_a_checkpoint_as_chain_and_tree_with_rows_per_turn(
     """`--draft DIR --draft tree:DIR` (what the quickstart runs): one plain decoding, the chain
     of --steps and the tree of --topk/--depth/--total-tokens of the same checkpoint, each exact
     at T=0; the two-turn prompt adds rows per turn; vLLM is never asked to serve the tree."""
+    from eagle3.decoding.decode_config import DecodeConfig
+    from eagle3.decoding.eagle import EagleDrafter
     from eagle3.engine.server import EngineSettings
-    from eagle3.measure import engine_runs
-    from eagle3.speculative import DecodeConfig, EagleDrafter
+    from eagle3.evaluation.measure import engine_runs
     from eagle3.target import load_target, resolve
 
     ckpt = make_ckpt(chat_target_dir, tmp_path / "exp" / "final")
@@ -420,7 +422,7 @@ def test_engine_context_is_the_longest_conversation_at_most_the_targets():
     """Pure (~0.01 s): every user turn of the longest prompt plus an answer of max_new_tokens
     (and slack) per turn, capped at the target's context."""
     from eagle3.data.prompts import Prompt
-    from eagle3.measure import ANSWER_SLACK, engine_context
+    from eagle3.engine.sizing import ANSWER_SLACK, engine_context
 
     class Chars:  # a tokenizer of one token per character; its template joins the contents
         chat_template = "contents"
@@ -437,10 +439,9 @@ def test_engine_context_is_the_longest_conversation_at_most_the_targets():
     one = Prompt(id="a", dataset="x", messages=[{"role": "user", "content": "x" * 10}])
     two = Prompt(id="b", dataset="x", messages=[{"role": "user", "content": "y" * 4},
                                                 {"role": "user", "content": "z" * 4}])  # fmt: skip
-    benches = [("x", [one, two])]
     per_turn = 100 + ANSWER_SLACK
-    assert engine_context(Chars(), benches, 100, None) == 8 + 2 * per_turn
-    assert engine_context(Chars(), benches, 100, 200) == 200
+    assert engine_context(Chars(), [one, two], 100, None) == 8 + 2 * per_turn
+    assert engine_context(Chars(), [one, two], 100, 200) == 200
 
 
 def test_long_context_benchmark_reports_tau_by_context_position(chat_target_dir, tmp_path, capsys):

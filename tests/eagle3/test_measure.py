@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from eagle3.decoding.decode_config import DecodeConfig
 from eagle3.engine.metrics import SpecDecodeMetrics
-from eagle3.measure import EngineResult, EngineRun, engine_pass, request_steps
-from eagle3.report import engine_row
-from eagle3.speculative import DecodeConfig
+from eagle3.evaluation.measure import EngineResult, EngineRun, engine_pass, request_steps
+from eagle3.evaluation.report import engine_row, format_table
 
 
 def _reply(accepted, drafted, completion_tokens):
@@ -83,3 +83,25 @@ def test_engine_rows_by_context_count_the_same_steps_as_the_counters(concurrency
     # a server that returns no per-step counts: no buckets, the counters' row unchanged
     run.requests[0] = None
     assert engine_row(result, 3, [0, 512])["by_context"] is None
+
+
+def test_engine_rows_tau_interval_comes_from_the_per_request_counts():
+    """~0.1 s (a fake server). An engine row's tau interval in the main table is bootstrapped
+    over prompts from the same per-request counts as its by-context buckets (with one bucket:
+    that bucket's interval), brackets the counters' tau and is printed; a server without
+    per-step counts leaves it None and the table says why."""
+    turns = [[0] * n for n in (10, 11, 12, 13, 14)]  # 5 prompts, n % 3 drafts accepted first
+    cfg = DecodeConfig(steps=3, max_new_tokens=16)
+    run = engine_pass(_FakeServer(), turns, cfg, [], 1)
+    result = EngineResult("x/final", "b", 1, run, EngineRun(1, 1.0), 5, 5, [0, 1, 2, 3, 4])
+    row = engine_row(result, 3, [0])
+    (bucket,) = row["by_context"]
+    assert bucket["tau"] == pytest.approx(row["tau"])
+    assert row["tau_ci95"] == bucket["tau_ci95"]
+    lo, hi = row["tau_ci95"]
+    assert lo < row["tau"] < hi
+    assert f"| {row['tau']:.2f} | [{lo:.2f}, {hi:.2f}] |" in format_table([row])
+    run.requests[0] = None
+    row = engine_row(result, 3, [0])
+    assert row["tau_ci95"] is None
+    assert f"| {row['tau']:.2f} | n/a (one vLLM window) |" in format_table([row])

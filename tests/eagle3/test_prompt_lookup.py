@@ -1,6 +1,6 @@
 """Prompt lookup: the latest earlier match of the longest suffix n-gram, proposed as a chain."""
 
-from eagle3.prompt_lookup import PromptLookupDrafter, lookup
+from eagle3.decoding.prompt_lookup import PromptLookupDrafter, lookup
 
 
 def test_longest_suffix_ngram_wins():

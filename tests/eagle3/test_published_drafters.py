@@ -472,8 +472,8 @@ def test_ambiguous_or_missing_aux_ids_and_vocab_mapping_are_refused(tmp_path):
 def test_evaluate_loads_a_published_drafter_with_its_target(tmp_path):
     """~0.3 s. eagle3.evaluate's --draft path (measure.check_drafter + load_drafter) takes a
     published miniature: the target's layer count gives the default aux layers."""
-    from eagle3.measure import check_drafter, load_drafter
-    from eagle3.speculative import DecodeConfig
+    from eagle3.decoding.decode_config import DecodeConfig
+    from eagle3.evaluation.measure import check_drafter, load_drafter
 
     ckpt, raw = make_layout(tmp_path, "torchspec-llama")
     embed = torch.randn(V, H)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3.measure import Tally
-from eagle3.report import format_context_table, format_table, result_row, speedup_note
-from eagle3.speculative import AcceptanceStats, Generation
+from eagle3.decoding.acceptance import AcceptanceStats
+from eagle3.decoding.decoder import Generation
+from eagle3.evaluation.measure import Tally
+from eagle3.evaluation.report import format_context_table, format_table, result_row, speedup_note
 
 
 def test_table_shows_intervals_and_says_why_an_engine_row_has_none():

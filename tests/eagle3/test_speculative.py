@@ -8,19 +8,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from eagle3.decoding.acceptance import AcceptanceStats
+from eagle3.decoding.decode_config import DecodeConfig
+from eagle3.decoding.decoder import SpeculativeDecoder, plain_generate
+from eagle3.decoding.eagle import EagleDrafter
+from eagle3.decoding.prompt_lookup import PromptLookupDrafter
+from eagle3.decoding.tree import DraftTree, accept_greedy, accept_sampling
 from eagle3.errors import Eagle3Error
 from eagle3.model import DraftConfig, Eagle3Draft
-from eagle3.prompt_lookup import PromptLookupDrafter
-from eagle3.speculative import (
-    AcceptanceStats,
-    DecodeConfig,
-    DraftTree,
-    EagleDrafter,
-    SpeculativeDecoder,
-    accept_greedy,
-    accept_sampling,
-    plain_generate,
-)
 from eagle3.target import Target
 
 CHAIN = dict(mode="chain", steps=4)

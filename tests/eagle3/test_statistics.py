@@ -7,7 +7,7 @@ import pytest
 
 from eagle3.engine.metrics import SpecDecodeMetrics
 from eagle3.errors import Eagle3Error
-from eagle3.statistics import (
+from eagle3.evaluation.statistics import (
     bootstrap_ci,
     bucket_label,
     by_context,
@@ -47,7 +47,7 @@ def test_engine_alpha_is_conditional_like_in_house():
 # -- acceptance by context position (each test well under a second) -----------------------------
 def _logged(steps: list[tuple[int, int, int]]):
     """AcceptanceStats of (context, accepted, offered) steps, each logged with its context."""
-    from eagle3.speculative import AcceptanceStats
+    from eagle3.decoding.acceptance import AcceptanceStats
 
     stats = AcceptanceStats()
     for context, accepted, offered in steps:

@@ -31,7 +31,7 @@ from eagle3.target import (
     tokenizer_fingerprint,
     weight_file_bytes,
 )
-from eagle3.target import gguf as target_mod  # _load_gguf, _packaged_gguf live there
+from eagle3.target import gguf as target_mod  # _load_gguf, packaged_gguf live there
 
 TINY = ["tiny_llama_target", "tiny_deepseek_target"]
 
@@ -222,7 +222,7 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch, tiny_llam
 # -- the embedded 4-bit target (a real GGUF from PyPI) -------------------------------------------
 def _smollm2_gguf():
     spec = target_spec("smollm2-135m-q4")["source"]
-    return target_mod._packaged_gguf(spec)
+    return target_mod.packaged_gguf(spec)
 
 
 @pytest.fixture

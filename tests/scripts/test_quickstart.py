@@ -86,7 +86,7 @@ def test_quickstart_evaluates_chain_tree_and_prompt_lookup_against_one_plain_run
     (topk 4, that depth, 16 tokens) next to prompt lookup; --no-tree drops the tree, and the
     EAGLE-2-style ablation is measured as a chain only."""
     from eagle3 import evaluate
-    from eagle3.measure import decode_config, drafter_name
+    from eagle3.evaluation.measure import decode_config, drafter_name
 
     def evaluate_args(*argv: str):
         args = quickstart.parse_args(["--run-dir", str(tmp_path), *argv])
@@ -111,9 +111,10 @@ def test_quickstart_evaluates_chain_tree_and_prompt_lookup_against_one_plain_run
 
 
 def test_quickstart_table_splits_turns_and_says_what_the_speedups_mean(tmp_path):
-    from eagle3.measure import Tally
-    from eagle3.report import result_row
-    from eagle3.speculative import AcceptanceStats, Generation
+    from eagle3.decoding.acceptance import AcceptanceStats
+    from eagle3.decoding.decoder import Generation
+    from eagle3.evaluation.measure import Tally
+    from eagle3.evaluation.report import result_row
 
     def tally(accepted_per_turn: list[int]) -> Tally:
         out = Tally()

@@ -20,7 +20,7 @@ from eagle3.engine.capture import (
     remove_orphaned_hidden_dirs,
 )
 
-AUX = [1, 14, 26]  # the project's ids for SmolLM2 (eagle3/targets/smollm2-135m-q4.yaml)
+AUX = [1, 14, 26]  # the project's ids for SmolLM2 (its registry entry, smollm2-135m-q4.yaml)
 
 
 def test_capture_args_use_our_connector(tmp_path):

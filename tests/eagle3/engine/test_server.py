@@ -34,7 +34,7 @@ from eagle3.errors import EXIT_UNAVAILABLE, Eagle3Error, RemoteError
 from eagle3.target import ResolvedTarget, match_registry, target_spec
 
 TARGET = "smollm2-135m-q4"
-AUX = [1, 14, 26]  # the project's ids for SmolLM2 (eagle3/targets/smollm2-135m-q4.yaml)
+AUX = [1, 14, 26]  # the project's ids for SmolLM2 (its registry entry, smollm2-135m-q4.yaml)
 NUM_LAYERS = 30
 SPEC_TOKENS = 3
 # fp32 engine vs fp32 HF on the same weights: different kernels and summation order only.

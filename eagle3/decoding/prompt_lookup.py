@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.speculative import DraftTree
+from eagle3.decoding.tree import DraftTree
 
 
 def lookup(tokens: list[int], num_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:

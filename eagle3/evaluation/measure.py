@@ -1,5 +1,5 @@
 """Measuring drafters against the target by real speculative decoding: what `eagle3.evaluate`
-counts (the rows and their statistics are `eagle3.report` and `eagle3.statistics`).
+counts (the rows and their statistics are `report` and `statistics` beside it).
 
 For every prompt (every user turn of it: MT-bench's second turn is conditioned on the
 target's own first answer, from plain decoding) the target first decodes alone (plain tok/s),
@@ -17,9 +17,9 @@ The serving engine (:func:`engine_runs`): a managed vLLM server without a drafte
 turn (plain tok/s; its answers condition later turns), then one with each checkpoint drafter
 (method eagle3, num_speculative_tokens = the chain steps) decodes the same token-id prompts at
 the same temperature; tau and alpha_i come from vLLM's spec-decode counters over that window
-(one window over all requests: no per-prompt counts). Each pass runs one request at a time and
-`--engine-batch` N at a time, against plain vLLM run the same way. Engine flags:
-eagle3.engine.server.add_engine_args.
+(one window over all requests; each response's own per-step counts, below, give the
+per-prompt counts). Each pass runs one request at a time and `--engine-batch` N at a time,
+against plain vLLM run the same way. Engine flags: eagle3.engine.server.add_engine_args.
 
 Acceptance by context position: every in-house step is logged with its context (the tokens
 before its first drafted token; `Tally.prompt_stats`, per prompt). The drafter servers run with
@@ -41,19 +41,16 @@ import torch
 
 from eagle3.data.chat import next_turns, prompt_ids
 from eagle3.data.prompts import user_turns
+from eagle3.decoding.acceptance import AcceptanceStats
+from eagle3.decoding.decode_config import DecodeConfig
+from eagle3.decoding.decoder import Generation, SpeculativeDecoder, plain_generate
+from eagle3.decoding.eagle import EagleDrafter
+from eagle3.decoding.prompt_lookup import PromptLookupDrafter
 from eagle3.engine.metrics import SpecDecodeMetrics
+from eagle3.engine.sizing import engine_context, target_context
 from eagle3.errors import Eagle3Error
 from eagle3.progress import Progress
-from eagle3.prompt_lookup import PromptLookupDrafter
-from eagle3.speculative import (
-    AcceptanceStats,
-    DecodeConfig,
-    EagleDrafter,
-    Generation,
-    SpeculativeDecoder,
-    plain_generate,
-)
-from eagle3.target import eos_token_ids, target_facts
+from eagle3.target import eos_token_ids
 
 if TYPE_CHECKING:
     from eagle3.engine.server import EngineSettings
@@ -61,9 +58,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WARMUP_TOKENS = 8
-# tokens per turn beyond its answer: the answer's template around it, and an answer decoded to
-# text and tokenised again in the next turn's prompt, which can grow a little
-ANSWER_SLACK = 32
 TREE = "tree:"  # drafter spec prefix: the checkpoint after it drafts a dynamic tree
 
 
@@ -97,12 +91,6 @@ def decode_config(args: argparse.Namespace) -> DecodeConfig:
 
 
 # -- drafters -----------------------------------------------------------------------------------
-def context_of(model) -> int | None:
-    """The target's context (max_position_embeddings), read from its config; None: unknown."""
-    context = getattr(target_facts(model)["hf_config"], "max_position_embeddings", None)
-    return int(context) if context else None
-
-
 def drafter_name(spec: str) -> str:
     if spec.startswith(TREE):
         return f"{drafter_name(spec[len(TREE) :])} [tree]"
@@ -449,20 +437,6 @@ def engine_plain_turns(
     return turns
 
 
-def engine_context(tokenizer, benches, max_new_tokens: int, context: int | None) -> int:
-    """The context an engine needs for these benchmarks: the longest prompt with every user
-    turn and an answer of max_new_tokens (+ slack for an answer re-tokenised in the next turn's
-    prompt) after each, at most the target's own context. vLLM's default is the target's
-    whole context (Kimi-K2.5: 262,144 tokens, more KV than a 96 GB card keeps after its
-    weights), so a server told nothing may not start at all."""
-    need = 0
-    for _, prompts in benches:
-        for prompt in prompts:
-            rendered = len(prompt_ids(tokenizer, prompt.messages))  # every turn, no answers
-            need = max(need, rendered + user_turns(prompt) * (max_new_tokens + ANSWER_SLACK))
-    return min(need, context) if context else need
-
-
 def engine_drafters(names: dict[str, str]) -> dict[str, str]:
     """The drafters an engine serves: checkpoints (vLLM has no token trees, and prompt-lookup
     and none are in-house only)."""
@@ -486,12 +460,15 @@ def engine_runs(
     (--engine-batch) at a time, next to plain vLLM run the same way; at most one server runs
     at a time, each started as `engine` says. `model`: the resolved target the servers serve;
     `target`: its tokenizer and generation config (a Target or a TargetFiles). Every server is
-    told the context the benchmarks need (`engine_context`); --engine-arg=--max-model-len=N
+    told the context the benchmarks need (eagle3.engine.sizing); --engine-arg=--max-model-len=N
     overrides it."""
     from eagle3.engine.server import managed_engine
 
     eos = sorted(eos_token_ids(target))
-    max_model_len = engine_context(target.tokenizer, benches, cfg.max_new_tokens, context_of(model))
+    prompts = [prompt for _, bench_prompts in benches for prompt in bench_prompts]
+    max_model_len = engine_context(
+        target.tokenizer, prompts, cfg.max_new_tokens, target_context(model)
+    )
     k = cfg.max_depth
     drafters = engine_drafters(names)
     if not drafters:

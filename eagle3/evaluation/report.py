@@ -6,8 +6,10 @@ interval, and `per_prompt` (every prompt's counts, and each of its turns' in `pe
 benchmark with several turns adds `per_turn`, the same measures over each turn alone (`turn`
 1, 2, ...). Rows "x/final [tree]" are a checkpoint drafting a dynamic tree (the report's
 `config` holds its shape) beside its chain row "x/final". Rows "[vllm]" / "[vllm xN]" are the
-serving engine's: one window of vLLM's counters over all requests, so no per-prompt counts and
-no interval (`ci_note` says so), and an `engine` block with the raw counters. The table adds a
+serving engine's: tau and alpha_i are one window of vLLM's counters over all requests, tau's
+interval is bootstrapped over prompts from each response's own per-step counts (the same steps),
+the speedup has none (one timed pass; `ci_note` says so), and an `engine` block holds the raw
+counters. The table adds a
 "plain" row per benchmark (the target alone, the in-house speedups' denominator).
 
 Every row also holds `by_context`: tau and alpha_i of its verification steps in buckets of the
@@ -24,25 +26,31 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3.statistics import (
+from eagle3.evaluation.statistics import (
     bootstrap_ci,
     by_context,
     default_context_edges,
     engine_alpha,
     ratio_of_sums,
     speedup_of_sums,
+    tau_interval,
 )
 from eagle3.tracking import wandb_mode
 
 if TYPE_CHECKING:
-    from eagle3.measure import EngineResult, Tally
-    from eagle3.speculative import AcceptanceStats
+    from eagle3.decoding.acceptance import AcceptanceStats
+    from eagle3.evaluation.measure import EngineResult, Tally
 
 log = logging.getLogger(__name__)
 
 EVAL_FILE = "eagle3_eval.json"  # the results file also stored with a W&B run
-# vLLM's /metrics counters are one window over every request of a pass: no per-prompt counts
+# vLLM's /metrics counters are one window over every request of a pass: no per-prompt counts;
+# each response's per-step counts (PER_STEP_ARGS) are, so tau gets its interval from those
 ENGINE_CI_NOTE = "none: vLLM's spec-decode counters are one window over all requests"
+ENGINE_TAU_CI_NOTE = (
+    "tau: bootstrapped over prompts from each response's per-step counts; "
+    "speedup: none, one timed pass over all requests"
+)
 NO_ENGINE_CI = "n/a (one vLLM window)"
 
 
@@ -54,7 +62,7 @@ def result_row(
     (MT-bench) also gets `per_turn`: the same measures over each turn alone (turn 2 follows the
     target's own first answer, which prompt lookup can copy). `by_context`: tau and alpha_i of
     the steps in each bucket of context length before the step (`edges`: the buckets' lower
-    edges, default doubling from 512), intervals over prompts (eagle3.statistics.by_context)."""
+    edges, default doubling from 512), intervals over prompts (statistics.by_context)."""
     drafts = drafter != "none"
     pairs = list(zip(spec.per_prompt, plain.per_prompt))
     row = {
@@ -124,9 +132,9 @@ def _measures(
 
 def engine_row(result: EngineResult, k: int, edges: list[int] | None = None) -> dict[str, Any]:
     """A serving-engine row: drafter "x/final [vllm]" (one request at a time) or
-    "x/final [vllm xN]" (N at a time). Its tau and alpha_i are the counters' window; its
-    `by_context` comes from each response's own per-step counts (the same steps, with their
-    contexts rebuilt from the prompt's length: eagle3.measure.request_steps), None where the
+    "x/final [vllm xN]" (N at a time). Its tau and alpha_i are the counters' window; tau's
+    interval and its `by_context` come from each response's own per-step counts (the same steps, with their
+    contexts rebuilt from the prompt's length: measure.request_steps), None where the
     engine returned none."""
     run_, base, n = result.spec, result.plain, result.concurrency
     prompt_stats = result.prompt_stats()
@@ -135,8 +143,8 @@ def engine_row(result: EngineResult, k: int, edges: list[int] | None = None) -> 
         "drafter": f"{result.drafter} [vllm]" if n == 1 else f"{result.drafter} [vllm x{n}]",
         "bench": result.bench,
         "tau": run_.window.tau,
-        "tau_ci95": None,
-        "ci_note": ENGINE_CI_NOTE,
+        "tau_ci95": None if prompt_stats is None else tau_interval(prompt_stats),
+        "ci_note": ENGINE_CI_NOTE if prompt_stats is None else ENGINE_TAU_CI_NOTE,
         "alpha": engine_alpha(run_.window, k),
         "spec_tokens_per_s": run_.rate,
         "plain_tokens_per_s": base.rate,

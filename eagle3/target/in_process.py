@@ -115,7 +115,7 @@ class Target:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
-        self.spec = spec  # registry entry (eagle3/targets/<name>.yaml) or None
+        self.spec = spec  # registry entry (eagle3/target/registry_entries/<name>.yaml) or None
         self._decoder = decoder_of(model)
         text_config = getattr(model.config, "text_config", None) or model.config
         self.num_layers = int(

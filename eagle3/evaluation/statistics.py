@@ -14,8 +14,8 @@ import numpy as np
 from eagle3.errors import Eagle3Error
 
 if TYPE_CHECKING:
+    from eagle3.decoding.acceptance import AcceptanceStats
     from eagle3.engine.metrics import SpecDecodeMetrics
-    from eagle3.speculative import AcceptanceStats
 
 BOOTSTRAP_RESAMPLES = 2000  # of the prompts, for the 95% intervals
 BOOTSTRAP_SEED = 0
@@ -112,7 +112,7 @@ def bucket_label(lo: int, hi: int | None) -> str:
 def split_by_context(stats: AcceptanceStats, edges: Sequence[int]) -> list[AcceptanceStats]:
     """One AcceptanceStats per bucket [edges[b], edges[b+1]) (the last open) from the steps
     `stats` logged with their context; steps recorded without one are in no bucket."""
-    from eagle3.speculative import AcceptanceStats
+    from eagle3.decoding.acceptance import AcceptanceStats
 
     out = [AcceptanceStats() for _ in edges]
     for context, accepted, offered in stats.step_log:
@@ -129,7 +129,7 @@ def by_context(
     bootstrapped over the prompts with steps in the bucket (a prompt's steps move together:
     they share its document and its drafts' history), tau as a ratio of sums, each alpha_i as
     accepted at depth i / steps offering depth i, like the totals."""
-    from eagle3.speculative import AcceptanceStats
+    from eagle3.decoding.acceptance import AcceptanceStats
 
     split = [split_by_context(s, edges) for s in per_prompt]  # [prompt][bucket]
     rows = []
@@ -154,14 +154,18 @@ def by_context(
                 "prompts": len(mine),
                 "accepted": total.accepted_total,
                 "tau": total.tau,
-                "tau_ci95": bootstrap_ci(
-                    [[s.accepted_total + s.steps, s.steps] for s in mine], ratio_of_sums
-                ),
+                "tau_ci95": tau_interval(mine),
                 "alpha": total.alpha(k) if drafts else [],
                 "alpha_ci95": alpha_ci,
             }
         )
     return rows
+
+
+def tau_interval(per_prompt: Sequence[AcceptanceStats]) -> list[float] | None:
+    """tau's 95% interval over prompts from each prompt's steps: a ratio of sums, accepted +
+    steps over steps (None under 2 prompts)."""
+    return bootstrap_ci([[s.accepted_total + s.steps, s.steps] for s in per_prompt], ratio_of_sums)
 
 
 def _at(counts: list[int], i: int) -> int:
