@@ -75,7 +75,7 @@ from eagle3.model import TTTModel
 from eagle3.parallel_draft import ParallelModel
 from eagle3.target import target_facts
 from eagle3.ttt_attention import auto_impl
-from train import parallel_drafting
+from eagle3.methods import p_eagle as parallel_drafting
 from train.anchor import Anchor
 from train.batching import collate, step_batches, val_batches
 from train.checkpointing import Checkpoints, export_extra, find_resume, load_checkpoint, read_best

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from train.parallel_drafting import (
+from eagle3.methods.p_eagle import (
     batch_anchors,
     candidate_positions,
     draw_anchors,

@@ -1,0 +1,1 @@
+"""The draft methods, one module each."""
