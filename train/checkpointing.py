@@ -24,8 +24,8 @@ from torch import nn
 
 from eagle3.checkpoint import save_draft
 from eagle3.errors import ConfigError
+from eagle3.methods import draft_for, method_of
 from eagle3.model import DraftConfig
-from eagle3.parallel_draft import draft_for
 from train.config import Config
 from train.selection import RULE
 
@@ -68,17 +68,13 @@ def read_best(out_dir: Path) -> float | None:
     return json.loads(path.read_text())["val_sim_accept_len"] if path.is_file() else None
 
 
-def export_extra(cfg: Config, facts: dict, total_steps: int) -> dict:
+def export_extra(cfg: Config, facts: dict, total_steps: int, draft_cfg: DraftConfig) -> dict:
     """The config.json fields every exported draft of the run carries."""
     return {
         "target": facts["name"],
         "target_architectures": list(getattr(facts["hf_config"], "architectures", None) or []),
         "ttt_steps": cfg.model.ttt_steps,
-        **(
-            {"speculative_tokens": cfg.model.draft.parallel_depth or cfg.model.ttt_steps}
-            if cfg.model.draft.method == "p-eagle"
-            else {}
-        ),
+        **method_of(draft_cfg).export_extra(draft_cfg),  # P-EAGLE: speculative_tokens
         "train_steps": total_steps,
     }
 

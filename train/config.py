@@ -21,7 +21,8 @@ from eagle3.config import load_typed
 from eagle3.data.windows import MODES as WINDOW_MODES
 from eagle3.engine.server import ENGINES
 from eagle3.errors import Eagle3Error
-from eagle3.model import ATTENTIONS, FEATURES, METHODS, MLA_FIELDS
+from eagle3.methods import METHODS, method_named
+from eagle3.model import ATTENTIONS, FEATURES, MLA_FIELDS
 from eagle3.rope import rope_scaling_for_engines
 
 TTT_ATTENTIONS = ("auto", "chunked", "flash", "flex")  # eagle3/ttt_attention/ kernels
@@ -157,7 +158,7 @@ class DraftShapeConfig:
     # plus an RMSNorm per aux state before fc and the post-norm state fed to the next step
     # (eagle3/model.py), served by vLLM as eagle3 from the config.json switches fc_norm /
     # norm_output, for both attention kinds. p-eagle: parallel drafting (eagle3/parallel_draft.py,
-    # train/parallel_drafting.py), gqa only: the EAGLE-3 layer + num_layers - 1 plain layers
+    # eagle3/methods/p_eagle.py), gqa only: the EAGLE-3 layer + num_layers - 1 plain layers
     # drafting parallel_depth tokens in one forward
     method: str = "eagle3"
     # the TTT attention kernel (eagle3/ttt_attention/): auto = flex on CUDA after a forward +
@@ -244,7 +245,7 @@ class TrainConfig:
     # trainable weights, a pull toward the start against forgetting what it knew
     # (train/anchor.py; 1e-4 in configs/train/kimi-k2.5-finetune.yaml); 0: off
     anchor_l2: float = 0.0
-    # Recompute each TTT step in backward (train/recompute.py): keeps a step's input state and
+    # Recompute each TTT step in backward (eagle3/methods/eagle3.py): keeps a step's input state and
     # keys/values instead of all its activations (Kimi's MLA draft: ~3.5x less memory a token,
     # the memory plan counts it), for one more forward of each step. Not for p-eagle
     recompute_ttt_steps: bool = False
@@ -350,32 +351,17 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
         "train.sequence_parallel splits captured records (data.mode: offline); online every "
         "rank of a group would capture the whole record again: set train.sequence_parallel=1",
     )
-    need(
-        t.sequence_parallel == 1 or m.draft.method != "p-eagle",
-        "train.sequence_parallel shards the TTT unroll; p-eagle's one-pass training is not "
-        "sharded: set train.sequence_parallel=1",
-    )
     need(t.anchor_l2 >= 0, f"train.anchor_l2 must be >= 0, got {t.anchor_l2}")
     need(
         t.anchor_l2 == 0 or m.init_from is not None,
         f"train.anchor_l2={t.anchor_l2:g} pulls toward the starting weights of model.init_from, "
         "which is not set: set model.init_from or train.anchor_l2=0",
     )
-    need(
-        not t.recompute_ttt_steps or m.draft.method != "p-eagle",
-        "train.recompute_ttt_steps checkpoints the TTT unroll's steps; p-eagle trains in one "
-        "pass: set train.recompute_ttt_steps=false",
-    )
     need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
     need(len(o.betas) == 2, f"optim.betas must have 2 values, got {o.betas}")
     need(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     need(m.feature in FEATURES, f"model.feature must be 'aux' or 'last', got {m.feature!r}")
-    need(
-        m.draft.method not in ("eagle3.1", "p-eagle") or m.feature == "aux",
-        f"model.draft.method {m.draft.method} reads each aux state (fc_norm / the fused "
-        "features): set model.feature=aux",
-    )
     need(0 < m.step_weight <= 1, f"model.step_weight must be in (0, 1], got {m.step_weight}")
     need(
         not m.revocab or (m.init_from is not None and m.draft_vocab is None),
@@ -383,6 +369,8 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
         "and leave model.draft_vocab null (or set model.revocab=false)",
     )
     _check_draft_shape(m.draft, need)
+    if m.draft.method in METHODS:  # its own keys and what its training cannot do
+        method_named(m.draft.method).check_recipe(m, t, need)
     need(
         cfg.target.aux_layer_ids is None or len(cfg.target.aux_layer_ids) == 3,
         f"target.aux_layer_ids needs exactly 3 layer ids, got {cfg.target.aux_layer_ids}",
@@ -508,32 +496,6 @@ def _check_method(shape: DraftShapeConfig, need: Callable[[bool, str], None]) ->
     need(
         shape.method in METHODS,
         f"model.draft.method must be one of {', '.join(METHODS)}, got {shape.method!r}",
-    )
-    if shape.method != "p-eagle":
-        given = [
-            name for name in ("parallel_depth", "mask_token_id") if getattr(shape, name) is not None
-        ] + (["num_layers"] if shape.num_layers not in (None, 1) else [])
-        need(not given, f"model.draft.{(given or ['*'])[0]} is a p-eagle setting; leave it null")
-        return
-    need(
-        shape.attention == "gqa",
-        "model.draft.method p-eagle drafts with Llama attention (vLLM 0.32 has no MLA P-EAGLE): "
-        "set model.draft.attention=gqa",
-    )
-    need(
-        shape.num_layers is None or shape.num_layers >= 1,
-        f"model.draft.num_layers must be >= 1 or null, got {shape.num_layers}",
-    )
-    need(
-        shape.parallel_depth is None or shape.parallel_depth >= 2,
-        f"model.draft.parallel_depth must be >= 2 or null, got {shape.parallel_depth}",
-    )
-    need(
-        0 < shape.keep_rate <= 1, f"model.draft.keep_rate must be in (0, 1], got {shape.keep_rate}"
-    )
-    need(
-        0 <= shape.keep_floor <= 1,
-        f"model.draft.keep_floor must be in [0, 1], got {shape.keep_floor}",
     )
 
 

@@ -9,8 +9,8 @@ import torch
 
 from eagle3.checkpoint import load_draft
 from eagle3.errors import Eagle3Error
+from eagle3.methods import draft_for, method_named
 from eagle3.model import MLA_FIELDS, DraftConfig, Eagle3Draft
-from eagle3.parallel_draft import draft_for
 from eagle3.vocab import DraftVocab, carry_rows
 from train.config import Config
 from train.train_data import TrainData
@@ -30,30 +30,10 @@ def draft_config(cfg: Config, hf_config, draft_vocab_size: int, aux_ids: list[in
         "intermediate_size": shape.intermediate_size,
         "rope_theta": shape.rope.theta,
         "rope_scaling": shape.rope.scaling,  # {rope_type: default} turns the target's off
-        **parallel_fields(cfg, hf_config),
+        # the method's own fields, nulls derived (P-EAGLE's depth: model.ttt_steps)
+        **method_named(shape.method).draft_fields(shape, cfg.model.ttt_steps, hf_config),
     }
     return DraftConfig.from_target_config(hf_config, draft_vocab_size, aux_ids, **overrides)
-
-
-def parallel_fields(cfg: Config, hf_config) -> dict:
-    """model.draft's method fields as DraftConfig takes them (P-EAGLE's nulls derived)."""
-    shape = cfg.model.draft
-    if shape.method != "p-eagle":
-        return {"method": shape.method}
-    mask = shape.mask_token_id
-    if mask is None:  # any id works (the slot's hidden state tells it apart): a special one
-        eos = getattr(hf_config, "eos_token_id", None)
-        eos = eos[0] if isinstance(eos, list) and eos else eos
-        mask = next(
-            (i for i in (getattr(hf_config, "pad_token_id", None), eos) if i is not None),
-            hf_config.vocab_size - 1,
-        )
-    return {
-        "method": "p-eagle",
-        "num_layers": shape.num_layers or 3,
-        "parallel_depth": shape.parallel_depth or cfg.model.ttt_steps,
-        "mask_token_id": int(mask),
-    }
 
 
 def build_draft(cfg: Config, facts: dict, vocab: DraftVocab, data: TrainData) -> Eagle3Draft:
@@ -67,7 +47,7 @@ def _build_draft(cfg: Config, facts: dict, vocab: DraftVocab, data: TrainData) -
     """A fresh drafter on the target's frozen embeddings, or the one of model.init_from."""
     draft_cfg = draft_config(cfg, facts["hf_config"], vocab.size, data.aux_layer_ids)
     if cfg.model.init_from is None:
-        draft = draft_for(draft_cfg)  # Eagle3Draft, or PEagleDraft for method p-eagle
+        draft = draft_for(draft_cfg)  # of the method's class (eagle3/methods/)
         draft.set_embeddings(data.embed.float().cpu())  # the target's, frozen
         draft.set_vocab(vocab.d2t, vocab.t2d)
         return draft

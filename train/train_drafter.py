@@ -27,10 +27,9 @@ Outputs in `train.out_dir`:
                               several held-out sets: by their mean, train/selection.py)
     anchor.json               train.anchor_l2: the sha256 of model.init_from's weights (train/anchor.py)
 
-The draft method (model.draft.method) is told apart in one place, `Unroll`: eagle3 and eagle3.1
-train the TTT unroll (eagle3.model.TTTModel, eagle3.loss.ttt_loss), p-eagle every parallel
-depth in one pass over subsampled positions (eagle3.parallel_draft.ParallelModel,
-train/parallel_drafting.py).
+The draft method (model.draft.method) is its module in eagle3/methods/: the recipe asks it
+for the draft (train/draft.py) and for the unroll it trains (`Unroll.of`: the module the
+optimizer steps, the micro-batch's counts, loss and logged summary), never for its name.
 
 Validation (data.val_fraction of the conversations, split by id, or data.val_shard_dirs /
 data.val_records; and each of data.val_sets and replay's held-out side) runs every
@@ -70,12 +69,9 @@ from torch import nn
 
 from eagle3.cli import HelpFormatter, run_cli
 from eagle3.errors import Eagle3Error, RemoteError
-from eagle3.loss import ttt_loss, valid_counts
-from eagle3.model import TTTModel
-from eagle3.parallel_draft import ParallelModel
+from eagle3.methods import Unroll
 from eagle3.target import target_facts
 from eagle3.ttt_attention import auto_impl
-from eagle3.methods import p_eagle as parallel_drafting
 from train.anchor import Anchor
 from train.batching import collate, step_batches, val_batches
 from train.checkpointing import Checkpoints, export_extra, find_resume, load_checkpoint, read_best
@@ -95,7 +91,6 @@ from train.memory_plan import (
 from train.metrics import MetricsLog, MetricSums, peak_memory_gb
 from train.online_target import captured_ahead, report_engines, start_served
 from train.optim import make_optimizer
-from train.recompute import recomputed_ttt_loss
 from train.selection import selection_tau
 from train.sequence_parallel import (
     DataLayout,
@@ -119,101 +114,6 @@ from train.train_data import (
 from train.vocab import setup_vocab
 
 
-# -- the draft method: the one place that tells EAGLE-3's TTT unroll from P-EAGLE's ------------
-@dataclass
-class Unroll:
-    """How a draft is unrolled for the loss. eagle3: the TTT unroll of `depth` steps
-    (eagle3.model.TTTModel, eagle3.loss.ttt_loss). p-eagle: every depth < `depth` in one pass
-    over subsampled positions (eagle3.parallel_draft.ParallelModel, train/parallel_drafting.py)."""
-
-    depth: int  # TTT steps, or P-EAGLE's parallel depth K: the acc_k / loss_k columns
-    parallel: bool
-    keep_rate: float = 1.0
-    keep_floor: float = 1.0
-    seed: int = 0
-    recompute: bool = False  # train.recompute_ttt_steps: each TTT step checkpointed
-
-    @classmethod
-    def of(cls, cfg: Config, draft_cfg) -> Unroll:
-        if draft_cfg.method != "p-eagle":
-            return cls(
-                depth=cfg.model.ttt_steps, parallel=False, recompute=cfg.train.recompute_ttt_steps
-            )
-        shape = cfg.model.draft
-        return cls(
-            draft_cfg.parallel_depth, True, shape.keep_rate, shape.keep_floor, cfg.train.seed
-        )
-
-    def module(self, draft) -> nn.Module:
-        if self.parallel:
-            return ParallelModel(draft)
-        return TTTModel(draft, self.depth, recompute=self.recompute)
-
-    def prepare(self, mb: dict, step: int | None = None, micro: int = 0, rank: int = 0) -> None:
-        """P-EAGLE: draw the micro-batch's anchors (step None: validation, every position)."""
-        if self.parallel:
-            seed = (
-                None
-                if step is None
-                else parallel_drafting.anchor_seed(self.seed, step, micro, rank)
-            )
-            mb["anchors"] = parallel_drafting.batch_anchors(
-                mb, self.depth, self.keep_rate, self.keep_floor, seed
-            )
-
-    def counts(self, mb: dict) -> torch.Tensor:
-        """Valid label positions per depth, as the loss counts them -> (depth,)."""
-        if self.parallel:
-            return parallel_drafting.valid_counts(
-                mb["in_vocab"], mb["loss_mask"], mb["anchors"], mb["segment_ids"]
-            )
-        return valid_counts(
-            mb["in_vocab"], mb["loss_mask"], self.depth, mb["segment_ids"], mb["queries"]
-        )
-
-    def summary(self, total: MetricSums, step_weight: float) -> dict[str, float]:
-        """The logged metrics of summed micro-batches; P-EAGLE's loss is its objective, the
-        mean over every valid slot of every depth (not a step_weight-weighted sum)."""
-        metrics = total.summary(step_weight)
-        if self.parallel:
-            metrics["loss"] = float(total.ce.sum() / total.count.sum().clamp(min=1))
-        return metrics
-
-    def loss(
-        self, model: nn.Module, mb: dict, step_weight: float, denominators: list[float] | None
-    ) -> tuple[torch.Tensor, dict]:
-        """Forward and loss of a labelled micro-batch -> (loss, metrics of eagle3.loss's keys)."""
-        if self.parallel:
-            logits = model(
-                mb["input_ids"], mb["aux"], mb["anchors"], mb["segment_ids"], mb["position_ids"]
-            )
-            return parallel_drafting.parallel_loss(
-                logits,
-                mb["probs"],
-                mb["in_vocab"],
-                mb["loss_mask"],
-                mb["anchors"],
-                None if denominators is None else sum(denominators),  # one count, all depths
-                mb["segment_ids"],
-            )
-        if self.recompute:  # each step's loss inside the step (train/recompute.py)
-            return recomputed_ttt_loss(model, mb, step_weight, denominators)
-        # mb["sp"] / mb["queries"]: this rank's shard under sequence parallelism, else None
-        step_logits = model(
-            mb["input_ids"], mb["aux"], mb["segment_ids"], mb["position_ids"], mb["sp"]
-        )
-        return ttt_loss(
-            step_logits,
-            mb["probs"],
-            mb["in_vocab"],
-            mb["loss_mask"],
-            step_weight,
-            denominators,
-            mb["segment_ids"],
-            mb["queries"],
-        )
-
-
 # -- setup: everything the loop needs, checked before any training work ------------------------
 @dataclass
 class Run:
@@ -221,8 +121,8 @@ class Run:
 
     cfg: Config
     accelerator: Accelerator
-    unroll: Unroll  # the draft method's unroll and loss
-    model: nn.Module  # the prepared TTTModel (ParallelModel for p-eagle)
+    unroll: Unroll  # the draft method's unroll and loss (eagle3/methods/)
+    model: nn.Module  # the prepared unroll module (Unroll.module)
     params: list[nn.Parameter]  # the trainable ones (clipped)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -338,7 +238,7 @@ def setup(cfg: Config) -> Run:
         draft_cfg=draft.config,
         out_dir=out_dir,
         extra={  # evaluation compares the fingerprint with the tokenizer it loads
-            **export_extra(cfg, facts, total_steps),
+            **export_extra(cfg, facts, total_steps, draft.config),
             "tokenizer_fingerprint": data.provenance["tokenizer_fingerprint"],
         },
         dtype=cfg.train.export_dtype,

@@ -1,5 +1,18 @@
-"""P-EAGLE training (model.draft.method: p-eagle): which positions each depth trains, its labels,
-and the loss. The model's one-pass unroll is eagle3.parallel_draft.PEagleDraft.parallel_forward.
+"""P-EAGLE (method "p-eagle"): parallel drafting, K draft tokens from one draft forward.
+
+What the method is to the rest of the project (eagle3/methods/__init__.py has the registry):
+
+- the draft: eagle3.parallel_draft.PEagleDraft, the EAGLE-3 layer plus num_layers - 1 plain
+  Llama layers and a learned `mask_hidden`, GQA over aux features only (what vLLM 0.32 serves);
+- training: every depth < parallel_depth in one pass over subsampled positions
+  (eagle3.parallel_draft.ParallelModel), scored by `parallel_loss` below;
+- export: config.json also carries method, num_layers, parallel_depth and mask_token_id, and
+  every trained export its speculative_tokens (K);
+- decoding: eagle3/decoding/parallel.py's ParallelDrafter, one chain of K per pass.
+
+Its recipe keys (model.draft in train/config.py): num_layers (null: 3), parallel_depth (null:
+model.ttt_steps), mask_token_id (null: the target's pad, else first eos token), keep_rate and
+keep_floor.
 
 Subsampling (the P-EAGLE recipe): depth 0 trains at every position; depth d >= 1 at a random
 subset of the positions whose depth-0 label is a generated token, about n * keep_rate^d of
@@ -27,10 +40,175 @@ is then the acceptance at depth k given depths < k accepted, and the simulated t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
+from eagle3.errors import Eagle3Error
 from eagle3.loss import soft_cross_entropy
+from eagle3.methods.eagle3 import Eagle3Method, Need
+from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.parallel_draft import ParallelModel, PEagleDraft
+
+DEFAULT_LAYERS = 3  # model.draft.num_layers null: the EAGLE-3 layer + 2 plain ones
+
+
+class PEagleMethod(Eagle3Method):
+    """P-EAGLE: Eagle3Method's interface with its own draft, training, export and decoder."""
+
+    name = "p-eagle"
+    parallel = True
+    switches = None  # its own: fc_norm applies to mask_hidden too
+    reads_each_aux = True  # fc fuses the 3 aux states, and mask_hidden stands in for them
+    config_fields = ("method", "num_layers", "parallel_depth", "mask_token_id")
+
+    # -- the draft ------------------------------------------------------------------------
+    def check(self, cfg: DraftConfig) -> None:
+        problems = []
+        if cfg.attention != "gqa" or cfg.feature != "aux":
+            problems.append("p-eagle needs attention gqa and feature aux (vLLM 0.32 serves it")
+            problems[-1] += " for Llama-style drafts only)"
+        if cfg.num_layers < 1 or cfg.parallel_depth < 2:
+            problems.append(
+                f"p-eagle needs num_layers >= 1 and parallel_depth >= 2, got "
+                f"{cfg.num_layers} / {cfg.parallel_depth}"
+            )
+        if cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < cfg.vocab_size:
+            problems.append(
+                f"p-eagle needs a mask_token_id in [0, {cfg.vocab_size}), got {cfg.mask_token_id}"
+            )
+        if problems:
+            raise Eagle3Error("; ".join(problems))
+
+    def build(self, cfg: DraftConfig) -> Eagle3Draft:
+        return PEagleDraft(cfg)
+
+    # -- training -------------------------------------------------------------------------
+    def draft_fields(self, shape: Any, ttt_steps: int, hf_config: Any) -> dict[str, Any]:
+        """model.draft's P-EAGLE fields, nulls derived: the one place they are."""
+        mask = shape.mask_token_id
+        if mask is None:  # any id works (the slot's hidden state tells it apart): a special one
+            eos = getattr(hf_config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, list) and eos else eos
+            mask = next(
+                (i for i in (getattr(hf_config, "pad_token_id", None), eos) if i is not None),
+                hf_config.vocab_size - 1,
+            )
+        return {
+            "method": self.name,
+            "num_layers": shape.num_layers or DEFAULT_LAYERS,
+            "parallel_depth": shape.parallel_depth or ttt_steps,
+            "mask_token_id": int(mask),
+        }
+
+    def check_recipe(self, model: Any, train: Any, need: Need) -> None:
+        shape = model.draft
+        need(
+            model.feature == "aux",
+            f"model.draft.method {self.name} reads each aux state (fc_norm / the fused "
+            "features): set model.feature=aux",
+        )
+        need(
+            train.sequence_parallel == 1,
+            "train.sequence_parallel shards the TTT unroll; p-eagle's one-pass training is not "
+            "sharded: set train.sequence_parallel=1",
+        )
+        need(
+            not train.recompute_ttt_steps,
+            "train.recompute_ttt_steps checkpoints the TTT unroll's steps; p-eagle trains in one "
+            "pass: set train.recompute_ttt_steps=false",
+        )
+        need(
+            shape.attention == "gqa",
+            "model.draft.method p-eagle drafts with Llama attention (vLLM 0.32 has no MLA "
+            "P-EAGLE): set model.draft.attention=gqa",
+        )
+        need(
+            shape.num_layers is None or shape.num_layers >= 1,
+            f"model.draft.num_layers must be >= 1 or null, got {shape.num_layers}",
+        )
+        need(
+            shape.parallel_depth is None or shape.parallel_depth >= 2,
+            f"model.draft.parallel_depth must be >= 2 or null, got {shape.parallel_depth}",
+        )
+        need(
+            0 < shape.keep_rate <= 1,
+            f"model.draft.keep_rate must be in (0, 1], got {shape.keep_rate}",
+        )
+        need(
+            0 <= shape.keep_floor <= 1,
+            f"model.draft.keep_floor must be in [0, 1], got {shape.keep_floor}",
+        )
+
+    def unroll(self, draft_cfg: DraftConfig, model: Any, train: Any) -> ParallelUnroll:
+        shape = model.draft
+        return ParallelUnroll(
+            draft_cfg.parallel_depth, shape.keep_rate, shape.keep_floor, train.seed
+        )
+
+    # -- export ---------------------------------------------------------------------------
+    def export_extra(self, draft_cfg: DraftConfig) -> dict[str, Any]:
+        return {"speculative_tokens": draft_cfg.parallel_depth}
+
+    # -- decoding -------------------------------------------------------------------------
+    def drafter(self, draft: Eagle3Draft, cfg: Any, name: str) -> Any:
+        """vLLM's parallel drafting: K drafts from one pass."""
+        from eagle3.decoding.parallel import ParallelDrafter  # a checkpoint load needs none
+
+        return ParallelDrafter(draft, cfg, name=name)
+
+
+P_EAGLE = PEagleMethod()
+
+
+@dataclass
+class ParallelUnroll:
+    """Every depth < `depth` in one pass over subsampled positions (ParallelModel,
+    parallel_loss) as the recipe drives it (eagle3.methods.eagle3.TTTUnroll's interface)."""
+
+    depth: int  # P-EAGLE's parallel depth K: the acc_k / loss_k columns
+    keep_rate: float
+    keep_floor: float
+    seed: int
+
+    def module(self, draft: PEagleDraft) -> nn.Module:
+        return ParallelModel(draft)
+
+    def prepare(self, mb: dict, step: int | None = None, micro: int = 0, rank: int = 0) -> None:
+        """Draw the micro-batch's anchors (step None: validation, every position)."""
+        seed = None if step is None else anchor_seed(self.seed, step, micro, rank)
+        mb["anchors"] = batch_anchors(mb, self.depth, self.keep_rate, self.keep_floor, seed)
+
+    def counts(self, mb: dict) -> torch.Tensor:
+        """Valid label slots per depth, as the loss counts them -> (depth,)."""
+        return valid_counts(mb["in_vocab"], mb["loss_mask"], mb["anchors"], mb["segment_ids"])
+
+    def summary(self, total: Any, step_weight: float) -> dict[str, float]:
+        """The logged metrics of summed micro-batches (train.metrics.MetricSums); the loss is
+        P-EAGLE's objective, the mean over every valid slot of every depth (not a
+        step_weight-weighted sum)."""
+        metrics = total.summary(step_weight)
+        metrics["loss"] = float(total.ce.sum() / total.count.sum().clamp(min=1))
+        return metrics
+
+    def loss(
+        self, model: nn.Module, mb: dict, step_weight: float, denominators: list[float] | None
+    ) -> tuple[torch.Tensor, dict]:
+        """Forward and loss of a labelled micro-batch -> (loss, metrics of eagle3.loss's keys)."""
+        logits = model(
+            mb["input_ids"], mb["aux"], mb["anchors"], mb["segment_ids"], mb["position_ids"]
+        )
+        return parallel_loss(
+            logits,
+            mb["probs"],
+            mb["in_vocab"],
+            mb["loss_mask"],
+            mb["anchors"],
+            None if denominators is None else sum(denominators),  # one count, all depths
+            mb["segment_ids"],
+        )
 
 
 def keep_counts(n: int, depth: int, keep_rate: float, keep_floor: float) -> list[int]:

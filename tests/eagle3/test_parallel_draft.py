@@ -13,9 +13,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3.checkpoint import load_draft, save_draft
+from eagle3.decoding.parallel import ParallelDrafter
 from eagle3.errors import Eagle3Error
 from eagle3.model import DraftConfig
-from eagle3.parallel_draft import ParallelDrafter, PEagleDraft
+from eagle3.parallel_draft import PEagleDraft
 from eagle3.speculative import DecodeConfig, SpeculativeDecoder, plain_generate
 from tests.eagle3.test_checkpoint import make_draft
 from tests.eagle3.test_speculative import tiny_target

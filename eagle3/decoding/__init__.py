@@ -1,0 +1,1 @@
+"""The decoders: the in-house drafters that propose tokens for speculative decoding."""
