@@ -155,20 +155,25 @@ class TTTUnroll:
         """Forward and loss of a labelled micro-batch -> (loss, metrics of eagle3.loss's keys)."""
         if self.recompute:  # each step's loss inside the step
             return recomputed_ttt_loss(model, mb, step_weight, denominators)
-        # mb["sp"] / mb["queries"]: this rank's shard under sequence parallelism, else None
+        # mb["sp"]: this rank's shard under sequence parallelism, else None
         step_logits = model(
             mb["input_ids"], mb["aux"], mb["segment_ids"], mb["position_ids"], mb["sp"]
         )
-        return ttt_loss(
-            step_logits,
-            mb["probs"],
-            mb["in_vocab"],
-            mb["loss_mask"],
-            step_weight,
-            denominators,
-            mb["segment_ids"],
-            mb["queries"],
-        )
+        return ttt_loss(step_logits, **ttt_labels(mb, step_weight, denominators))
+
+
+def ttt_labels(mb: dict, step_weight: float, denominators: list[float] | None) -> dict[str, Any]:
+    """The label arguments eagle3.loss.ttt_loss and step_loss take, from a labelled micro-batch
+    (mb["queries"]: this rank's shard under sequence parallelism, else None)."""
+    return {
+        "probs": mb["probs"],
+        "in_vocab": mb["in_vocab"],
+        "loss_mask": mb["loss_mask"],
+        "step_weight": step_weight,
+        "denominators": denominators,
+        "segment_ids": mb["segment_ids"],
+        "queries": mb["queries"],
+    }
 
 
 def recomputed_ttt_loss(
@@ -177,23 +182,12 @@ def recomputed_ttt_loss(
     """Forward and loss of a labelled micro-batch (TTTUnroll.loss) with each TTT step's loss
     made inside the step (module docstring) -> (loss, metrics), the values eagle3.loss.ttt_loss
     gives for the same micro-batch. `model` is the TTTModel built with recompute=True."""
-    probs = mb["probs"]
-    target_top = probs.argmax(-1)  # (B, T): once, as ttt_loss does
+    labels = ttt_labels(mb, step_weight, denominators)
+    target_top = mb["probs"].argmax(-1)  # (B, T): once, as ttt_loss does
     metrics: dict[str, float] = {}
 
     def one_step(k: int, logits: torch.Tensor) -> torch.Tensor | None:
-        loss_k, step_metrics = step_loss(
-            k,
-            logits,
-            probs,
-            mb["in_vocab"],
-            mb["loss_mask"],
-            step_weight,
-            denominators,
-            mb["segment_ids"],
-            mb["queries"],
-            target_top,
-        )
+        loss_k, step_metrics = step_loss(k, logits, **labels, target_top=target_top)
         metrics.update(step_metrics)  # a recompute in backward writes the same values again
         return loss_k
 
@@ -205,7 +199,7 @@ def recomputed_ttt_loss(
         mb["sp"],
         step_loss=one_step,
     )
-    total = probs.new_zeros((), dtype=torch.float32)
+    total = mb["probs"].new_zeros((), dtype=torch.float32)
     for loss_k in losses:  # summed in step order, as ttt_loss sums them
         if loss_k is not None:
             total = total + loss_k
