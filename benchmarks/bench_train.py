@@ -93,7 +93,7 @@ def recipe_draft_config(cfg, facts: dict, draft_vocab: int, aux_ids: list[int]) 
     attention and MLA dims included; nulls derived from the target's config)."""
     from train.draft import draft_config
 
-    return draft_config(cfg, facts["hf_config"], draft_vocab, aux_ids)
+    return draft_config(cfg.model, facts["hf_config"], draft_vocab, aux_ids)
 
 
 def sync(device: torch.device) -> None:

@@ -347,7 +347,7 @@ def kimi_draft(tiny: bool) -> tuple[DraftConfig, int]:
         )  # fmt: skip
         return small, 3
     hf = target_shape("kimi-k2.5")
-    return draft_config(cfg, hf, cfg.model.draft_vocab_size, [1, 29, 57]), cfg.model.ttt_steps
+    return draft_config(cfg.model, hf, cfg.model.draft_vocab_size, [1, 29, 57]), cfg.model.ttt_steps
 
 
 def attention_dims(cfg: DraftConfig) -> tuple[int, int, int, int]:

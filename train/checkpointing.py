@@ -26,26 +26,26 @@ from eagle3.checkpoint import save_draft
 from eagle3.errors import ConfigError
 from eagle3.methods import draft_for, method_of
 from eagle3.model import DraftConfig
-from train.config import Config
+from train.config import TrainConfig
 from train.selection import RULE
 
 BEST = "best"  # the draft with the best validation simulated tau so far
 
 
-def find_resume(cfg: Config, out_dir: Path) -> Path | None:
+def find_resume(train: TrainConfig, out_dir: Path) -> Path | None:
     """The complete checkpoint train.resume_from names (latest: the newest), or None for a
     fresh run, which refuses an out_dir that already holds checkpoints."""
     ckpts = sorted((out_dir / "checkpoints").glob("step-*/trainer_state.json"))
-    if cfg.train.resume_from is None:
+    if train.resume_from is None:
         if ckpts:
             raise ConfigError(
                 f"{out_dir} already holds checkpoints; pass train.resume_from=latest to continue "
                 "or choose another train.out_dir"
             )
         return None
-    if cfg.train.resume_from == "latest":
+    if train.resume_from == "latest":
         return ckpts[-1].parent if ckpts else None
-    path = Path(cfg.train.resume_from)
+    path = Path(train.resume_from)
     if not (path / "trainer_state.json").is_file():
         raise ConfigError(
             f"train.resume_from: {path} is not a complete checkpoint (no trainer_state.json)"
@@ -68,12 +68,12 @@ def read_best(out_dir: Path) -> float | None:
     return json.loads(path.read_text())["val_sim_accept_len"] if path.is_file() else None
 
 
-def export_extra(cfg: Config, facts: dict, total_steps: int, draft_cfg: DraftConfig) -> dict:
+def export_extra(facts: dict, ttt_steps: int, total_steps: int, draft_cfg: DraftConfig) -> dict:
     """The config.json fields every exported draft of the run carries."""
     return {
         "target": facts["name"],
         "target_architectures": list(getattr(facts["hf_config"], "architectures", None) or []),
-        "ttt_steps": cfg.model.ttt_steps,
+        "ttt_steps": ttt_steps,
         **method_of(draft_cfg).export_extra(draft_cfg),  # P-EAGLE: speculative_tokens
         "train_steps": total_steps,
     }

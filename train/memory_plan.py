@@ -553,7 +553,7 @@ def recipe_plan(
     if draft_cfg is None:
         hf = target_shape(cfg.target.name)
         aux = cfg.target.aux_layer_ids or [1, 2, 3]  # their values cost nothing
-        draft_cfg = draft_config(cfg, hf, min(cfg.model.draft_vocab_size, hf.vocab_size), aux)
+        draft_cfg = draft_config(cfg.model, hf, min(cfg.model.draft_vocab_size, hf.vocab_size), aux)
     sp_groups(node.gpus, cfg.train.sequence_parallel)  # one line when sp does not divide them
     check_heads(draft_cfg.num_attention_heads, cfg.train.sequence_parallel)
     mixed = cfg.train.mixed_precision

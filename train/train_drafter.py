@@ -151,16 +151,16 @@ def setup(cfg: Config) -> Run:
     sp_group = make_group(layout) if layout.sp > 1 else None
     world = layout.data_size
     out_dir = Path(cfg.train.out_dir)
-    resume = find_resume(cfg, out_dir)
+    resume = find_resume(cfg.train, out_dir)
     set_seed(cfg.train.seed)
     target = training_target(cfg)  # resolved once: every loader takes this value
     facts = target_facts(target)
     data = load_data(cfg, target, facts, accelerator, hidden_dtype)
-    vocab = setup_vocab(cfg, accelerator, data.dataset, facts["vocab_size"], out_dir)
+    vocab = setup_vocab(cfg.model, accelerator, data.dataset, facts["vocab_size"], out_dir)
     fit_length(cfg, accelerator, data)  # after the vocab: it counts each record's tokens once
     if cfg.data.packing:
         pack_rows(cfg, accelerator, data)
-    draft = build_draft(cfg, facts, vocab, data)
+    draft = build_draft(cfg.model, facts, vocab, data)
     check_heads(draft.config.num_attention_heads, layout.sp)
     check_memory(cfg, accelerator, draft.config)  # before the optimizer and batches take any
     total_steps = count_steps(cfg, data.lengths, world)
@@ -168,7 +168,7 @@ def setup(cfg: Config) -> Run:
     unroll = Unroll.of(cfg, draft.config)
     model = unroll.module(draft)
     anchor = Anchor.for_run(cfg, accelerator, model, out_dir, resumed=resume is not None)
-    params, optimizer, scheduler = make_optimizer(cfg, model, total_steps)
+    params, optimizer, scheduler = make_optimizer(cfg.optim, model, total_steps)
     configure_deepspeed(cfg, accelerator)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
@@ -238,7 +238,7 @@ def setup(cfg: Config) -> Run:
         draft_cfg=draft.config,
         out_dir=out_dir,
         extra={  # evaluation compares the fingerprint with the tokenizer it loads
-            **export_extra(cfg, facts, total_steps, draft.config),
+            **export_extra(facts, cfg.model.ttt_steps, total_steps, draft.config),
             "tokenizer_fingerprint": data.provenance["tokenizer_fingerprint"],
         },
         dtype=cfg.train.export_dtype,
