@@ -114,6 +114,29 @@ class Checkpoints:
     keep_last: int  # train.keep_last: optimizer states kept
     best: float | None  # the best validation simulated tau so far (read_best at setup)
 
+    @classmethod
+    def for_run(
+        cls,
+        train: TrainConfig,
+        accelerator: Accelerator,
+        model: nn.Module,
+        draft_cfg: DraftConfig,
+        extra: dict,
+    ) -> Checkpoints:
+        """The checkpoints of a run in train.out_dir, with train.export_dtype and keep_last, and
+        the best score so far read once: then kept in memory, alike on every rank."""
+        out_dir = Path(train.out_dir)
+        return cls(
+            accelerator=accelerator,
+            model=model,
+            draft_cfg=draft_cfg,
+            out_dir=out_dir,
+            extra=extra,
+            dtype=train.export_dtype,
+            keep_last=train.keep_last,
+            best=read_best(out_dir),
+        )
+
     def export(self, path: Path) -> None:
         """The SGLang draft of the model now (every rank calls it; the main process writes)."""
         export_draft(self.accelerator, self.model, self.draft_cfg, path, self.extra, self.dtype)
