@@ -8,7 +8,7 @@ chunks, the TTT unroll, the weighted loss, backward, clip, AdamW. Inputs are ran
 of the target's shapes (no shards needed); only the target's config.json is read.
 
 --recompute: the step with and without each TTT step recomputed in backward
-(train.recompute_ttt_steps, train/recompute.py), alternating in one run: the step-time ratio and
+(train.recompute_ttt_steps, eagle3/methods/eagle3.py), alternating in one run: the step-time ratio and
 each mode's peak memory above the step's start (CPU: the process's RSS high-water mark, reset
 before each step through /proc/self/clear_refs; CUDA: max_memory_allocated).
 
@@ -36,10 +36,11 @@ import torch
 from eagle3.compute import describe_peak, matmul_peak
 from eagle3.draft_shapes import target_shape
 from eagle3.loss import target_probs, ttt_loss
+from eagle3.methods import method_of
+from eagle3.methods.eagle3 import recomputed_ttt_loss
 from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
 from train.config import load_config
 from train.metrics import peak_memory_gb
-from train.recompute import recomputed_ttt_loss
 
 
 def train_flops_per_token(cfg: DraftConfig, seq_len: int, ttt_steps: int) -> float:
@@ -92,7 +93,7 @@ def recipe_draft_config(cfg, facts: dict, draft_vocab: int, aux_ids: list[int]) 
     attention and MLA dims included; nulls derived from the target's config)."""
     from train.draft import draft_config
 
-    return draft_config(cfg, facts["hf_config"], draft_vocab, aux_ids)
+    return draft_config(cfg.model, facts["hf_config"], draft_vocab, aux_ids)
 
 
 def sync(device: torch.device) -> None:
@@ -159,7 +160,7 @@ def main() -> None:
     vocab_size = facts["vocab_size"]
     dv = min(cfg.model.draft_vocab_size, vocab_size)
     draft_cfg = recipe_draft_config(cfg, facts, dv, aux_ids)
-    if draft_cfg.method == "p-eagle":  # its one-pass training (train/parallel_drafting.py)
+    if method_of(draft_cfg).parallel:  # its one-pass training (eagle3/methods/p_eagle.py)
         raise SystemExit(
             "bench_train: times the TTT unroll (eagle3, eagle3.1); model.draft.method=p-eagle "
             "trains in one pass that this benchmark does not build: compare tokens_per_s in "
@@ -195,7 +196,7 @@ def main() -> None:
         sync(device)
         label_time += time.perf_counter() - t0
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            if model.recompute:  # each step's loss inside the step (train/recompute.py)
+            if model.recompute:  # each step's loss inside the step (eagle3/methods/eagle3.py)
                 mb = {"input_ids": ids, "aux": aux, "segment_ids": None, "position_ids": None,
                       "sp": None, "probs": probs, "in_vocab": in_vocab, "loss_mask": mask,
                       "queries": None}  # fmt: skip

@@ -36,7 +36,7 @@ Checks, each a key of the JSON (an error in one is recorded there and the rest s
   tolerance; an out-of-memory is recorded at its length and the next length still runs. The
   goal: measured within 15% of the plan.
 - memory_recompute: the same with each TTT step recomputed in backward (train.recompute_ttt_steps,
-  as the Kimi recipes train: train/recompute.py), at 2k / 8k / 16k / 32k tokens, against the
+  as the Kimi recipes train: eagle3/methods/eagle3.py), at 2k / 8k / 16k / 32k tokens, against the
   plan's recompute term.
 --small-smem forces sm_120's flex kernel options (flex_kernel_options((12, 0), 192, 128)) for
 every check, on whatever GPU runs it: a lent H200 then compiles and runs the node's tiles.
@@ -64,12 +64,12 @@ import torch.nn.functional as F
 from eagle3 import ttt_attention as ttt_module
 from eagle3.draft_shapes import target_shape
 from eagle3.loss import soft_cross_entropy, ttt_loss
+from eagle3.methods.eagle3 import recomputed_ttt_loss
 from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
 from eagle3.ttt_attention.flex import plain_block_mask
 from train.config import load_config
 from train.draft import draft_config
 from train.memory_plan import GB, Node, RunShape, ZeroSetup, plan_memory
-from train.recompute import recomputed_ttt_loss
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs/train/kimi-k2.5-offline.yaml"
@@ -349,7 +349,7 @@ def kimi_draft(tiny: bool) -> tuple[DraftConfig, int]:
         )  # fmt: skip
         return small, 3
     hf = target_shape("kimi-k2.5")
-    return draft_config(cfg, hf, cfg.model.draft_vocab_size, [1, 29, 57]), cfg.model.ttt_steps
+    return draft_config(cfg.model, hf, cfg.model.draft_vocab_size, [1, 29, 57]), cfg.model.ttt_steps
 
 
 def attention_dims(cfg: DraftConfig) -> tuple[int, int, int, int]:

@@ -75,7 +75,7 @@ def recipe_exchange(
         )
     hf = target_shape(cfg.target.name)
     aux = cfg.target.aux_layer_ids or [1, 2, 3]  # their values do not change the shape
-    draft = draft_config(cfg, hf, min(cfg.model.draft_vocab_size, hf.vocab_size), aux)
+    draft = draft_config(cfg.model, hf, min(cfg.model.draft_vocab_size, hf.vocab_size), aux)
     v_dim = draft.v_head_dim if draft.attention == "mla" else draft.head_dim
     row = (cfg.data.packing and cfg.data.pack_length) or cfg.data.max_length
     # KV heads are repeated to the query heads where sp does not divide them

@@ -12,8 +12,8 @@ config.json
     and `eagle_config: {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state: true, method}`.
 
     EAGLE-3.1 (eagle3.model's docstring): top-level `fc_norm` and `norm_output`, the switches
-    vLLM reads, true for method "eagle3.1" (with the tensors `fc_norm.{0,1,2}.weight`), false
-    for "eagle3". `eagle_config.method` is ours: loading refuses a config whose switches
+    vLLM reads, true for method eagle3.1 (with the tensors `fc_norm.{0,1,2}.weight`), false
+    for eagle3. `eagle_config.method` is ours: loading refuses a config whose switches
     disagree with it, and weights whose fc_norm tensors disagree with the flag, because vLLM
     reads only the switches and would silently serve plain EAGLE-3.
 
@@ -62,8 +62,8 @@ The MLA draft (DraftConfig.attention "mla") is the same directory for vLLM's
   everything else as above. vLLM's load_weights renames midlayer. -> layers.0., fuses q_a_proj
   with kv_a_proj_with_mqa and gate_proj with up_proj itself, maps d2t to draft_id_to_target_id
   and skips t2d, so the tensors are written unfused, under the names our model uses.
-A P-EAGLE draft (DraftConfig.method "p-eagle", eagle3/parallel_draft.py) is the GQA directory
-with `num_hidden_layers` = its layer count, `method: "p-eagle"`, `num_layers`,
+A P-EAGLE draft (eagle3/methods/p_eagle.py, eagle3/parallel_draft.py) is the GQA directory
+with `num_hidden_layers` = its layer count, `method` (p-eagle), `num_layers`,
 `parallel_depth` and `mask_token_id` (vLLM's `_init_parallel_drafting_params` reads the mask id
 under that name) in config.json, and in model.safetensors `layers.{i}.*` for its plain layers
 i >= 1 (vLLM's own index; layer 0 stays `midlayer.*`) and `mask_hidden` [1, 3 * H_target],
@@ -87,8 +87,9 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.errors import Eagle3Error
-from eagle3.model import METHODS, MLA_FIELDS, DraftConfig, Eagle3Draft
-from eagle3.parallel_draft import draft_for
+from eagle3.methods import EAGLE3, EAGLE3_1, METHODS, REGISTRY, draft_for, method_named, method_of
+from eagle3.methods.eagle3 import SWITCHES
+from eagle3.model import MLA_FIELDS, DraftConfig, Eagle3Draft
 from eagle3.published import project_config, project_state, read_tensors, tensor_shapes
 from eagle3.rope import deepseek_rope_scaling
 
@@ -98,12 +99,13 @@ MLA_ARCHITECTURE = "Eagle3DeepseekV3ForCausalLM"
 MLA_ARCHITECTURES = (MLA_ARCHITECTURE, "Eagle3DeepseekV2ForCausalLM")
 # EAGLE-3.1's switches (eagle3.model's docstring): written to config.json for both draft kinds,
 # where vLLM reads them (getattr(config, switch, False) in llama_eagle3 and deepseek_eagle3)
-EAGLE31_SWITCHES = ("fc_norm", "norm_output")
+EAGLE31_SWITCHES = SWITCHES
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 EMBED_KEY = "embed_tokens.weight"  # part of Eagle3Draft, never saved
 # DraftConfig fields only a P-EAGLE export writes (an EAGLE-3 config.json stays as it was)
-PARALLEL_FIELDS = ("method", "num_layers", "parallel_depth", "mask_token_id")
+# DraftConfig fields some method's config.json carries (P-EAGLE's); the others' skip them
+METHOD_FIELDS = {name for method in REGISTRY.values() for name in method.config_fields}
 MASK_KEY = "mask_hidden"  # P-EAGLE's learned stand-in for the aux states, [1, 3 * H_target]
 
 
@@ -200,8 +202,7 @@ def _gqa_layer(cfg: DraftConfig) -> dict[str, Any]:
     """A Llama config of one decoder layer (the module docstring), or of P-EAGLE's num_layers
     (with method, parallel_depth and mask_token_id, which vLLM's parallel drafting reads)."""
     skip = {"aux_layer_ids", "attention", *MLA_FIELDS}
-    if cfg.method != "p-eagle":
-        skip |= set(PARALLEL_FIELDS)
+    skip |= METHOD_FIELDS - set(method_of(cfg).config_fields)
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -221,7 +222,7 @@ def _mla_layer(cfg: DraftConfig) -> dict[str, Any]:
     head_dim: vLLM sizes MLA heads from the qk/v head dims and caches kv_lora_rank + rope.
     """
     skip = {"aux_layer_ids", "attention", "head_dim", "rope_scaling", "q_lora_rank"}
-    skip |= set(PARALLEL_FIELDS)  # DraftConfig refuses P-EAGLE with MLA
+    skip |= METHOD_FIELDS  # no method with fields of its own has an MLA draft
     return {
         "architectures": [MLA_ARCHITECTURE],
         "model_type": "deepseek_v2",
@@ -345,18 +346,21 @@ def _method(path: Path, raw: dict[str, Any]) -> str:
     else eagle3 with whatever switch it sets."""
     switches = {switch: bool(raw.get(switch, False)) for switch in EAGLE31_SWITCHES}
     method = (raw.get("eagle_config") or {}).get("method")
-    if "p-eagle" in (method, raw.get("method")):  # P-EAGLE also writes it top-level (vLLM's)
+    # a method whose switches are its own (P-EAGLE: fc_norm applies to mask_hidden too) also
+    # writes its name top-level (vLLM's)
+    own = [m for m in (method, raw.get("method")) if m in REGISTRY and REGISTRY[m].switches is None]
+    if own:
         if method not in (None, raw.get("method")):
             raise Eagle3Error(
                 f"{path}: method {raw.get('method')!r} but eagle_config.method {method!r}: the "
                 "config is of two drafters; re-export the checkpoint"
             )
-        return "p-eagle"  # its switches are its own (fc_norm applies to mask_hidden too)
+        return own[0]
     if method is None:
-        return "eagle3.1" if all(switches.values()) else "eagle3"
+        return (EAGLE3_1 if all(switches.values()) else EAGLE3).name
     if method not in METHODS:
         raise Eagle3Error(f"{path}: eagle_config.method {method!r} is not one of {METHODS}")
-    want = method == "eagle3.1"
+    want = method_named(method).switches
     wrong = [f"{s}: {str(on).lower()}" for s, on in switches.items() if on != want]
     if wrong:
         raise Eagle3Error(
@@ -412,7 +416,7 @@ def _check_fc_norm(weights: Path, cfg: DraftConfig, state: dict[str, torch.Tenso
 def _check_method_tensors(weights: Path, cfg: DraftConfig, state: dict) -> None:
     """config.json's method and the tensors agree, else one line: a P-EAGLE file read as
     EAGLE-3 (or the reverse) would serve other maths than it was trained for."""
-    parallel = cfg.method == "p-eagle"
+    parallel = method_of(cfg).parallel
     if (MASK_KEY in state) != parallel:
         raise Eagle3Error(
             f"{weights.parent}: config.json says method {cfg.method!r} but the weights "

@@ -13,8 +13,8 @@ MLA (`MLAAttention`, exported as vLLM's Eagle3DeepseekV3ForCausalLM): DraftConfi
 Everything else is the same layer. In vLLM's decoder-layer terms the residual is the incoming h,
 not hidden_norm(h) (norm_before_residual = false), for every method.
 
-The method (DraftConfig.method) is "eagle3" as above, or "eagle3.1" (EAGLE-3.1, arXiv
-2605.09992), which turns on two switches vLLM 0.32 reads from the draft's config.json in both
+The method (DraftConfig.method; eagle3/methods/ holds one module per method) is EAGLE-3 as
+above, or EAGLE-3.1 (arXiv 2605.09992), which turns on two switches vLLM 0.32 reads from the draft's config.json in both
 llama_eagle3.py and deepseek_eagle3.py:
 
     fc_norm:      h_0 = fc(concat(fc_norm_0(aux_low), fc_norm_1(aux_mid), fc_norm_2(aux_high)))
@@ -26,7 +26,8 @@ llama_eagle3.py and deepseek_eagle3.py:
 
 The logits are lm_head(norm(out)) either way, so under norm_output the state the next step
 gets is exactly the one the logits were read from. Each switch is a DraftConfig field of its
-own (a peer's checkpoint may carry one without the other); "eagle3.1" sets both.
+own (a peer's checkpoint may carry one without the other); EAGLE-3.1 sets both. P-EAGLE
+(eagle3/parallel_draft.py) adds plain layers after this one.
 
 Two ways to run it:
 - `forward`: incremental decoding with a KV cache and an optional explicit attention mask
@@ -69,10 +70,6 @@ from eagle3.ttt_attention import ttt_attention
 from eagle3.ttt_attention.sequence_parallel import SequenceParallel
 
 FEATURES = ("aux", "last")
-# The draft method: "eagle3" (the layer above), "eagle3.1" (fc_norm + norm_output, above),
-# "p-eagle" (parallel drafting: this layer plus plain Llama layers, K drafts in one forward;
-# eagle3/parallel_draft.py).
-METHODS = ("eagle3", "eagle3.1", "p-eagle")
 # "gqa": Llama's attention (q/k/v/o_proj), exported as LlamaForCausalLMEagle3. "mla": DeepSeek-
 # V3's multi-head latent attention, exported as vLLM's Eagle3DeepseekV3ForCausalLM (MLAAttention).
 ATTENTIONS = ("gqa", "mla")
@@ -119,11 +116,12 @@ class DraftConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    method: str = "eagle3"  # one of METHODS
-    # EAGLE-3.1's switches (module docstring); None = what the method says (on for eagle3.1)
+    # the draft method, a name in eagle3.methods.METHODS: what it builds, trains and decodes
+    method: str = "eagle3"
+    # EAGLE-3.1's switches (module docstring); None = what the method says (on for EAGLE-3.1)
     fc_norm: bool | None = None
     norm_output: bool | None = None
-    # P-EAGLE only (eagle3/parallel_draft.py): decoder layers (this layer + num_layers - 1 plain
+    # P-EAGLE only (eagle3/methods/p_eagle.py): decoder layers (this layer + num_layers - 1 plain
     # Llama layers), the depths K it is trained to draft in one pass, and the token id depths
     # >= 1 are fed (vLLM reads it as the config's mask_token_id)
     num_layers: int = 1
@@ -132,11 +130,11 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         self.rope_scaling = rope_scaling_for_engines(self.rope_scaling)
-        if self.method not in METHODS:
-            raise Eagle3Error(f"method {self.method!r} is not one of {METHODS}")
-        for switch in ("fc_norm", "norm_output"):
-            if getattr(self, switch) is None:
-                setattr(self, switch, self.method == "eagle3.1")
+        # the registry builds on this module, so it is imported here, not at the top
+        from eagle3.methods import method_named
+
+        method = method_named(self.method)
+        method.configure(self)  # the switches left None
         if self.fc_norm and self.feature != "aux":
             raise Eagle3Error(
                 "fc_norm normalises each of the 3 aux states before fc; feature 'last' has one "
@@ -162,36 +160,7 @@ class DraftConfig:
             raise Eagle3Error(f"feature {self.feature!r} is not one of {FEATURES}")
         if len(self.aux_layer_ids) != 3:
             raise Eagle3Error(f"EAGLE-3 fuses exactly 3 aux layers, got {self.aux_layer_ids}")
-        self._check_parallel()
-
-    def _check_parallel(self) -> None:
-        """P-EAGLE's fields: set for method p-eagle (a GQA draft over aux features), unset
-        otherwise (a one-layer EAGLE-3 draft)."""
-        if self.method not in METHODS:
-            raise Eagle3Error(f"method {self.method!r} is not one of {METHODS}")
-        if self.method != "p-eagle":
-            if self.num_layers != 1 or self.parallel_depth or self.mask_token_id is not None:
-                raise Eagle3Error(
-                    f"num_layers {self.num_layers}, parallel_depth {self.parallel_depth} and "
-                    f"mask_token_id {self.mask_token_id} are P-EAGLE settings; method "
-                    f"{self.method!r} has one layer: use method p-eagle or drop them"
-                )
-            return
-        problems = []
-        if self.attention != "gqa" or self.feature != "aux":
-            problems.append("p-eagle needs attention gqa and feature aux (vLLM 0.32 serves it")
-            problems[-1] += " for Llama-style drafts only)"
-        if self.num_layers < 1 or self.parallel_depth < 2:
-            problems.append(
-                f"p-eagle needs num_layers >= 1 and parallel_depth >= 2, got "
-                f"{self.num_layers} / {self.parallel_depth}"
-            )
-        if self.mask_token_id is None or not 0 <= self.mask_token_id < self.vocab_size:
-            problems.append(
-                f"p-eagle needs a mask_token_id in [0, {self.vocab_size}), got {self.mask_token_id}"
-            )
-        if problems:
-            raise Eagle3Error("; ".join(problems))
+        method.check(self)  # its own fields (P-EAGLE's set for it only)
 
     def _check_mla(self) -> None:
         dims = {name: getattr(self, name) for name in MLA_FIELDS}

@@ -1,4 +1,4 @@
-"""P-EAGLE: parallel drafting, K draft tokens from ONE draft forward (DraftConfig.method "p-eagle").
+"""P-EAGLE: parallel drafting, K draft tokens from ONE draft forward (eagle3/methods/p_eagle.py).
 
 The draft is the EAGLE-3 layer of eagle3/model.py ("midlayer", fed [embed(token), h] as 2H)
 followed by num_layers - 1 plain Llama decoder layers, then norm + lm_head:
@@ -49,7 +49,8 @@ logits of a slot (mask, fc(mask_hidden)) at position L + d that attends causally
 context slot <= L and to the depth 1..d-1 slots before it. `PEagleDraft.forward` computes those
 slots incrementally (decoding: the context from the cache, then the K-1 mask slots in one call)
 and `PEagleDraft.parallel_forward` computes all depths of every position in one pass
-(training), so that each depth's training logits are exactly its decoding logits.
+(training), so that each depth's training logits are exactly its decoding logits. The
+in-house decoder that drives it as vLLM does is eagle3/decoding/parallel.py.
 """
 
 from __future__ import annotations
@@ -58,9 +59,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3.decoding.decode_config import DecodeConfig
-from eagle3.decoding.eagle import gumbel_topk
-from eagle3.decoding.tree import DraftTree
 from eagle3.errors import Eagle3Error
 from eagle3.model import MLP, Attention, DraftConfig, Eagle3Draft, RMSNorm
 
@@ -86,8 +84,8 @@ class PEagleDraft(Eagle3Draft):
     `layers.{i}.*` (i = 1..num_layers-1, vLLM's layer index) and `mask_hidden`."""
 
     def __init__(self, cfg: DraftConfig):
-        if cfg.method != "p-eagle":
-            raise Eagle3Error(f"PEagleDraft needs method 'p-eagle', the config says {cfg.method!r}")
+        if cfg.parallel_depth < 2:  # set only by P-EAGLE's config (eagle3/methods/p_eagle.py)
+            raise Eagle3Error(f"PEagleDraft needs a P-EAGLE config, the config says {cfg.method!r}")
         super().__init__(cfg)
         # keys "1".."n-1": the state dict then names layer i as vLLM does (layers.{i}.*)
         self.layers = nn.ModuleDict({str(i): PlainLayer(cfg) for i in range(1, cfg.num_layers)})
@@ -151,7 +149,7 @@ class PEagleDraft(Eagle3Draft):
 
         Depth 0 at position t is the context slot (x_{t+1}, fc(aux_t)) at position t, and
         predicts x_{t+2}. anchors[d-1] (ascending positions, each depth's a subset of the one
-        before: train/parallel_drafting.py draws them) are the positions t whose depth-d slot
+        before: eagle3/methods/p_eagle.py draws them) are the positions t whose depth-d slot
         (mask, fc(mask_hidden)) at rotary position t + d is run; it predicts x_{t+d+2} and
         attends to depth-0 slots s <= t (of t's record when packed: segment_ids) and to its own
         chain's depths 1..d at anchor t: exactly what vLLM's one draft pass gives depth d after
@@ -206,11 +204,6 @@ class PEagleDraft(Eagle3Draft):
         return [self.compute_logits(h) for h in hs]
 
 
-def draft_for(cfg: DraftConfig) -> Eagle3Draft:
-    """A fresh draft of cfg's method: PEagleDraft for p-eagle, else Eagle3Draft."""
-    return PEagleDraft(cfg) if cfg.method == "p-eagle" else Eagle3Draft(cfg)
-
-
 class ParallelModel(nn.Module):
     """Routes parallel_forward through forward(): DDP and DeepSpeed only hook forward()."""
 
@@ -229,64 +222,3 @@ class ParallelModel(nn.Module):
         return self.draft.parallel_forward(
             input_ids, aux_hidden, anchors, segment_ids=segment_ids, position_ids=position_ids
         )
-
-
-class ParallelDrafter:
-    """A PEagleDraft driven as vLLM drives it: after each verification, the verified pairs run
-    into the draft's caches (their last logits are depth 0); propose() then runs the K-1 mask
-    slots in one call and picks every depth at once. A chain of K = cfg.steps drafts."""
-
-    def __init__(self, draft: PEagleDraft, cfg: DecodeConfig, name: str = "p-eagle"):
-        if cfg.mode != "chain":
-            raise Eagle3Error(
-                "a P-EAGLE drafter drafts one chain per pass (vLLM's parallel drafting has no "
-                "trees): use --mode chain"
-            )
-        self.draft = draft.eval()
-        self.cfg = cfg
-        self.name = name
-        self.feature = draft.config.feature
-        self.aux_layer_ids = list(draft.config.aux_layer_ids)
-        vd = draft.config.draft_vocab_size
-        self.vocab_ids = draft.draft_to_target(torch.arange(vd, device=draft.d2t.device))
-        self.reset()
-
-    def reset(self) -> None:
-        self.cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # verified pairs only
-        self.length = 0
-        self.last_logits: torch.Tensor | None = None  # (Vd,): depth 0, the root's successor
-
-    @torch.inference_mode()
-    def update(self, tokens: list[int], aux: torch.Tensor) -> None:
-        n = aux.shape[0]
-        dev = self.draft.fc.weight.device
-        ids = torch.tensor(tokens[-n:], device=dev)[None]
-        pos = torch.arange(self.length, self.length + n, device=dev)[None]
-        hidden = self.draft.project(aux.to(dev)[None])
-        _, logits, self.cache = self.draft(ids, hidden, pos, self.cache)
-        self.length += n
-        self.last_logits = logits[0, -1]
-
-    @torch.inference_mode()
-    def propose(self, tokens: list[int], generator: torch.Generator | None = None) -> DraftTree:
-        K = self.cfg.steps
-        rows = [self.last_logits[None]]
-        if K > 1:
-            dev = self.last_logits.device
-            ids = torch.full((1, K - 1), self.draft.config.mask_token_id, device=dev)
-            hidden = self.draft.mask_state().to(self.cache[0][0].dtype).expand(1, K - 1, -1)
-            # the depth-0 slot is the last cached entry, at position length - 1
-            pos = torch.arange(self.length, self.length + K - 1, device=dev)[None]
-            _, logits, _ = self.draft(ids, hidden, pos, self.cache)
-            rows.append(logits[0])
-        logits = torch.cat(rows).float()  # (K, Vd): depth d's own distribution, each
-        tree = DraftTree(vocab_ids=self.vocab_ids)
-        if self.cfg.temperature == 0:
-            picks = logits.argmax(-1)
-        else:
-            logp = torch.log_softmax(logits / self.cfg.temperature, dim=-1)
-            picks = gumbel_topk(logp, 1, generator)[0][:, 0]
-            tree.probs = {d - 1: p for d, p in enumerate(logp.exp())}
-        tree.parents = list(range(-1, K - 1))
-        tree.tokens = self.draft.draft_to_target(picks).tolist()
-        return tree

@@ -53,7 +53,7 @@ from eagle3.cli import HelpFormatter, run_cli
 from eagle3.config import merge, parse_overrides, read_yaml
 from eagle3.errors import Eagle3Error
 from eagle3.evaluation.report import format_table, speedup_note
-from eagle3.model import METHODS
+from eagle3.methods import METHODS, method_named
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_RECIPE = REPO / "configs" / "train" / "smollm2-q4-cpu.yaml"
@@ -231,7 +231,7 @@ def stage_commands(args: argparse.Namespace, run: Path) -> list[tuple[str, list[
     drafts = [  # the EAGLE-2-style ablation as a chain only: its ratio compares chains
         str(final),
         # row "train/final [tree]"; P-EAGLE drafts one chain a pass (vLLM serves no trees of it)
-        *([f"tree:{final}"] if args.tree and args.method != "p-eagle" else []),
+        *([f"tree:{final}"] if args.tree and not method_named(args.method).parallel else []),
         *([str(run / "train-eagle2" / "final")] if args.ablation else []),
     ]
     return [

@@ -24,28 +24,28 @@ from torch import nn
 
 from eagle3.checkpoint import save_draft
 from eagle3.errors import ConfigError
+from eagle3.methods import draft_for, method_of
 from eagle3.model import DraftConfig
-from eagle3.parallel_draft import draft_for
-from train.config import Config
+from train.config import TrainConfig
 from train.selection import RULE
 
 BEST = "best"  # the draft with the best validation simulated tau so far
 
 
-def find_resume(cfg: Config, out_dir: Path) -> Path | None:
+def find_resume(train: TrainConfig, out_dir: Path) -> Path | None:
     """The complete checkpoint train.resume_from names (latest: the newest), or None for a
     fresh run, which refuses an out_dir that already holds checkpoints."""
     ckpts = sorted((out_dir / "checkpoints").glob("step-*/trainer_state.json"))
-    if cfg.train.resume_from is None:
+    if train.resume_from is None:
         if ckpts:
             raise ConfigError(
                 f"{out_dir} already holds checkpoints; pass train.resume_from=latest to continue "
                 "or choose another train.out_dir"
             )
         return None
-    if cfg.train.resume_from == "latest":
+    if train.resume_from == "latest":
         return ckpts[-1].parent if ckpts else None
-    path = Path(cfg.train.resume_from)
+    path = Path(train.resume_from)
     if not (path / "trainer_state.json").is_file():
         raise ConfigError(
             f"train.resume_from: {path} is not a complete checkpoint (no trainer_state.json)"
@@ -68,17 +68,13 @@ def read_best(out_dir: Path) -> float | None:
     return json.loads(path.read_text())["val_sim_accept_len"] if path.is_file() else None
 
 
-def export_extra(cfg: Config, facts: dict, total_steps: int) -> dict:
+def export_extra(facts: dict, ttt_steps: int, total_steps: int, draft_cfg: DraftConfig) -> dict:
     """The config.json fields every exported draft of the run carries."""
     return {
         "target": facts["name"],
         "target_architectures": list(getattr(facts["hf_config"], "architectures", None) or []),
-        "ttt_steps": cfg.model.ttt_steps,
-        **(
-            {"speculative_tokens": cfg.model.draft.parallel_depth or cfg.model.ttt_steps}
-            if cfg.model.draft.method == "p-eagle"
-            else {}
-        ),
+        "ttt_steps": ttt_steps,
+        **method_of(draft_cfg).export_extra(draft_cfg),  # P-EAGLE: speculative_tokens
         "train_steps": total_steps,
     }
 
@@ -117,6 +113,29 @@ class Checkpoints:
     dtype: str  # train.export_dtype
     keep_last: int  # train.keep_last: optimizer states kept
     best: float | None  # the best validation simulated tau so far (read_best at setup)
+
+    @classmethod
+    def for_run(
+        cls,
+        train: TrainConfig,
+        accelerator: Accelerator,
+        model: nn.Module,
+        draft_cfg: DraftConfig,
+        extra: dict,
+    ) -> Checkpoints:
+        """The checkpoints of a run in train.out_dir, with train.export_dtype and keep_last, and
+        the best score so far read once: then kept in memory, alike on every rank."""
+        out_dir = Path(train.out_dir)
+        return cls(
+            accelerator=accelerator,
+            model=model,
+            draft_cfg=draft_cfg,
+            out_dir=out_dir,
+            extra=extra,
+            dtype=train.export_dtype,
+            keep_last=train.keep_last,
+            best=read_best(out_dir),
+        )
 
     def export(self, path: Path) -> None:
         """The SGLang draft of the model now (every rank calls it; the main process writes)."""

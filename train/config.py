@@ -21,7 +21,8 @@ from eagle3.config import load_typed
 from eagle3.data.windows import MODES as WINDOW_MODES
 from eagle3.engine.server import ENGINES
 from eagle3.errors import Eagle3Error
-from eagle3.model import ATTENTIONS, FEATURES, METHODS, MLA_FIELDS
+from eagle3.methods import METHODS, method_named
+from eagle3.model import ATTENTIONS, FEATURES, MLA_FIELDS
 from eagle3.rope import rope_scaling_for_engines
 
 TTT_ATTENTIONS = ("auto", "chunked", "flash", "flex")  # eagle3/ttt_attention/ kernels
@@ -157,7 +158,7 @@ class DraftShapeConfig:
     # plus an RMSNorm per aux state before fc and the post-norm state fed to the next step
     # (eagle3/model.py), served by vLLM as eagle3 from the config.json switches fc_norm /
     # norm_output, for both attention kinds. p-eagle: parallel drafting (eagle3/parallel_draft.py,
-    # train/parallel_drafting.py), gqa only: the EAGLE-3 layer + num_layers - 1 plain layers
+    # eagle3/methods/p_eagle.py), gqa only: the EAGLE-3 layer + num_layers - 1 plain layers
     # drafting parallel_depth tokens in one forward
     method: str = "eagle3"
     # the TTT attention kernel (eagle3/ttt_attention/): auto = flex on CUDA after a forward +
@@ -244,7 +245,7 @@ class TrainConfig:
     # trainable weights, a pull toward the start against forgetting what it knew
     # (train/anchor.py; 1e-4 in configs/train/kimi-k2.5-finetune.yaml); 0: off
     anchor_l2: float = 0.0
-    # Recompute each TTT step in backward (train/recompute.py): keeps a step's input state and
+    # Recompute each TTT step in backward (eagle3/methods/eagle3.py): keeps a step's input state and
     # keys/values instead of all its activations (Kimi's MLA draft: ~3.5x less memory a token,
     # the memory plan counts it), for one more forward of each step. Not for p-eagle
     recompute_ttt_steps: bool = False
@@ -266,25 +267,70 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+Need = Callable[[bool, str], None]  # appends its message to the problems when the check fails
+
+
 def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
-    """Value checks that need no model or data (paths exist, enums, ranges)."""
+    """Value checks that need no model or data (paths exist, enums, ranges), by section."""
 
     def need(cond: bool, msg: str) -> None:
         if not cond:
             problems.append(msg)
 
-    d, m, o, t = cfg.data, cfg.model, cfg.optim, cfg.train
+    _check_data(cfg.data, cfg.model.ttt_steps, need, check_paths)
+    _check_engine(cfg, need)
+    _check_model(cfg.model, need, check_paths)
+    _check_optim(cfg.optim, need)
+    _check_train(cfg.train, cfg.data.mode, cfg.model.init_from, need, check_paths)
+    if cfg.model.draft.method in METHODS:  # its own keys and what its training cannot do
+        method_named(cfg.model.draft.method).check_recipe(cfg.model, cfg.train, need)
+    need(
+        cfg.target.aux_layer_ids is None or len(cfg.target.aux_layer_ids) == 3,
+        f"target.aux_layer_ids needs exactly 3 layer ids, got {cfg.target.aux_layer_ids}",
+    )
+    need(
+        cfg.wandb.mode in ("auto", "online", "offline", "disabled"),
+        f"wandb.mode must be auto/online/offline/disabled, got {cfg.wandb.mode!r}",
+    )
+
+
+def _check_data(d: DataConfig, ttt_steps: int, need: Need, check_paths: bool) -> None:
     need(d.mode in ("offline", "online"), f"data.mode must be offline or online, got {d.mode!r}")
     need(
         d.long_records in WINDOW_MODES,
         f"data.long_records must be {' or '.join(WINDOW_MODES)}, got {d.long_records!r}",
     )
     need(
-        d.window_context is None or m.ttt_steps + 1 < d.window_context < d.max_length,
-        f"data.window_context must be in ({m.ttt_steps + 1}, data.max_length={d.max_length}) "
+        d.window_context is None or ttt_steps + 1 < d.window_context < d.max_length,
+        f"data.window_context must be in ({ttt_steps + 1}, data.max_length={d.max_length}) "
         f"(more than the TTT depth + 1, so every prediction lands in a window) or null, "
         f"got {d.window_context}",
     )
+    _check_data_paths(d, need, check_paths)
+    _check_replay_and_sets(d, need, check_paths)
+    need(0 <= d.val_fraction < 1, f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
+    need(
+        d.max_sequences is None or d.max_sequences >= 1,
+        f"data.max_sequences must be >= 1 or null, got {d.max_sequences}",
+    )
+    for name in ("max_length", "batch_size", "lm_head_chunk"):
+        value = getattr(d, name)
+        need(value >= 1, f"data.{name} must be >= 1, got {value}")
+    need(d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
+    need(
+        not d.packing or d.mode == "offline",
+        "data.packing packs captured shards (data.mode: offline); online the target's forward "
+        "is per record: set data.packing=false",
+    )
+    need(
+        d.pack_length is None or d.pack_length >= 1,
+        f"data.pack_length must be >= 1 or null, got {d.pack_length}",
+    )
+    need(d.label_cache_gb >= 0, f"data.label_cache_gb must be >= 0, got {d.label_cache_gb}")
+
+
+def _check_data_paths(d: DataConfig, need: Need, check_paths: bool) -> None:
+    """The training and held-out inputs of data.mode are listed (and exist: check_paths)."""
     if d.mode == "offline":
         need(bool(d.shard_dirs), "data.shard_dirs is empty: list the datagen.capture output dirs")
         for path in d.shard_dirs if check_paths else []:
@@ -306,76 +352,13 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
         )
     for path in d.val_records if check_paths else []:
         need(Path(path).exists(), f"data.val_records: {path} does not exist")
-    _check_replay_and_sets(d, need, check_paths)
-    _check_engine(cfg, need)
-    need(0 <= d.val_fraction < 1, f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
-    need(
-        d.max_sequences is None or d.max_sequences >= 1,
-        f"data.max_sequences must be >= 1 or null, got {d.max_sequences}",
-    )
-    for name, value in [
-        ("data.max_length", d.max_length),
-        ("data.batch_size", d.batch_size),
-        ("data.lm_head_chunk", d.lm_head_chunk),
-        ("model.draft_vocab_size", m.draft_vocab_size),
-        ("model.ttt_steps", m.ttt_steps),
-        ("optim.grad_accum", o.grad_accum),
-        ("train.epochs", t.epochs),
-        ("train.save_every", t.save_every),
-        ("train.log_every", t.log_every),
-        ("train.eval_every", t.eval_every),
-        ("train.keep_last", t.keep_last),
-    ]:
-        need(value >= 1, f"{name} must be >= 1, got {value}")
-    need(d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
-    need(
-        not d.packing or d.mode == "offline",
-        "data.packing packs captured shards (data.mode: offline); online the target's forward "
-        "is per record: set data.packing=false",
-    )
-    need(
-        d.pack_length is None or d.pack_length >= 1,
-        f"data.pack_length must be >= 1 or null, got {d.pack_length}",
-    )
-    need(d.label_cache_gb >= 0, f"data.label_cache_gb must be >= 0, got {d.label_cache_gb}")
-    need(
-        t.max_steps is None or t.max_steps >= 1, f"train.max_steps must be >= 1, got {t.max_steps}"
-    )
-    need(
-        t.sequence_parallel >= 1,
-        f"train.sequence_parallel must be >= 1, got {t.sequence_parallel}",
-    )
-    need(
-        t.sequence_parallel == 1 or d.mode == "offline",
-        "train.sequence_parallel splits captured records (data.mode: offline); online every "
-        "rank of a group would capture the whole record again: set train.sequence_parallel=1",
-    )
-    need(
-        t.sequence_parallel == 1 or m.draft.method != "p-eagle",
-        "train.sequence_parallel shards the TTT unroll; p-eagle's one-pass training is not "
-        "sharded: set train.sequence_parallel=1",
-    )
-    need(t.anchor_l2 >= 0, f"train.anchor_l2 must be >= 0, got {t.anchor_l2}")
-    need(
-        t.anchor_l2 == 0 or m.init_from is not None,
-        f"train.anchor_l2={t.anchor_l2:g} pulls toward the starting weights of model.init_from, "
-        "which is not set: set model.init_from or train.anchor_l2=0",
-    )
-    need(
-        not t.recompute_ttt_steps or m.draft.method != "p-eagle",
-        "train.recompute_ttt_steps checkpoints the TTT unroll's steps; p-eagle trains in one "
-        "pass: set train.recompute_ttt_steps=false",
-    )
-    need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
-    need(len(o.betas) == 2, f"optim.betas must have 2 values, got {o.betas}")
-    need(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
-    need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+
+
+def _check_model(m: ModelConfig, need: Need, check_paths: bool) -> None:
+    for name in ("draft_vocab_size", "ttt_steps"):
+        value = getattr(m, name)
+        need(value >= 1, f"model.{name} must be >= 1, got {value}")
     need(m.feature in FEATURES, f"model.feature must be 'aux' or 'last', got {m.feature!r}")
-    need(
-        m.draft.method not in ("eagle3.1", "p-eagle") or m.feature == "aux",
-        f"model.draft.method {m.draft.method} reads each aux state (fc_norm / the fused "
-        "features): set model.feature=aux",
-    )
     need(0 < m.step_weight <= 1, f"model.step_weight must be in (0, 1], got {m.step_weight}")
     need(
         not m.revocab or (m.init_from is not None and m.draft_vocab is None),
@@ -383,22 +366,6 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
         "and leave model.draft_vocab null (or set model.revocab=false)",
     )
     _check_draft_shape(m.draft, need)
-    need(
-        cfg.target.aux_layer_ids is None or len(cfg.target.aux_layer_ids) == 3,
-        f"target.aux_layer_ids needs exactly 3 layer ids, got {cfg.target.aux_layer_ids}",
-    )
-    need(
-        t.mixed_precision in ("auto", "no", "bf16", "fp16"),
-        f"train.mixed_precision must be auto/no/bf16/fp16, got {t.mixed_precision!r}",
-    )
-    need(
-        t.export_dtype in EXPORT_DTYPES,
-        f"train.export_dtype must be {'/'.join(EXPORT_DTYPES)}, got {t.export_dtype!r}",
-    )
-    need(
-        cfg.wandb.mode in ("auto", "online", "offline", "disabled"),
-        f"wandb.mode must be auto/online/offline/disabled, got {cfg.wandb.mode!r}",
-    )
     if not check_paths:
         return
     if m.init_from is not None:
@@ -408,16 +375,56 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
         )
     if m.draft_vocab is not None:
         need(Path(m.draft_vocab).exists(), f"model.draft_vocab: {m.draft_vocab} does not exist")
-    if t.resume_from not in (None, "latest"):
+
+
+def _check_optim(o: OptimConfig, need: Need) -> None:
+    need(o.grad_accum >= 1, f"optim.grad_accum must be >= 1, got {o.grad_accum}")
+    need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
+    need(len(o.betas) == 2, f"optim.betas must have 2 values, got {o.betas}")
+    need(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+    need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+
+
+def _check_train(
+    t: TrainConfig, data_mode: str, init_from: str | None, need: Need, check_paths: bool
+) -> None:
+    for name in ("epochs", "save_every", "log_every", "eval_every", "keep_last"):
+        value = getattr(t, name)
+        need(value >= 1, f"train.{name} must be >= 1, got {value}")
+    need(
+        t.max_steps is None or t.max_steps >= 1, f"train.max_steps must be >= 1, got {t.max_steps}"
+    )
+    need(
+        t.sequence_parallel >= 1,
+        f"train.sequence_parallel must be >= 1, got {t.sequence_parallel}",
+    )
+    need(
+        t.sequence_parallel == 1 or data_mode == "offline",
+        "train.sequence_parallel splits captured records (data.mode: offline); online every "
+        "rank of a group would capture the whole record again: set train.sequence_parallel=1",
+    )
+    need(t.anchor_l2 >= 0, f"train.anchor_l2 must be >= 0, got {t.anchor_l2}")
+    need(
+        t.anchor_l2 == 0 or init_from is not None,
+        f"train.anchor_l2={t.anchor_l2:g} pulls toward the starting weights of model.init_from, "
+        "which is not set: set model.init_from or train.anchor_l2=0",
+    )
+    need(
+        t.mixed_precision in ("auto", "no", "bf16", "fp16"),
+        f"train.mixed_precision must be auto/no/bf16/fp16, got {t.mixed_precision!r}",
+    )
+    need(
+        t.export_dtype in EXPORT_DTYPES,
+        f"train.export_dtype must be {'/'.join(EXPORT_DTYPES)}, got {t.export_dtype!r}",
+    )
+    if check_paths and t.resume_from not in (None, "latest"):
         need(
             Path(t.resume_from).is_dir(),
             f"train.resume_from: {t.resume_from} is not a checkpoint dir (or use 'latest')",
         )
 
 
-def _check_replay_and_sets(
-    d: DataConfig, need: Callable[[bool, str], None], check_paths: bool
-) -> None:
+def _check_replay_and_sets(d: DataConfig, need: Need, check_paths: bool) -> None:
     need(
         0 <= d.replay_fraction < 1,
         f"data.replay_fraction must be in [0, 1), got {d.replay_fraction}",
@@ -463,7 +470,7 @@ def _check_replay_and_sets(
         need(Path(path).exists(), f"data.val_sets: {path} does not exist")
 
 
-def _check_engine(cfg: Config, need: Callable[[bool, str], None]) -> None:
+def _check_engine(cfg: Config, need: Need) -> None:
     e = cfg.target.engine
     need(
         e.kind is None or e.kind in ENGINES,
@@ -504,40 +511,14 @@ def _check_engine(cfg: Config, need: Callable[[bool, str], None]) -> None:
     )
 
 
-def _check_method(shape: DraftShapeConfig, need: Callable[[bool, str], None]) -> None:
+def _check_method(shape: DraftShapeConfig, need: Need) -> None:
     need(
         shape.method in METHODS,
         f"model.draft.method must be one of {', '.join(METHODS)}, got {shape.method!r}",
     )
-    if shape.method != "p-eagle":
-        given = [
-            name for name in ("parallel_depth", "mask_token_id") if getattr(shape, name) is not None
-        ] + (["num_layers"] if shape.num_layers not in (None, 1) else [])
-        need(not given, f"model.draft.{(given or ['*'])[0]} is a p-eagle setting; leave it null")
-        return
-    need(
-        shape.attention == "gqa",
-        "model.draft.method p-eagle drafts with Llama attention (vLLM 0.32 has no MLA P-EAGLE): "
-        "set model.draft.attention=gqa",
-    )
-    need(
-        shape.num_layers is None or shape.num_layers >= 1,
-        f"model.draft.num_layers must be >= 1 or null, got {shape.num_layers}",
-    )
-    need(
-        shape.parallel_depth is None or shape.parallel_depth >= 2,
-        f"model.draft.parallel_depth must be >= 2 or null, got {shape.parallel_depth}",
-    )
-    need(
-        0 < shape.keep_rate <= 1, f"model.draft.keep_rate must be in (0, 1], got {shape.keep_rate}"
-    )
-    need(
-        0 <= shape.keep_floor <= 1,
-        f"model.draft.keep_floor must be in [0, 1], got {shape.keep_floor}",
-    )
 
 
-def _check_draft_shape(shape: DraftShapeConfig, need: Callable[[bool, str], None]) -> None:
+def _check_draft_shape(shape: DraftShapeConfig, need: Need) -> None:
     _check_method(shape, need)
     need(
         shape.ttt_attention in TTT_ATTENTIONS,

@@ -9,18 +9,20 @@ import torch
 
 from eagle3.checkpoint import load_draft
 from eagle3.errors import Eagle3Error
+from eagle3.methods import draft_for, method_named
 from eagle3.model import MLA_FIELDS, DraftConfig, Eagle3Draft
-from eagle3.parallel_draft import draft_for
 from eagle3.vocab import DraftVocab, carry_rows
-from train.config import Config
+from train.config import ModelConfig
 from train.train_data import TrainData
 
 
-def draft_config(cfg: Config, hf_config, draft_vocab_size: int, aux_ids: list[int]) -> DraftConfig:
+def draft_config(
+    model: ModelConfig, hf_config, draft_vocab_size: int, aux_ids: list[int]
+) -> DraftConfig:
     """The DraftConfig model.draft describes for a target's hf_config (nulls derived)."""
-    shape = cfg.model.draft
+    shape = model.draft
     overrides = {
-        "feature": cfg.model.feature,
+        "feature": model.feature,
         "attention": shape.attention,
         "method": shape.method,
         **{name: getattr(shape.mla, name) for name in MLA_FIELDS},
@@ -30,73 +32,55 @@ def draft_config(cfg: Config, hf_config, draft_vocab_size: int, aux_ids: list[in
         "intermediate_size": shape.intermediate_size,
         "rope_theta": shape.rope.theta,
         "rope_scaling": shape.rope.scaling,  # {rope_type: default} turns the target's off
-        **parallel_fields(cfg, hf_config),
+        # the method's own fields, nulls derived (P-EAGLE's depth: model.ttt_steps)
+        **method_named(shape.method).draft_fields(shape, model.ttt_steps, hf_config),
     }
     return DraftConfig.from_target_config(hf_config, draft_vocab_size, aux_ids, **overrides)
 
 
-def parallel_fields(cfg: Config, hf_config) -> dict:
-    """model.draft's method fields as DraftConfig takes them (P-EAGLE's nulls derived)."""
-    shape = cfg.model.draft
-    if shape.method != "p-eagle":
-        return {"method": shape.method}
-    mask = shape.mask_token_id
-    if mask is None:  # any id works (the slot's hidden state tells it apart): a special one
-        eos = getattr(hf_config, "eos_token_id", None)
-        eos = eos[0] if isinstance(eos, list) and eos else eos
-        mask = next(
-            (i for i in (getattr(hf_config, "pad_token_id", None), eos) if i is not None),
-            hf_config.vocab_size - 1,
-        )
-    return {
-        "method": "p-eagle",
-        "num_layers": shape.num_layers or 3,
-        "parallel_depth": shape.parallel_depth or cfg.model.ttt_steps,
-        "mask_token_id": int(mask),
-    }
-
-
-def build_draft(cfg: Config, facts: dict, vocab: DraftVocab, data: TrainData) -> Eagle3Draft:
+def build_draft(model: ModelConfig, facts: dict, vocab: DraftVocab, data: TrainData) -> Eagle3Draft:
     """A fresh drafter (or model.init_from's) with the TTT attention of model.draft.ttt_attention."""
-    draft = _build_draft(cfg, facts, vocab, data)
-    draft.midlayer.self_attn.ttt_impl = cfg.model.draft.ttt_attention  # an instance attribute
+    draft = _build_draft(model, facts, vocab, data)
+    draft.midlayer.self_attn.ttt_impl = model.draft.ttt_attention  # an instance attribute
     return draft
 
 
-def _build_draft(cfg: Config, facts: dict, vocab: DraftVocab, data: TrainData) -> Eagle3Draft:
+def _build_draft(
+    model: ModelConfig, facts: dict, vocab: DraftVocab, data: TrainData
+) -> Eagle3Draft:
     """A fresh drafter on the target's frozen embeddings, or the one of model.init_from."""
-    draft_cfg = draft_config(cfg, facts["hf_config"], vocab.size, data.aux_layer_ids)
-    if cfg.model.init_from is None:
-        draft = draft_for(draft_cfg)  # Eagle3Draft, or PEagleDraft for method p-eagle
+    draft_cfg = draft_config(model, facts["hf_config"], vocab.size, data.aux_layer_ids)
+    if model.init_from is None:
+        draft = draft_for(draft_cfg)  # of the method's class (eagle3/methods/)
         draft.set_embeddings(data.embed.float().cpu())  # the target's, frozen
         draft.set_vocab(vocab.d2t, vocab.t2d)
         return draft
     # exports are bf16 by default: train on fp32 master weights (mixed precision casts later)
     draft = load_draft(
-        cfg.model.init_from,
+        model.init_from,
         embed_weight=data.embed.float().cpu(),
         dtype=torch.float32,
         target_layers=facts["num_layers"],  # a published draft may name no aux layers
     )
     if list(draft.config.aux_layer_ids) != list(data.aux_layer_ids):
         raise Eagle3Error(
-            f"model.init_from {cfg.model.init_from} reads aux layers "
+            f"model.init_from {model.init_from} reads aux layers "
             f"{list(draft.config.aux_layer_ids)} but the training records hold "
             f"{list(data.aux_layer_ids)} (output of decoder layer k): capture them with "
             f"target.aux_layer_ids={list(draft.config.aux_layer_ids)}"
         )
-    if draft.config.method != cfg.model.draft.method:
+    if draft.config.method != model.draft.method:
         raise Eagle3Error(
-            f"model.init_from {cfg.model.init_from} is a {draft.config.method} drafter but "
-            f"model.draft.method is {cfg.model.draft.method!r}; set "
+            f"model.init_from {model.init_from} is a {draft.config.method} drafter but "
+            f"model.draft.method is {model.draft.method!r}; set "
             f"model.draft.method={draft.config.method}"
         )
-    if draft.config.feature != cfg.model.feature:
+    if draft.config.feature != model.feature:
         raise Eagle3Error(
-            f"model.init_from {cfg.model.init_from} takes feature {draft.config.feature!r} but "
-            f"model.feature is {cfg.model.feature!r}; set model.feature={draft.config.feature}"
+            f"model.init_from {model.init_from} takes feature {draft.config.feature!r} but "
+            f"model.feature is {model.feature!r}; set model.feature={draft.config.feature}"
         )
-    if cfg.model.revocab:
+    if model.revocab:
         draft = with_vocab(draft, vocab)
     return draft
 

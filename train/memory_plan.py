@@ -24,7 +24,7 @@ names what would fit. What each term assumes:
   tests/train/test_memory_plan.py measures: the fp32 count within 15% of the CPU peak's slope).
   The `flex` path also keeps every TTT step's concatenated keys and values, and its backward
   makes their gradient (the last step's concatenation, again) while they are held.
-- activations with train.recompute_ttt_steps (train/recompute.py): each step keeps its input
+- activations with train.recompute_ttt_steps (eagle3/methods/eagle3.py): each step keeps its input
   hidden state and its keys and values until backward; backward holds one step's recomputed
   activations at a time, plus the gradients of the earlier steps' keys and values it makes
   and accumulates (RECOMPUTE_KV_BLOCKS a step, fitted to a CPU measurement).
@@ -60,6 +60,7 @@ from pathlib import Path
 
 from eagle3.draft_shapes import target_shape
 from eagle3.errors import Eagle3Error
+from eagle3.methods import draft_for, method_of
 from eagle3.model import DraftConfig
 from eagle3.ttt_attention import CUDA_CHUNK_SIZE, CUDA_KEY_BLOCK
 
@@ -167,8 +168,6 @@ class Plan:
 def parameter_counts(draft_cfg: DraftConfig) -> tuple[int, int]:
     """(trainable, frozen) parameters of the draft, counted on the meta device (no memory)."""
     import torch
-
-    from eagle3.parallel_draft import draft_for
 
     with torch.device("meta"):
         draft = draft_for(draft_cfg)  # P-EAGLE's plain layers and mask_hidden too
@@ -342,7 +341,7 @@ def plan_memory(
         )
     else:  # one tile's fp32 scores, probabilities and gradient
         acts += 3 * 4 * draft_cfg.num_attention_heads * TILE_ROWS * TILE_KEYS
-    if draft_cfg.method == "p-eagle":  # an estimate only (Plan.modelled)
+    if method_of(draft_cfg).parallel:  # an estimate only (Plan.modelled)
         p.modelled = False
         note += "; p-eagle: its one-pass depths and dense per-depth masks are not modelled"
     p.parts["activations"] = acts
@@ -543,7 +542,7 @@ def recipe_plan(
     if draft_cfg is None:
         hf = target_shape(cfg.target.name)
         aux = cfg.target.aux_layer_ids or [1, 2, 3]  # their values cost nothing
-        draft_cfg = draft_config(cfg, hf, min(cfg.model.draft_vocab_size, hf.vocab_size), aux)
+        draft_cfg = draft_config(cfg.model, hf, min(cfg.model.draft_vocab_size, hf.vocab_size), aux)
     sp_groups(node.gpus, cfg.train.sequence_parallel)  # one line when sp does not divide them
     check_heads(draft_cfg.num_attention_heads, cfg.train.sequence_parallel)
     mixed = cfg.train.mixed_precision
@@ -569,7 +568,7 @@ def recipe_plan(
         else 0.0,
         sequence_parallel=cfg.train.sequence_parallel,
         anchor=cfg.train.anchor_l2 > 0,
-        recompute=cfg.train.recompute_ttt_steps and draft_cfg.method != "p-eagle",
+        recompute=cfg.train.recompute_ttt_steps and not method_of(draft_cfg).parallel,
         label_cache_bytes=cfg.data.label_cache_gb * GIB if cfg.data.mode == "offline" else 0.0,
     )
     return plan_memory(draft_cfg, run, read_zero(ds_config), node, draft_cfg.vocab_size)

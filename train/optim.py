@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from train.config import Config
+from train.config import OptimConfig
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
@@ -26,18 +26,18 @@ def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], floa
 
 
 def make_optimizer(
-    cfg: Config, model: nn.Module, total_steps: int
+    optim: OptimConfig, model: nn.Module, total_steps: int
 ) -> tuple[list[nn.Parameter], torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW over the trainable parameters, and its warmup + cosine schedule."""
+    """AdamW over the trainable parameters, and its warmup + cosine schedule (cfg.optim)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params,
-        lr=cfg.optim.lr,
-        betas=tuple(cfg.optim.betas),
-        eps=cfg.optim.eps,
-        weight_decay=cfg.optim.weight_decay,
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(cfg.optim.warmup_steps, total_steps, cfg.optim.min_lr_ratio)
+        optimizer, lr_lambda(optim.warmup_steps, total_steps, optim.min_lr_ratio)
     )
     return params, optimizer, scheduler

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 from eagle3.errors import Eagle3Error
 from eagle3.published import vocab_offsets
 from eagle3.vocab import DraftVocab, build_draft_vocab, revocab_summary, vocab_from_d2t
-from train.config import Config
+from train.config import ModelConfig
 from train.datasets import token_counts
 
 VOCAB_FILE = "draft_vocab.safetensors"
@@ -46,13 +46,13 @@ def read_vocab(path: Path, vocab_size: int) -> DraftVocab:
 
 
 def setup_vocab(
-    cfg: Config, accelerator: Accelerator, dataset: Dataset, vocab_size: int, out_dir: Path
+    model: ModelConfig, accelerator: Accelerator, dataset: Dataset, vocab_size: int, out_dir: Path
 ) -> DraftVocab:
     """The run's draft vocab: its saved one (resume), else model.draft_vocab / model.init_from's,
     else built from the training data on the main process; saved once, read by every rank."""
     saved = out_dir / VOCAB_FILE
-    revocab = cfg.model.revocab  # with init_from: choose anew from the data (train.draft maps)
-    source = cfg.model.draft_vocab or (None if revocab else cfg.model.init_from)
+    revocab = model.revocab  # with init_from: choose anew from the data (train.draft maps)
+    source = model.draft_vocab or (None if revocab else model.init_from)
     exists = saved.is_file()
     accelerator.wait_for_everyone()  # every rank looked before the main process writes it
     if exists:  # resume (or a restarted run): the run's own vocab wins
@@ -70,9 +70,9 @@ def setup_vocab(
     else:
         if accelerator.is_main_process:
             counts = token_counts(dataset, vocab_size)
-            vocab = build_draft_vocab(counts, cfg.model.draft_vocab_size)
+            vocab = build_draft_vocab(counts, model.draft_vocab_size)
             if revocab:
-                start = read_vocab(Path(cfg.model.init_from), vocab_size)
+                start = read_vocab(Path(model.init_from), vocab_size)
                 print(revocab_summary(counts, vocab, start), flush=True)
         how = "built from the training data's loss-masked tokens"
     if accelerator.is_main_process:

@@ -193,7 +193,10 @@ class VLLMServer(EngineClient):
             }
             if draft_attention_backend is not None:
                 speculative_config["attention_backend"] = draft_attention_backend
-            if _drafter_method(drafter) == "p-eagle":  # K drafts from one pass (P-EAGLE)
+            from eagle3.methods import REGISTRY  # here: the rest of this module needs no torch
+
+            method = REGISTRY.get(_drafter_method(drafter))
+            if method is not None and method.parallel:  # K drafts from one pass (P-EAGLE)
                 speculative_config["parallel_drafting"] = True
         self.speculative_config = speculative_config
         args = [

@@ -154,6 +154,7 @@ def load_drafter(spec: str, target, cfg: DecodeConfig):
     if spec == "prompt-lookup":
         return PromptLookupDrafter(num_tokens=cfg.max_depth)
     from eagle3.checkpoint import load_draft
+    from eagle3.methods import method_of
 
     check_drafter(spec, target)
     draft = load_draft(spec, target_layers=target.num_layers)  # a published layout too
@@ -161,11 +162,7 @@ def load_drafter(spec: str, target, cfg: DecodeConfig):
     draft = draft.to(device=target.device, dtype=dtype)
     # after the cast: a bf16 export would otherwise round the target's fp32 embeddings
     draft.set_embeddings(target.embed_weight.detach())
-    if draft.config.method == "p-eagle":  # vLLM's parallel drafting: K drafts from one pass
-        from eagle3.parallel_draft import ParallelDrafter
-
-        return ParallelDrafter(draft, cfg, name=drafter_name(spec))
-    return EagleDrafter(draft, cfg, name=drafter_name(spec))
+    return method_of(draft.config).drafter(draft, cfg, name=drafter_name(spec))
 
 
 # -- the in-house measurement ---------------------------------------------------------------------

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from eagle3.loss import ttt_loss, valid_counts
+from eagle3.methods.eagle3 import recomputed_ttt_loss
 from eagle3.model import DraftAttention, DraftConfig, Eagle3Draft, TTTModel
-from train.recompute import recomputed_ttt_loss
 from train.sequence_parallel import data_layout, make_group, sequence_parallel, shard_batch
 
 STEPS, WEIGHT = 3, 0.8
@@ -39,7 +39,7 @@ CASES = [
     ("gqa-recompute", {}, "auto", False),
     ("mla-recompute-packed", MLA, "auto", True),
 ]
-# each TTT step recomputed in backward (train.recompute_ttt_steps, train/recompute.py): the
+# each TTT step recomputed in backward (train.recompute_ttt_steps, eagle3/methods/eagle3.py): the
 # all-to-alls run again inside the recomputed steps
 RECOMPUTED = {"gqa-recompute", "mla-recompute-packed"}
 

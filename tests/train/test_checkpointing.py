@@ -33,16 +33,18 @@ def checkpoint(out_dir, step: int, complete: bool = True):
 
 
 def test_a_fresh_run_refuses_checkpoints_and_latest_takes_the_newest_complete(tmp_path):
-    assert find_resume(config(tmp_path), tmp_path) is None  # empty: a fresh run
-    assert find_resume(config(tmp_path, "latest"), tmp_path) is None  # nothing to resume yet
+    assert find_resume(config(tmp_path).train, tmp_path) is None  # empty: a fresh run
+    assert find_resume(config(tmp_path, "latest").train, tmp_path) is None  # nothing to resume yet
     checkpoint(tmp_path, 3)
     newest = checkpoint(tmp_path, 6)
     checkpoint(tmp_path, 9, complete=False)  # killed while saving: not a checkpoint
     with pytest.raises(ConfigError, match="train.resume_from=latest"):
-        find_resume(config(tmp_path), tmp_path)
-    assert find_resume(config(tmp_path, "latest"), tmp_path) == newest
+        find_resume(config(tmp_path).train, tmp_path)
+    assert find_resume(config(tmp_path, "latest").train, tmp_path) == newest
     with pytest.raises(ConfigError, match="not a complete checkpoint"):
-        find_resume(config(tmp_path, str(tmp_path / "checkpoints" / "step-0000009")), tmp_path)
+        find_resume(
+            config(tmp_path, str(tmp_path / "checkpoints" / "step-0000009")).train, tmp_path
+        )
 
 
 def test_the_best_score_is_read_once_and_then_kept_in_memory(tmp_path):

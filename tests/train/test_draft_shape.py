@@ -72,7 +72,7 @@ def test_kimi_recipes_default_to_the_mla_draft_and_gqa_is_one_value_away(name):
     draft = cfg.model.draft
     assert draft.attention == "mla" and draft.intermediate_size == 18432
     assert draft.rope.theta is None and draft.rope.scaling is None  # the target's own
-    mla = draft_config(cfg, _kimi_text_config(), 32000, [1, 29, 57])
+    mla = draft_config(cfg.model, _kimi_text_config(), 32000, [1, 29, 57])
     assert (mla.attention, mla.num_attention_heads, mla.num_key_value_heads) == ("mla", 64, 64)
     assert (mla.q_lora_rank, mla.kv_lora_rank, mla.head_dim, mla.v_head_dim) == (
         1536,
@@ -81,7 +81,7 @@ def test_kimi_recipes_default_to_the_mla_draft_and_gqa_is_one_value_away(name):
         128,
     )
     gqa_cfg = load_config(path, ["model.draft.attention=gqa"], check_paths=False)
-    gqa = draft_config(gqa_cfg, _kimi_text_config(), 32000, [1, 29, 57])
+    gqa = draft_config(gqa_cfg.model, _kimi_text_config(), 32000, [1, 29, 57])
     # SpecForge's DeepSeek-V3 EAGLE-3 shape, derived from Kimi's hidden size
     assert (gqa.attention, gqa.num_attention_heads, gqa.num_key_value_heads) == ("gqa", 56, 8)
     assert (gqa.head_dim, gqa.kv_lora_rank) == (128, 0)

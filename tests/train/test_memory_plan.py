@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 from eagle3.loss import ttt_loss
 from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
-from train.recompute import recomputed_ttt_loss
+from eagle3.methods.eagle3 import recomputed_ttt_loss
 torch.set_num_threads(1)
 spec = json.loads(sys.argv[1]); T = spec["T"]; recompute = spec.get("recompute", False)
 cfg = DraftConfig(**spec["cfg"]); torch.manual_seed(0)

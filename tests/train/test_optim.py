@@ -19,6 +19,6 @@ def test_frozen_parameters_are_not_optimized():
     model = torch.nn.Linear(2, 2)
     model.bias.requires_grad_(False)  # as the drafter's embeddings (the target's)
     cfg = load_config(None, ["data.shard_dirs=[shards]", "optim.warmup_steps=0"], check_paths=False)
-    params, optimizer, _ = make_optimizer(cfg, model, total_steps=10)
+    params, optimizer, _ = make_optimizer(cfg.optim, model, total_steps=10)
     assert len(params) == 1 and params[0] is model.weight
     assert optimizer.param_groups[0]["lr"] == pytest.approx(cfg.optim.lr)  # no warmup: full lr

@@ -1,4 +1,4 @@
-"""P-EAGLE training (train/parallel_drafting.py): subsampling policy, labels, loss, the recipe.
+"""P-EAGLE training (eagle3/methods/p_eagle.py): subsampling policy, labels, loss, the recipe.
 
 The pure tests take < 1 s together; the recipe test (slow) trains a tiny random Llama's
 P-EAGLE drafter 6 steps offline with validation and packing, ~25 s on one core.
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from train.parallel_drafting import (
+from eagle3.methods.p_eagle import (
     batch_anchors,
     candidate_positions,
     draw_anchors,

@@ -1,4 +1,4 @@
-"""Recompute each TTT step (train.recompute_ttt_steps, train/recompute.py): the loss, the
+"""Recompute each TTT step (train.recompute_ttt_steps, eagle3/methods/eagle3.py): the loss, the
 metrics and every parameter gradient equal the plain unroll's, for a tiny GQA and a tiny MLA
 draft, through the recipe's Unroll; the step is really recomputed (fewer tensors saved); p-eagle
 refuses it in one line. Under sequence parallelism: tests/train/test_sequence_parallel.py's
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from eagle3.errors import ConfigError
+from eagle3.methods import Unroll
 from eagle3.model import DraftAttention
 from tests.train.sequence_parallel_worker import draft  # the same tiny draft, seeded
 from train.config import load_config
-from train.train_drafter import Unroll
 
 STEPS = 3
 MLA = dict(

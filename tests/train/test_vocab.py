@@ -160,11 +160,11 @@ def test_init_from_a_published_drafter_checks_aux_layers_and_re_chooses_the_voca
     facts = {"hf_config": hf, "num_layers": 8}
     vocab = build_draft_vocab(torch.arange(256), 50)  # the 50 most frequent: ids 206-255
     data = SimpleNamespace(embed=torch.randn(256, 64), aux_layer_ids=[1, 3, 4])
-    draft = build_draft(cfg, facts, vocab, data)
+    draft = build_draft(cfg.model, facts, vocab, data)
     assert draft.config.draft_vocab_size == 50 and torch.equal(draft.d2t, vocab.d2t)
     assert torch.equal(draft.lm_head.weight, tensors["lm_head.weight"].float()[206:])
     assert torch.equal(draft.fc.weight, tensors["fc.weight"].float())
     data.aux_layer_ids = [1, 2, 4]
     with pytest.raises(Eagle3Error, match=r"target.aux_layer_ids=\[1, 3, 4\]") as err:
-        build_draft(cfg, facts, vocab, data)
+        build_draft(cfg.model, facts, vocab, data)
     assert "\n" not in str(err.value)

@@ -1,0 +1,208 @@
+"""EAGLE-3 (method "eagle3"): one draft layer, trained with the training-time-test unroll.
+
+What the method is to the rest of the project (eagle3/methods/__init__.py has the registry):
+
+- the draft: eagle3.model.Eagle3Draft, one decoder layer over fused target features; its
+  config leaves P-EAGLE's fields unset and EAGLE-3.1's switches off;
+- training: the TTT unroll of model.ttt_steps steps (eagle3.model.TTTModel) scored by
+  eagle3.loss.ttt_loss, sum_k step_weight^k * CE_k; with train.recompute_ttt_steps each step
+  under activation checkpointing (`recomputed_ttt_loss` below);
+- export: the config.json of eagle3/checkpoint.py with no field of its own;
+- decoding: eagle3.decoding.eagle.EagleDrafter, chain or tree.
+
+`Eagle3Method` answers for EAGLE-3; the other methods subclass it and override where they
+differ (eagle3_1.py, p_eagle.py).
+
+Recomputing each TTT step (train.recompute_ttt_steps): without it, backward keeps every TTT
+step's activations: q/k/v and MLA's latents, the MLP's intermediates, the residual stream and
+the step's draft-vocab logits, ~1 MiB a token a step for Kimi's MLA draft
+(train/memory_plan.py's ACTIVATION terms), 7.2 MiB a token over 7 steps. With it, each step
+(layer, lm_head and its share of the loss: eagle3.loss.step_loss) runs inside
+torch.utils.checkpoint (non-reentrant; eagle3.model.Eagle3Draft.ttt_forward), so between the
+forward and the backward a step keeps only what the next steps read from it: its input hidden
+state and its keys and values (step k attends to step-0 keys causally and to steps 1..k's at
+the same position, so the earlier steps' keys and values are kept, never recomputed from a
+different graph). Backward runs each step's forward once more, one step's activations at a
+time: the same operations on the same inputs, so the loss and the gradients equal the plain
+unroll's (tests/train/test_recompute.py). The draft has no dropout; checkpoint restores the
+RNG state anyway. The cost is one more forward of each step (~1.3x the step time on CPU:
+benchmarks/bench_train.py --recompute).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from eagle3.errors import Eagle3Error
+from eagle3.loss import step_loss, ttt_loss, valid_counts
+from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
+
+# EAGLE-3.1's switches (eagle3.model's docstring), DraftConfig fields and config.json keys
+SWITCHES = ("fc_norm", "norm_output")
+# model.draft's keys (train/config.py) that only P-EAGLE reads
+PARALLEL_KEYS = ("parallel_depth", "mask_token_id")
+
+Need = Callable[[bool, str], None]  # train/config.py's problem collector
+
+
+class Eagle3Method:
+    """EAGLE-3: what it builds, how it trains, what it exports, how it decodes."""
+
+    name = "eagle3"
+    # drafts every depth from one forward (vLLM's parallel_drafting): one chain, no trees,
+    # no TTT unroll to shard or recompute
+    parallel = False
+    # EAGLE-3.1's fc_norm / norm_output: their default, and what a config.json that records
+    # this method must set them to (None: the method's own, not checked)
+    switches: bool | None = False
+    # the draft reads each of the 3 aux states apart (model.feature must be aux)
+    reads_each_aux = False
+    # DraftConfig fields its GQA config.json carries beyond every method's (eagle3.checkpoint)
+    config_fields: tuple[str, ...] = ()
+
+    # -- the draft ------------------------------------------------------------------------
+    def configure(self, cfg: DraftConfig) -> None:
+        """Fill cfg's switches left None with this method's (DraftConfig.__post_init__)."""
+        for switch in SWITCHES:
+            if getattr(cfg, switch) is None:
+                setattr(cfg, switch, bool(self.switches))
+
+    def check(self, cfg: DraftConfig) -> None:
+        """Refuse a config this method cannot build, in one line: a one-layer draft with no
+        P-EAGLE field set."""
+        if cfg.num_layers != 1 or cfg.parallel_depth or cfg.mask_token_id is not None:
+            raise Eagle3Error(
+                f"num_layers {cfg.num_layers}, parallel_depth {cfg.parallel_depth} and "
+                f"mask_token_id {cfg.mask_token_id} are P-EAGLE settings; method "
+                f"{cfg.method!r} has one layer: use method p-eagle or drop them"
+            )
+
+    def build(self, cfg: DraftConfig) -> Eagle3Draft:
+        """A fresh draft of this method."""
+        return Eagle3Draft(cfg)
+
+    # -- training -------------------------------------------------------------------------
+    def draft_fields(self, shape: Any, ttt_steps: int, hf_config: Any) -> dict[str, Any]:
+        """model.draft (train/config.py's DraftShapeConfig) -> this method's DraftConfig
+        fields, its nulls derived (from the target's hf_config)."""
+        return {"method": self.name}
+
+    def check_recipe(self, model: Any, train: Any, need: Need) -> None:
+        """This method's problems in a training config's model and train sections."""
+        shape = model.draft
+        given = [name for name in PARALLEL_KEYS if getattr(shape, name) is not None]
+        given += ["num_layers"] if shape.num_layers not in (None, 1) else []
+        need(not given, f"model.draft.{(given or ['*'])[0]} is a p-eagle setting; leave it null")
+        if self.reads_each_aux:
+            need(
+                model.feature == "aux",
+                f"model.draft.method {self.name} reads each aux state (fc_norm / the fused "
+                "features): set model.feature=aux",
+            )
+
+    def unroll(self, draft_cfg: DraftConfig, model: Any, train: Any) -> TTTUnroll:
+        """The training unroll for the model and train config sections."""
+        return TTTUnroll(depth=model.ttt_steps, recompute=train.recompute_ttt_steps)
+
+    # -- export ---------------------------------------------------------------------------
+    def export_extra(self, draft_cfg: DraftConfig) -> dict[str, Any]:
+        """extra_config fields every export of a trained draft carries (eagle3.checkpoint)."""
+        return {}
+
+    # -- decoding -------------------------------------------------------------------------
+    def drafter(self, draft: Eagle3Draft, cfg: Any, name: str) -> Any:
+        """The in-house drafter of a loaded draft for eagle3.decoding's DecodeConfig `cfg`."""
+        from eagle3.decoding.eagle import (
+            EagleDrafter,  # not at import: a checkpoint load needs none
+        )
+
+        return EagleDrafter(draft, cfg, name=name)
+
+
+EAGLE3 = Eagle3Method()
+
+
+@dataclass
+class TTTUnroll:
+    """The TTT unroll of `depth` steps (eagle3.model.TTTModel, eagle3.loss.ttt_loss) as the
+    recipe drives it (train/train_drafter.py): module, prepare, counts, loss, summary."""
+
+    depth: int  # TTT steps: the acc_k / loss_k columns
+    recompute: bool = False  # train.recompute_ttt_steps: each TTT step checkpointed
+
+    def module(self, draft: Eagle3Draft) -> nn.Module:
+        return TTTModel(draft, self.depth, recompute=self.recompute)
+
+    def prepare(self, mb: dict, step: int | None = None, micro: int = 0, rank: int = 0) -> None:
+        """Nothing to draw: every position trains at every step."""
+
+    def counts(self, mb: dict) -> torch.Tensor:
+        """Valid label positions per step, as the loss counts them -> (depth,)."""
+        return valid_counts(
+            mb["in_vocab"], mb["loss_mask"], self.depth, mb["segment_ids"], mb["queries"]
+        )
+
+    def summary(self, total: Any, step_weight: float) -> dict[str, float]:
+        """The logged metrics of summed micro-batches (train.metrics.MetricSums)."""
+        return total.summary(step_weight)
+
+    def loss(
+        self, model: nn.Module, mb: dict, step_weight: float, denominators: list[float] | None
+    ) -> tuple[torch.Tensor, dict]:
+        """Forward and loss of a labelled micro-batch -> (loss, metrics of eagle3.loss's keys)."""
+        if self.recompute:  # each step's loss inside the step
+            return recomputed_ttt_loss(model, mb, step_weight, denominators)
+        # mb["sp"]: this rank's shard under sequence parallelism, else None
+        step_logits = model(
+            mb["input_ids"], mb["aux"], mb["segment_ids"], mb["position_ids"], mb["sp"]
+        )
+        return ttt_loss(step_logits, **ttt_labels(mb, step_weight, denominators))
+
+
+def ttt_labels(mb: dict, step_weight: float, denominators: list[float] | None) -> dict[str, Any]:
+    """The label arguments eagle3.loss.ttt_loss and step_loss take, from a labelled micro-batch
+    (mb["queries"]: this rank's shard under sequence parallelism, else None)."""
+    return {
+        "probs": mb["probs"],
+        "in_vocab": mb["in_vocab"],
+        "loss_mask": mb["loss_mask"],
+        "step_weight": step_weight,
+        "denominators": denominators,
+        "segment_ids": mb["segment_ids"],
+        "queries": mb["queries"],
+    }
+
+
+def recomputed_ttt_loss(
+    model: nn.Module, mb: dict, step_weight: float, denominators: list[float] | None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Forward and loss of a labelled micro-batch (TTTUnroll.loss) with each TTT step's loss
+    made inside the step (module docstring) -> (loss, metrics), the values eagle3.loss.ttt_loss
+    gives for the same micro-batch. `model` is the TTTModel built with recompute=True."""
+    labels = ttt_labels(mb, step_weight, denominators)
+    target_top = mb["probs"].argmax(-1)  # (B, T): once, as ttt_loss does
+    metrics: dict[str, float] = {}
+
+    def one_step(k: int, logits: torch.Tensor) -> torch.Tensor | None:
+        loss_k, step_metrics = step_loss(k, logits, **labels, target_top=target_top)
+        metrics.update(step_metrics)  # a recompute in backward writes the same values again
+        return loss_k
+
+    losses = model(
+        mb["input_ids"],
+        mb["aux"],
+        mb["segment_ids"],
+        mb["position_ids"],
+        mb["sp"],
+        step_loss=one_step,
+    )
+    total = mb["probs"].new_zeros((), dtype=torch.float32)
+    for loss_k in losses:  # summed in step order, as ttt_loss sums them
+        if loss_k is not None:
+            total = total + loss_k
+    return total, metrics

@@ -1,0 +1,73 @@
+"""The registry of draft methods (eagle3/methods/): every method builds its draft from the
+fields it derives, exports it and loads back as itself; no product file outside the registry
+compares a method's name; loading a checkpoint imports no decoder. Whole file ~4 s. A method's
+own maths and training are its own test file's (test_eagle3_1.py, test_parallel_draft.py,
+tests/train/test_parallel_drafting.py)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from eagle3.checkpoint import load_draft, save_draft
+from eagle3.errors import Eagle3Error
+from eagle3.methods import EAGLE3, REGISTRY, draft_for, method_named, method_of
+
+REPO = Path(__file__).resolve().parents[2]
+PRODUCT = ("eagle3", "train", "datagen", "benchmarks", "experiments", "scripts")
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_every_method_builds_exports_and_loads_as_itself(name, tiny_config, tmp_path):
+    """~0.3 s each: the fields the method derives from an all-null model.draft make a config
+    it accepts; its draft saves with its export fields and loads back as the same class and
+    config (the loader tells the method from config.json alone)."""
+    method = method_named(name)
+    shape = SimpleNamespace(num_layers=None, parallel_depth=None, mask_token_id=None)
+    fields = method.draft_fields(shape, 3, SimpleNamespace(vocab_size=50, pad_token_id=0))
+    cfg = tiny_config(**fields)
+    assert method_of(cfg) is method and cfg.method == name
+    draft = draft_for(cfg)
+    save_draft(draft, tmp_path, extra_config=method.export_extra(cfg))
+    loaded = load_draft(tmp_path)
+    assert type(loaded) is type(draft) and loaded.config == cfg
+
+
+def test_an_unknown_method_is_one_line_error(tiny_config):
+    """<0.1 s: the registry names the methods it knows."""
+    with pytest.raises(Eagle3Error, match=r"method 'eagle4' is not one of \('eagle3'"):
+        method_named("eagle4")
+
+
+def test_method_names_appear_only_in_the_registry():
+    """~0.2 s: no product module outside eagle3/methods/ compares a method's name as a string
+    literal (EAGLE-3's own name is also vLLM's and speculators' algorithm name, so it is not
+    checked)."""
+    names = [name for name in REGISTRY if name != EAGLE3.name]
+    literal = re.compile("|".join(rf"[\"']{re.escape(name)}[\"']" for name in names))
+    found = [
+        f"{path.relative_to(REPO)}:{n}"
+        for top in PRODUCT
+        for path in sorted((REPO / top).rglob("*.py"))
+        if "methods" not in path.relative_to(REPO).parts
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if literal.search(line)
+    ]
+    assert not found, found
+
+
+def test_loading_a_checkpoint_imports_no_decoder():
+    """~3 s (a fresh interpreter): eagle3.checkpoint and the registry load no decoding loop."""
+    code = (
+        "import sys, eagle3.checkpoint, eagle3.methods; "
+        "print(sorted(m for m in sys.modules if m.startswith('eagle3.decoding')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout
