@@ -82,6 +82,8 @@ def test_engine_tau_agrees_with_in_house_eagle3_eagle3_1_and_peagle(
             assert row["engine"]["per_step_unaccounted_tokens"] == 0
             total = sum(b["tau"] * b["steps"] for b in buckets)
             assert total / drafts == pytest.approx(row["tau"])
+            lo, hi = row["tau_ci95"]  # the main table's interval, from the same per-step counts
+            assert lo <= row["tau"] <= hi
         # T=0, the same answers: the steps fall in the same buckets as in-house
         assert [b["label"] for b in vllm["by_context"]] == [b["label"] for b in house["by_context"]]
     assert rows["train-peagle/final"]["alpha"][1] > 0.2  # depths >= 1 drafted from the mask too
