@@ -77,7 +77,7 @@ from eagle3.target import target_facts
 from eagle3.ttt_attention import auto_impl
 from train import parallel_drafting
 from train.anchor import Anchor
-from train.batching import collate, step_batches, val_batches
+from train.batching import read_micro_batch, step_batches, val_batches
 from train.checkpointing import Checkpoints, export_extra, find_resume, load_checkpoint, read_best
 from train.config import Config, load_config
 from train.distributed import configure_deepspeed, make_accelerator, peer_lost
@@ -114,6 +114,7 @@ from train.train_data import (
     fit_length,
     load_data,
     pack_rows,
+    read_slices,
     training_target,
 )
 from train.vocab import setup_vocab
@@ -304,6 +305,8 @@ def setup(cfg: Config) -> Run:
     )
     if "long_records" in data.provenance:  # the records' lengths and the tokens a cut dropped
         logger.log_data(start_step, data.provenance["long_records"])
+    if layout.sp > 1:  # a rank reads its positions of each row alone
+        read_slices(data, layout.sp_rank, layout.sp, cfg.model.ttt_steps)
     stream = step_batches(
         data.dataset,
         data.lengths,
@@ -391,7 +394,9 @@ def labelled(run: Run, batch: dict, split: str = "train", probs: bool = True) ->
     if run.sp_group is None:
         return {**run.labelled(batch, split, probs), "queries": None, "sp": None}
     device = run.accelerator.device
-    shard = shard_batch(batch, run.layout.sp_rank, run.layout.sp, run.cfg.model.ttt_steps)
+    shard = batch  # read as this rank's shard (train/sequence_slices.py), else cut here
+    if "queries" not in batch:
+        shard = shard_batch(batch, run.layout.sp_rank, run.layout.sp, run.cfg.model.ttt_steps)
     mb = run.labelled(shard, split, probs)
     mb["position_ids"] = shard["position_ids"].to(device)  # the record's, not from 0
     mb["queries"] = shard["queries"]
@@ -449,7 +454,7 @@ def validate(run: Run, dataset, lengths: list[int], split: str = "val") -> dict[
     for indices, counts in val_batches(
         lengths, run.cfg.data.batch_size, run.layout.data_size, run.layout.data_rank
     ):
-        batch = collate([dataset[i] for i in indices])
+        batch = read_micro_batch(dataset, indices)
         batch["index"] = torch.tensor(indices)
         mb = labelled(run, batch, split)  # unpacked
         run.unroll.prepare(mb)  # p-eagle: every position at every depth, the chain's tau
