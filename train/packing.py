@@ -54,7 +54,8 @@ class PackedDataset(Dataset):
     def __init__(self, dataset: Dataset, lengths: list[int], capacity: int):
         self.dataset = dataset
         self.bins = pack_records(lengths, capacity)
-        self.lengths = [sum(lengths[i] for i in b) for b in self.bins]
+        self.sizes = [[lengths[i] for i in b] for b in self.bins]  # each bin's record lengths
+        self.lengths = [sum(sizes) for sizes in self.sizes]
         self.records = len(lengths)
 
     def __len__(self) -> int:

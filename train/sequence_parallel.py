@@ -3,8 +3,9 @@ is trained by a group of sp ranks, each holding a contiguous shard of its positi
 parallelism runs over the world / sp groups.
 
 Ranks [g sp, (g+1) sp) form group g (`sp_groups`): on one node that is sp neighbouring GPUs.
-Every rank of a group reads the same micro-batch (the batch plan is made for world / sp data
-ranks, `data_layout`) and keeps its shard (`shard_batch`):
+Every rank of a group trains the same micro-batch (the batch plan is made for world / sp data
+ranks, `data_layout`), of which it holds its shard (`shard_batch` cuts it from the whole
+collated rows; training reads it from the shard files alone, train/sequence_slices.py):
 - positions [a, b) of the record padded to a multiple of sp (padding carries no loss and sits
   after every real token, so causal attention never sees it): the aux hidden states, the
   global position ids (packed rows: the records' own), the attention mask;

@@ -55,6 +55,7 @@ from train.datasets import (
 )
 from train.online_target import describe_target
 from train.packing import PackedDataset
+from train.sequence_slices import ShardReader
 
 log = logging.getLogger(__name__)
 
@@ -314,6 +315,18 @@ def pack_rows(cfg: Config, accelerator: Accelerator, data: TrainData) -> None:
         fill = sum(packed.lengths) / (len(packed) * capacity)
         print(f"packing: {packed.records} records into {len(packed)} rows of <= {capacity} "
               f"tokens, filled to {fill:.1%}", flush=True)  # fmt: skip
+
+
+def read_slices(data: TrainData, sp_rank: int, sp: int, ttt_steps: int) -> None:
+    """Under sequence parallelism: the training and validation sets read as rank `sp_rank` of
+    its group reads them, each micro-batch its shard alone (train/sequence_slices.py)."""
+    data.dataset = ShardReader(data.dataset, data.lengths, sp_rank, sp, ttt_steps)
+    if data.val_dataset is not None:
+        data.val_dataset = ShardReader(data.val_dataset, data.val_lengths, sp_rank, sp, ttt_steps)
+    data.val_sets = {
+        name: (ShardReader(dataset, lengths, sp_rank, sp, ttt_steps), lengths)
+        for name, (dataset, lengths) in data.val_sets.items()
+    }
 
 
 def count_steps(cfg: Config, lengths: list[int], world: int) -> int:

@@ -4,21 +4,29 @@
 
 Every rank builds the same tiny drafts and batches (fixed seeds) for each case; the group of
 WORLD ranks trains one step's loss and gradients on shards of the batch (train/sequence_parallel
-.py), rank 0 also on the whole batch in one process, and writes the largest differences."""
+.py), rank 0 also on the whole batch in one process, and writes the largest differences. Then
+("slices") the group trains packed rows of a capture written next to OUT.json twice, each rank
+reading its shard of the whole rows and then its positions alone (train/sequence_slices.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from eagle3.loss import ttt_loss, valid_counts
+from eagle3.data.shards import ShardDataset, ShardWriter
+from eagle3.loss import label_rows, target_probs, ttt_loss, valid_counts
 from eagle3.methods.eagle3 import recomputed_ttt_loss
 from eagle3.model import DraftAttention, DraftConfig, Eagle3Draft, TTTModel
+from train.batching import collate
+from train.datasets import Windows
+from train.packing import PackedDataset
 from train.sequence_parallel import data_layout, make_group, sequence_parallel, shard_batch
+from train.sequence_slices import ShardReader
 
 STEPS, WEIGHT = 3, 0.8
 MLA = dict(
@@ -89,8 +97,8 @@ def one_process(model: Eagle3Draft, b: dict):
     return loss.detach(), m
 
 
-def sharded(model: Eagle3Draft, b: dict, group, layout, recompute: bool = False):
-    s = shard_batch(b, layout.sp_rank, layout.sp, STEPS)
+def sharded(model: Eagle3Draft, s: dict, group, recompute: bool = False):
+    """One step's loss and gradients of a rank's shard `s` (shard_batch's), summed over the group."""
     sp = sequence_parallel(group, s, torch.device("cpu"))
     seg, queries = s.get("segment_ids"), s["queries"]
     counts = valid_counts(s["in_vocab"], s["loss_mask"], STEPS, seg, queries)
@@ -122,6 +130,52 @@ def sharded(model: Eagle3Draft, b: dict, group, layout, recompute: bool = False)
     return loss, count
 
 
+def slices(group, layout, shard_dir: Path) -> dict:
+    """Two packed rows of a capture (records of 15-44 tokens, windows of 40, rows of 70), an
+    MLA draft trained one step on each rank's shard of them as shard_batch cuts the whole rows
+    and as ShardReader reads its positions alone, soft labels from the read last states: are
+    the shards, the group's loss and every gradient equal, bit for bit?"""
+    if layout.sp_rank == 0:
+        g = torch.Generator().manual_seed(3)
+        meta = {"target": "tiny", "vocab_size": 50, "target_hidden_size": 32,
+                "aux_layer_ids": [0, 1, 2], "num_layers": 4, "max_length": 64}  # fmt: skip
+        with ShardWriter(shard_dir, meta, dtype="bf16", shard_bytes=20000) as w:
+            for i in range(6):
+                t = int(torch.randint(15, 45, (1,), generator=g))
+                w.add(f"r{i}", torch.randint(0, 50, (t,), generator=g),
+                      (torch.rand(t, generator=g) < 0.7).long(),
+                      torch.randn(t, 96, generator=g), torch.randn(t, 32, generator=g))  # fmt: skip
+    dist.barrier(group)
+    records = ShardDataset(shard_dir)
+    windows = Windows(records, records.lengths, 40, "window", 20)
+    data = PackedDataset(windows, windows.lengths, 70)
+    torch.manual_seed(4)
+    lm_head, t2d = torch.randn(50, 32), torch.arange(50) < 40
+    indices = [0, 1]
+    whole = shard_batch(collate([data[i] for i in indices]), layout.sp_rank, layout.sp, STEPS)
+    alone = ShardReader(data, data.lengths, layout.sp_rank, layout.sp, STEPS)[indices]
+    same = torch.tensor(float(all(
+        torch.equal(x, alone[k]) if isinstance(x, torch.Tensor) else x == alone[k]
+        for k, x in whole.items()
+    )))  # fmt: skip
+    dist.all_reduce(same, dist.ReduceOp.MIN, group=group)
+    out = {"shards_equal": bool(same), "rows": data.lengths[:2], "queries": alone["queries"]}
+    grads = []
+    for name, s in (("whole", whole), ("alone", alone)):
+        s["probs"], s["in_vocab"] = target_probs(
+            s["last_hidden"], lm_head, t2d, 16, label_rows(s["loss_mask"])
+        )
+        model = draft(MLA)
+        loss, _ = sharded(model, s, group)
+        out[f"loss_{name}"] = float(loss)
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    out["grad_max_abs_diff"] = max(
+        float((grads[0][n] - g).abs().max()) for n, g in grads[1].items()
+    )
+    out["grads"] = sorted(grads[1]) == sorted(grads[0])
+    return out
+
+
 def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
@@ -134,7 +188,8 @@ def main() -> None:
         DraftAttention.ttt_impl = impl
         b = batch(packed)
         model = draft(overrides)
-        loss, count = sharded(model, b, group, layout, name in RECOMPUTED)
+        s = shard_batch(b, layout.sp_rank, layout.sp, STEPS)
+        loss, count = sharded(model, s, group, name in RECOMPUTED)
         if rank:
             continue
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -153,6 +208,7 @@ def main() -> None:
             "grad_rel": errors,
             "grads_missing": sorted(set(errors) ^ set(grads)),
         }
+    results["slices"] = slices(group, layout, Path(out).parent / "slices")
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)

@@ -70,6 +70,18 @@ def two_rank_results(tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
+def test_sequence_parallel_slice_reads_train_what_whole_rows_train(two_rank_results):
+    """(In the 2-rank run above, <1 s of it.) Packed rows of a capture trained on 2 gloo ranks,
+    each rank reading its shard of the whole rows (shard_batch) and then its own positions
+    alone (train/sequence_slices.py, what training reads): equal shards, and equal loss and
+    gradients, bit for bit."""
+    got = two_rank_results["slices"]
+    assert got["shards_equal"] and got["grads"]
+    assert got["queries"] == max(got["rows"]) // 2 + max(got["rows"]) % 2
+    assert got["loss_alone"] == got["loss_whole"]
+    assert got["grad_max_abs_diff"] == 0.0
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_sequence_parallel_two_ranks_equal_one_process(two_rank_results, case):
     """The loss, the valid-position counts and every trainable parameter's gradient of a 2-rank
