@@ -50,7 +50,11 @@ class Run:
         if self.sp_group is None:
             return {**self.labelled(batch, split, probs), "queries": None, "sp": None}
         device = self.accelerator.device
-        shard = shard_batch(batch, self.layout.sp_rank, self.layout.sp, self.cfg.model.ttt_steps)
+        shard = batch  # read as this rank's shard (train/sequence_slices.py), else cut here
+        if "queries" not in batch:
+            shard = shard_batch(
+                batch, self.layout.sp_rank, self.layout.sp, self.cfg.model.ttt_steps
+            )
         mb = self.labelled(shard, split, probs)
         mb["position_ids"] = shard["position_ids"].to(device)  # the record's, not from 0
         mb["queries"] = shard["queries"]

@@ -98,6 +98,7 @@ from train.train_data import (
     fit_length,
     load_data,
     pack_rows,
+    read_slices,
     training_target,
 )
 from train.validation import validation_sets, validation_step
@@ -240,6 +241,8 @@ def data_stream(
     """(epoch, micro-batches) of each optimizer step from start_step on, this data rank's;
     with a served target, captured by its engine a step ahead (the engine starts here, last:
     everything else is checked)."""
+    if layout.sp > 1:  # a rank reads its positions of each row alone
+        read_slices(data, layout.sp_rank, layout.sp, cfg.model.ttt_steps)
     stream = step_batches(
         data.dataset,
         data.lengths,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from train.batching import collate, val_batches
+from train.batching import read_micro_batch, val_batches
 from train.metrics import MetricSums
 from train.run import Run
 from train.selection import selection_tau
@@ -22,7 +22,7 @@ def validate(run: Run, dataset, lengths: list[int], split: str = "val") -> dict[
     for indices, counts in val_batches(
         lengths, run.cfg.data.batch_size, run.layout.data_size, run.layout.data_rank
     ):
-        batch = collate([dataset[i] for i in indices])
+        batch = read_micro_batch(dataset, indices)
         batch["index"] = torch.tensor(indices)
         mb = run.micro_batch(batch, split)  # unpacked
         run.unroll.prepare(mb)  # p-eagle: every position at every depth, the chain's tau
