@@ -116,3 +116,10 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
 def peer_lost(err: BaseException) -> bool:
     """Whether a collective failed because another process of the job died (a node lost)."""
     return isinstance(err, torch.distributed.DistError) or any(m in str(err) for m in _PEER_GONE)
+
+
+def distribution(accelerator) -> str:
+    """How accelerate runs the model, for the start line: its distributed type, or "one
+    process" where it reports "NO" (which reads as an answer to nothing)."""
+    kind = accelerator.distributed_type.value
+    return "one process" if kind == "NO" else kind

@@ -75,7 +75,7 @@ from train.anchor import Anchor
 from train.batching import step_batches
 from train.checkpointing import Checkpoints, export_extra, find_resume, load_checkpoint
 from train.config import Config, TrainConfig, load_config
-from train.distributed import configure_deepspeed, make_accelerator, peer_lost
+from train.distributed import configure_deepspeed, distribution, make_accelerator, peer_lost
 from train.draft import build_draft
 from train.memory_checks import check_memory, is_out_of_memory, out_of_memory, print_plan
 from train.memory_plan import ATTENTION_PATHS
@@ -135,7 +135,7 @@ def setup(cfg: Config) -> Run:
         print(f"resolved config -> {out_dir / 'config.yaml'}", flush=True)
         print(
             f"{cfg.data.mode} training on {accelerator.num_processes} process(es) "
-            f"({accelerator.distributed_type.value}, {type(model).__name__}"
+            f"({distribution(accelerator)}, {type(model).__name__}"
             + (f", {layout.data_size} groups of {layout.sp} sequence-parallel ranks" if sp else "")
             + f"): {len(data.lengths)} sequences, {total_steps} steps, draft vocab {vocab.size}"
             + (f", resuming from {resume} (step {start_step})" if resume else "")

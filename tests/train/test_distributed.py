@@ -100,3 +100,19 @@ def test_a_gpu_less_process_names_deepspeeds_cpu_accelerator(monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "xpu")
     cpu_deepspeed(on_gpu=False)
     assert os.environ["DS_ACCELERATOR"] == "xpu"
+
+
+def test_the_start_line_names_a_single_process_in_words():
+    """~0.01 s: accelerate's "NO" distributed type reads "one process" on the recipe's start
+    line; DeepSpeed's and the others' names are kept (the Kimi recipe tests read DEEPSPEED)."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from train.distributed import distribution
+
+    def named(kind):
+        return distribution(SimpleNamespace(distributed_type=kind))
+
+    assert named(DistributedType.NO) == "one process"
+    assert named(DistributedType.DEEPSPEED) == "DEEPSPEED"
