@@ -8,7 +8,7 @@ in each (torchtitan names its model sizes the same way, ``llama3_configs["8B"]``
   SpecForge's DeepSeek-V3 shape, 56 heads of 128 with 8 KV heads.
 
 Each is ``DraftConfig.from_target_config`` over its target's text shape as the target registry
-writes it (``plan_shape`` in eagle3/targets/<name>.yaml: no download), so the sizes are written
+writes it (``plan_shape`` in eagle3/target/registry_entries/<name>.yaml: no download), so the sizes are written
 once and a preset is what a recipe builds for that target (tests/eagle3/test_draft_shapes.py
 checks it). A benchmark that needs the layout at a CPU size overrides the sizes and keeps the
 heads: ``draft_shape("kimi-k2.5-mla", hidden_size=256, target_hidden_size=256, ...)``.
