@@ -58,6 +58,17 @@ def shard_dir(tmp_path_factory, tiny_llama_dir, records_file) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def online_run(tmp_path_factory, tiny_llama_dir, records_file) -> Path:
+    """The small recipe (common_args) trained online on records_file, once a session (~10 s):
+    the online side of test_train_drafter's offline/online pair, test_vocab's fine-tune start
+    and test_errors' existing run. Tests only read it (a run refused at its out_dir writes
+    nothing there)."""
+    out = tmp_path_factory.mktemp("online_run") / "online"
+    run_cli(common_args(tiny_llama_dir, out, **online(records_file)))
+    return out
+
+
 def common_args(target_dir: Path, out_dir: Path, **extra) -> list[str]:
     """A small, fast recipe: vocab 200 of 256, 7 TTT steps, warmup 2, log every step."""
     values = {
@@ -121,7 +132,8 @@ def losses(out_dir: Path, key: str = "loss") -> list[float]:
     return [r[key] for r in metric_lines(out_dir)]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def helpers():
-    """This module's helpers (tests cannot import conftest under --import-mode=importlib)."""
+    """This module's helpers (tests cannot import conftest under --import-mode=importlib); for
+    module- and session-scoped fixtures too."""
     return sys.modules[__name__]

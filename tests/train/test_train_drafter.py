@@ -13,11 +13,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_offline_and_online_reach_the_same_loss_trajectory(
-    tmp_path, helpers, tiny_llama_dir, shard_dir, records_file
+    tmp_path, helpers, tiny_llama_dir, shard_dir, online_run
 ):
-    off, on = tmp_path / "offline", tmp_path / "online"
+    off, on = tmp_path / "offline", online_run
     helpers.run_cli(helpers.common_args(tiny_llama_dir, off, **helpers.offline(shard_dir)))
-    helpers.run_cli(helpers.common_args(tiny_llama_dir, on, **helpers.online(records_file)))
     off_loss, on_loss = helpers.losses(off), helpers.losses(on)
     assert len(off_loss) == len(on_loss) == 6
     assert off_loss[-1] < off_loss[0]  # it learns
