@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def test_offline_and_online_reach_the_same_loss_trajectory(
     tmp_path, helpers, tiny_llama_dir, shard_dir, online_run
 ):
-    """One offline CLI run beside the session's online run (~15 s idle; 31 s measured at load 7
+    """One offline CLI run beside the session's online run (31 s measured at load 7
     on 2 cores): the two data paths train the same trajectory, share one draft vocab, and the
     export and metrics carry every field. The only test of offline/online equivalence."""
     off, on = tmp_path / "offline", online_run

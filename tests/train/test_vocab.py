@@ -37,7 +37,7 @@ def test_read_vocab_takes_a_run_dir_its_file_or_an_export(tmp_path):
 def test_fine_tune_reuses_the_saved_vocab(
     tmp_path, helpers, tiny_llama_dir, records_file, online_run
 ):
-    """Two CLI runs from the session's online run (~30 s idle; 133 s measured at load 7 on 2
+    """Two CLI runs from the session's online run (133 s measured at load 7 on 2
     cores): a fine-tune keeps the start's saved vocab and starts from its weights, and an
     EAGLE-3 start under model.draft.method=eagle3.1 is refused in one line."""
     base, tuned = online_run, tmp_path / "tuned"  # the start: the session's online run
