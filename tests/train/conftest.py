@@ -6,6 +6,7 @@ disabled, on records of 24 random sequences (lengths 20-59, the first third is "
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.processes import descendants
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "train" / "train_drafter.py"
@@ -113,7 +116,11 @@ def run_cli(args: list[str], launcher: list[str] | None = None, check: bool = Tr
     try:
         stdout, stderr = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        # the whole tree: torchrun's workers sit in their own sessions, out of the launcher's
+        # group, and hold its pipes open (communicate would then wait for them forever)
+        for pid in descendants(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         raise AssertionError(f"{' '.join(cmd)} timed out:\n{stderr[-3000:]}") from None
     proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
