@@ -149,6 +149,25 @@ def smollm2_target():
     return load_target("smollm2-135m-q4", device="cpu")
 
 
+@pytest.fixture(scope="session")
+def kimi_miniature(tmp_path_factory):
+    """scripts/make_tiny_kimi.py's miniature, seed 3, written once a session (~30 s at load 6 on
+    2 cores): (INT4 dir, its de-quantised copy), both named kimi-mini so that shards of either
+    name the same target. Tests only read them (copy a directory to break it). A module that
+    needs it checks compressed_tensors and tiktoken first, with its own skip reason."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_kimi.py"
+    spec = importlib.util.spec_from_file_location("make_tiny_kimi", script)
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    root = tmp_path_factory.mktemp("kimi_miniature")
+    int4, plain = root / "int4" / "kimi-mini", root / "bf16" / "kimi-mini"
+    maker.make_tiny_kimi(int4, seed=3, dequantized=plain)
+    return int4, plain
+
+
 # -- the serving engine (vLLM in .venv-engine) -------------------------------------------------
 EMBEDDED = "smollm2-135m-q4"
 

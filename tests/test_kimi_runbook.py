@@ -228,7 +228,9 @@ def test_kimi_runbook_runs_as_typed_on_the_miniature(node):
     its context, with --trust-remote-code for the tiktoken tokenizer), offline ZeRO-2 training
     on 2 processes that names kimi-k2.5 and reads it where the shards were captured,
     evaluation through vLLM that never loads the weights here, and the serve line answering one
-    request with the drafter."""
+    request with the drafter. ~3 min (189 s in a loaded CI-like run; four vLLM-CPU starts and a
+    2-process ZeRO-2 training). It alone runs the page's commands as typed, and serves the
+    offline recipe's own draft shape (MLP 18,432) through vLLM."""
     root, env, used = node["root"], node["env"], set()
     commands = runbook_commands(RUNBOOK.read_text())
     for command in commands[:-1]:

@@ -79,20 +79,14 @@ def by_id(out: Path) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def kimi(engine, tmp_path_factory) -> dict[str, Path]:
+def kimi(engine, tmp_path_factory, request) -> dict[str, Path]:
     """The miniature (INT4 and de-quantised, same directory name so meta.json names the same
     target), the records, and both captures of them (~1 min, most of it the engine's start)."""
     for module in ("compressed_tensors", "tiktoken"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"the Kimi miniature needs {module} (pip install -e '.[dev]')")
-    spec = importlib.util.spec_from_file_location(
-        "make_tiny_kimi", REPO / "scripts" / "make_tiny_kimi.py"
-    )
-    maker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(maker)
+    int4, plain = request.getfixturevalue("kimi_miniature")  # the session's, seed 3
     root = tmp_path_factory.mktemp("capture_engine_kimi")
-    int4, plain = root / "int4" / "kimi-mini", root / "bf16" / "kimi-mini"
-    maker.make_tiny_kimi(int4, seed=3, dequantized=plain)
     data = root / "records.jsonl"
     data.write_text(
         "".join(

@@ -26,25 +26,13 @@ MISSING = {  # what the miniature needs -> the skip reason when it is not instal
 }
 
 
-def _maker():
-    spec = importlib.util.spec_from_file_location(
-        "make_tiny_kimi", REPO / "scripts" / "make_tiny_kimi.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def kimi_dirs(tmp_path_factory) -> tuple[Path, Path]:
-    """(INT4 miniature, its de-quantised bf16 copy), written once for the module (~5 s)."""
+def kimi_dirs(request) -> tuple[Path, Path]:
+    """(INT4 miniature, its de-quantised bf16 copy): the session's (tests/conftest.py)."""
     for module, reason in MISSING.items():
         if importlib.util.find_spec(module) is None:
             pytest.skip(reason)
-    root = tmp_path_factory.mktemp("tiny_kimi")
-    int4, plain = root / "int4", root / "dequantized"
-    _maker().make_tiny_kimi(int4, seed=3, dequantized=plain)
-    return int4, plain
+    return request.getfixturevalue("kimi_miniature")
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@ disabled, on records of 24 random sequences (lengths 20-59, the first third is "
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.processes import descendants
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "train" / "train_drafter.py"
@@ -55,6 +58,17 @@ def shard_dir(tmp_path_factory, tiny_llama_dir, records_file) -> Path:
             r = json.loads(line)
             aux, last = target.capture(torch.tensor([r["input_ids"]]))
             writer.add(r["id"], r["input_ids"], r["loss_mask"], aux[0], last[0])
+    return out
+
+
+@pytest.fixture(scope="session")
+def online_run(tmp_path_factory, tiny_llama_dir, records_file) -> Path:
+    """The small recipe (common_args) trained online on records_file, once a session (~10 s):
+    the online side of test_train_drafter's offline/online pair, test_vocab's fine-tune start
+    and test_errors' existing run. Tests only read it (a run refused at its out_dir writes
+    nothing there)."""
+    out = tmp_path_factory.mktemp("online_run") / "online"
+    run_cli(common_args(tiny_llama_dir, out, **online(records_file)))
     return out
 
 
@@ -102,7 +116,11 @@ def run_cli(args: list[str], launcher: list[str] | None = None, check: bool = Tr
     try:
         stdout, stderr = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        # the whole tree: torchrun's workers sit in their own sessions, out of the launcher's
+        # group, and hold its pipes open (communicate would then wait for them forever)
+        for pid in descendants(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         raise AssertionError(f"{' '.join(cmd)} timed out:\n{stderr[-3000:]}") from None
     proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
@@ -121,7 +139,8 @@ def losses(out_dir: Path, key: str = "loss") -> list[float]:
     return [r[key] for r in metric_lines(out_dir)]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def helpers():
-    """This module's helpers (tests cannot import conftest under --import-mode=importlib)."""
+    """This module's helpers (tests cannot import conftest under --import-mode=importlib); for
+    module- and session-scoped fixtures too."""
     return sys.modules[__name__]

@@ -76,14 +76,13 @@ def test_shards_of_another_tokenizer(tmp_path, capsys, helpers, tiny_llama_dir, 
 
 
 @pytest.mark.slow
-def test_existing_run_needs_resume(tmp_path, capsys, helpers, tiny_llama_dir, records_file):
-    out = tmp_path / "run"
-    helpers.run_cli(
-        helpers.common_args(
-            tiny_llama_dir, out, **helpers.online(records_file), **{"train.max_steps": 1}
-        )
-    )
+def test_existing_run_needs_resume(capsys, helpers, tiny_llama_dir, records_file, online_run):
+    """The session's finished online run (tests/train/conftest.py), started again without
+    train.resume_from: one line saying to add it, nothing written (<1 s with the run)."""
+    out = online_run
+    before = sorted(out.rglob("*"))
     assert main(helpers.common_args(tiny_llama_dir, out, **helpers.online(records_file))) == 2
+    assert sorted(out.rglob("*")) == before
     assert "train.resume_from=latest" in one_error_line(capsys)
 
 

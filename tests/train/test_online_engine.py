@@ -104,6 +104,11 @@ def short_tmpdir(monkeypatch):
 def test_served_target_trains_like_the_in_process_one_and_survives_sigkill(
     engine, embedded_target_dir, records_file, tmp_path, helpers, short_tmpdir
 ):
+    """~3 min (190 s in a loaded CI-like run: two vLLM-CPU starts, 12 steps in-process and 12
+    served, killed at 3 and resumed). It alone proves, on one run, what the module docstring lists: served
+    losses equal in-process ones, the engine dies with its SIGKILLed trainer, and the resume
+    through a capture server on "another node" lands on the same numbers with every request
+    accounted for."""
     inproc, served = tmp_path / "in-process", tmp_path / "served"
     helpers.run_cli(recipe(helpers, records_file, inproc))
 

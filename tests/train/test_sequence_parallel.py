@@ -221,16 +221,26 @@ def test_sequence_parallel_long_kimi_recipe_plan_fits_8x96():
     )
 
 
+@pytest.fixture(scope="module")
+def one_process_batch_2(tmp_path_factory, helpers, tiny_llama_dir, shard_dir) -> Path:
+    """One plain process, two records a step, nothing held out, fp32 export (~10 s): what the
+    data-parallel-groups run and the ZeRO-2 run below must both equal, trained once."""
+    data = {**helpers.offline(shard_dir), "train.export_dtype": "fp32"}
+    data.update({"data.val_fraction": 0, "data.batch_size": 2})
+    one = tmp_path_factory.mktemp("sp_reference") / "one"
+    helpers.run_cli(helpers.common_args(tiny_llama_dir, one, **data))
+    return one
+
+
 @pytest.mark.slow
 def test_sequence_parallel_with_data_parallel_groups_equals_one_process(
-    tmp_path, helpers, tiny_llama_dir, shard_dir
+    tmp_path, helpers, tiny_llama_dir, shard_dir, one_process_batch_2
 ):
     """~50 s: 4 gloo ranks as 2 data-parallel groups of 2 sequence-parallel ranks, a record per
     group, log the losses and gradient norms of one process with both records in its batch,
     and export the same weights."""
     data = {**helpers.offline(shard_dir), "train.export_dtype": "fp32", "data.val_fraction": 0}
-    one, four = tmp_path / "one", tmp_path / "four"
-    helpers.run_cli(helpers.common_args(tiny_llama_dir, one, **data, **{"data.batch_size": 2}))
+    one, four = one_process_batch_2, tmp_path / "four"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
                 "--master_port", str(free_port())]  # fmt: skip
     sp = {"data.batch_size": 1, "train.sequence_parallel": 2}
@@ -244,7 +254,7 @@ def test_sequence_parallel_with_data_parallel_groups_equals_one_process(
 
 @pytest.mark.slow
 def test_sequence_parallel_under_deepspeed_zero2_equals_one_process(
-    tmp_path, monkeypatch, helpers, tiny_llama_dir, shard_dir
+    tmp_path, monkeypatch, helpers, tiny_llama_dir, shard_dir, one_process_batch_2
 ):
     """~150 s (DeepSpeed's imports): the Kimi recipes' launch (8gpu-zero2.yaml: DeepSpeed
     ZeRO-2, here 2 CPU processes on gloo) with train.sequence_parallel=2 logs the losses and
@@ -254,8 +264,7 @@ def test_sequence_parallel_under_deepspeed_zero2_equals_one_process(
         pytest.skip("needs deepspeed (pip install -e '.[dev]')")
     data = {**helpers.offline(shard_dir), "train.export_dtype": "fp32", "data.val_fraction": 0}
     data["data.batch_size"] = 2
-    one, two = tmp_path / "one", tmp_path / "zero2"
-    helpers.run_cli(helpers.common_args(tiny_llama_dir, one, **data))
+    one, two = one_process_batch_2, tmp_path / "zero2"
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
               str(REPO / "configs/accelerate/8gpu-zero2.yaml"), "--num_processes", "2",
               "--main_process_port", str(free_port())]  # fmt: skip

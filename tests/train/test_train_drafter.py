@@ -13,11 +13,13 @@ pytestmark = pytest.mark.slow
 
 
 def test_offline_and_online_reach_the_same_loss_trajectory(
-    tmp_path, helpers, tiny_llama_dir, shard_dir, records_file
+    tmp_path, helpers, tiny_llama_dir, shard_dir, online_run
 ):
-    off, on = tmp_path / "offline", tmp_path / "online"
+    """One offline CLI run beside the session's online run (31 s measured at load 7
+    on 2 cores): the two data paths train the same trajectory, share one draft vocab, and the
+    export and metrics carry every field. The only test of offline/online equivalence."""
+    off, on = tmp_path / "offline", online_run
     proc = helpers.run_cli(helpers.common_args(tiny_llama_dir, off, **helpers.offline(shard_dir)))
-    helpers.run_cli(helpers.common_args(tiny_llama_dir, on, **helpers.online(records_file)))
     # the console names the saved config instead of printing it; DeepSpeed, imported by
     # accelerate at the export, warns nothing on this GPU-less process
     assert f"resolved config -> {off / 'config.yaml'}" in proc.stdout
