@@ -480,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     # comes out of a pipe as one line of carriage returns in every stage that loads the
     # target; each stage's own progress lines say how it goes
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if args.cpu:  # DeepSpeed, imported by accelerate in every stage, warns as it picks the CPU
+        env.setdefault("DS_ACCELERATOR", "cpu")  # (train/distributed.py's cpu_deepspeed)
     if args.wandb and not env.get("WANDB_API_KEY"):
         env.setdefault("WANDB_MODE", "offline")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
