@@ -21,7 +21,7 @@ def test_a_kimi_preset_is_the_kimi_recipes_draft(recipe, attention):
 
     path = REPO / "configs" / "train" / recipe
     cfg = load_config(path, [f"model.draft.attention={attention}"], check_paths=False)
-    built = draft_config(cfg, target_shape("kimi-k2.5"), 32000, [1, 29, 57])
+    built = draft_config(cfg.model, target_shape("kimi-k2.5"), 32000, [1, 29, 57])
     assert draft_shape(f"kimi-k2.5-{attention}") == built
 
 
