@@ -14,5 +14,14 @@ if ! bash scripts/install_engine.sh; then
 fi
 # No hub and no wandb account are needed: fail fast instead of waiting on the network.
 export WANDB_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# --durations: the slowest tests in every log, to keep the suite (and CI) near 30 minutes
-exec .venv/bin/python -m pytest -q --durations=15 "$@"
+# Two workers (TEST_WORKERS=0: one process): most tests keep one core busy (a subprocess, a
+# server starting, a single-threaded training), so two at once fill a 2-core machine. Each
+# worker's torch gets one thread (two threads each would compete for the same two cores);
+# files sharing a costly fixture stay on one worker (tests/conftest.py: schedule_for_workers).
+# --durations: the slowest tests in every log, to keep the suite (and CI) near 30 minutes.
+workers="${TEST_WORKERS:-2}"
+if [ "$workers" != 0 ]; then
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+fi
+exec .venv/bin/python -m pytest -q --durations=15 -n "$workers" --dist loadgroup \
+    --no-loadscope-reorder "$@"

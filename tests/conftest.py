@@ -49,13 +49,47 @@ def transformers_warnings():
     logger.removeHandler(handler)
 
 
+# Session fixtures that cost a CLI run or more: under pytest-xdist (scripts/test.sh runs two
+# workers) the files that use one run on the same worker, so it is built once.
+SHARED_SESSION_FIXTURES = (
+    "kimi_miniature",
+    "online_run",
+    "one_process_batch_2",
+    "embedded_answers",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    if getattr(config.option, "dist", "no") != "no":
+        schedule_for_workers(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def schedule_for_workers(items) -> None:
+    """Under `--dist loadgroup --no-loadscope-reorder`: one group per file (its module fixtures
+    are built once), files sharing a costly session fixture in one group, and the groups with
+    the most slow tests first (one that starts a vLLM server, the `engine` fixture, counts as
+    five: a server's start is the suite's longest wait), so that the long ones start early and
+    the quick ones fill in while the two workers finish (xdist hands out groups in this order)."""
+    group_of: dict[str, str] = {}
+    for item in items:
+        file = item.nodeid.split("::")[0]
+        shared = next((f for f in SHARED_SESSION_FIXTURES if f in item.fixturenames), None)
+        if shared or file not in group_of:
+            group_of[file] = shared or group_of.get(file, file)
+    slow: dict[str, int] = {}
+    for item in items:
+        group = group_of[item.nodeid.split("::")[0]]
+        weight = 5 if "engine" in item.fixturenames else item.get_closest_marker("slow") is not None
+        slow[group] = slow.get(group, 0) + weight
+        item.add_marker(pytest.mark.xdist_group(group))
+    order = {group: rank for rank, group in enumerate(sorted(slow, key=lambda g: -slow[g]))}
+    items.sort(key=lambda item: order[group_of[item.nodeid.split("::")[0]]])  # stable
 
 
 def tiny_llama_config():
@@ -225,59 +259,63 @@ def embedded_answers(tmp_path_factory, embedded_target_dir):
     return work / "shards", bench
 
 
-def train_embedded_drafter(shards, out, *overrides: str):
-    """A drafter for the embedded target that ACCEPTS tokens (~40 s): trained 30 steps over the
-    6 captured answers (lr 2e-3), long enough to learn them. Evaluated on those same prompts it
-    accepts many drafts: what an acceptance comparison (engine vs in-house) needs.
-    -> its final checkpoint dir."""
-    _run_repo("train/train_drafter.py", "--config", "configs/train/smollm2-q4-cpu.yaml",
-              f"data.shard_dirs=[{shards}]", f"train.out_dir={out}",
-              "train.max_steps=30", "train.epochs=1000", "optim.lr=2e-3", "optim.warmup_steps=3",
-              "data.batch_size=6", "model.draft_vocab_size=2048", "train.save_every=1000",
-              "data.val_fraction=0",  # all 6 conversations train: it is measured on them
-              "train.progress=false", "wandb.mode=disabled", *overrides)  # fmt: skip
-    return out / "final"
+def embedded_drafter_command(shards, out, *overrides: str) -> list[str]:
+    """Training a drafter for the embedded target that ACCEPTS tokens: 30 steps over the 6
+    captured answers (lr 2e-3), long enough to learn them. Evaluated on those same prompts it
+    accepts many drafts: what an acceptance comparison (engine vs in-house) needs."""
+    return ["train/train_drafter.py", "--config", "configs/train/smollm2-q4-cpu.yaml",
+            f"data.shard_dirs=[{shards}]", f"train.out_dir={out}",
+            "train.max_steps=30", "train.epochs=1000", "optim.lr=2e-3", "optim.warmup_steps=3",
+            "data.batch_size=6", "model.draft_vocab_size=2048", "train.save_every=1000",
+            "data.val_fraction=0",  # all 6 conversations train: it is measured on them
+            "train.progress=false", "wandb.mode=disabled", *overrides]  # fmt: skip
 
 
 def _run_repo(*cmd: str) -> None:
+    _run_repo_at_once([list(cmd)])
+
+
+def _run_repo_at_once(commands: list[list[str]], **env: str) -> None:
+    """`python CMD...` from the repo root, every command at once."""
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
+    from tests.processes import run_at_once
+
     repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(repo)}
-    proc = subprocess.run([sys.executable, *cmd], cwd=repo, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}"
+    run_at_once(
+        [[sys.executable, *cmd] for cmd in commands],
+        cwd=repo,
+        env={
+            **os.environ,
+            "WANDB_MODE": "disabled",
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": str(repo),
+            **env,
+        },  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="session")
-def embedded_drafter(tmp_path_factory, embedded_answers):
-    """An EAGLE-3 drafter that accepts the embedded target's answers (train_embedded_drafter).
-    -> (checkpoint dir, prompts file)."""
+def embedded_drafters(tmp_path_factory, embedded_answers):
+    """The embedded target's answers trained as an EAGLE-3, an EAGLE-3.1 and a P-EAGLE drafter
+    (the EAGLE-3 layer + 1 plain layer, parallel depth 4), named train/final, eagle3.1/final and
+    train-peagle/final, the three at once on one thread each (~1.5 min on an idle 2-core CPU,
+    ~3 one after the other on two threads). -> ({method: checkpoint dir}, prompts file)."""
     shards, bench = embedded_answers
-    out = tmp_path_factory.mktemp("embedded_drafter") / "train"  # reports name it train/final
-    return train_embedded_drafter(shards, out), bench
-
-
-@pytest.fixture(scope="session")
-def embedded_drafter_eagle3_1(tmp_path_factory, embedded_answers):
-    """The same drafter trained as EAGLE-3.1 (model.draft.method=eagle3.1), named eagle3.1/final.
-    -> (checkpoint dir, prompts file)."""
-    shards, bench = embedded_answers
-    out = tmp_path_factory.mktemp("embedded_drafter") / "eagle3.1"
-    return train_embedded_drafter(shards, out, "model.draft.method=eagle3.1"), bench
-
-
-@pytest.fixture(scope="session")
-def embedded_drafter_peagle(tmp_path_factory, embedded_answers):
-    """The same answers trained as a P-EAGLE drafter (the EAGLE-3 layer + 1 plain layer,
-    parallel depth 4), named train-peagle/final. -> (checkpoint dir, prompts file)."""
-    shards, bench = embedded_answers
-    out = tmp_path_factory.mktemp("embedded_drafter") / "train-peagle"
-    overrides = ("model.draft.method=p-eagle", "model.draft.num_layers=2",
-                 "model.draft.parallel_depth=4")  # fmt: skip
-    return train_embedded_drafter(shards, out, *overrides), bench
+    root = tmp_path_factory.mktemp("embedded_drafter")  # reports name them by their dir
+    overrides = {
+        "eagle3": ("train", ()),
+        "eagle3.1": ("eagle3.1", ("model.draft.method=eagle3.1",)),
+        "p-eagle": ("train-peagle", ("model.draft.method=p-eagle", "model.draft.num_layers=2",
+                                     "model.draft.parallel_depth=4")),
+    }  # fmt: skip
+    _run_repo_at_once(
+        [embedded_drafter_command(shards, root / out, *extra) for out, extra in overrides.values()],
+        OMP_NUM_THREADS="1",
+    )
+    return {method: root / out / "final" for method, (out, _) in overrides.items()}, bench
 
 
 @pytest.fixture

@@ -173,7 +173,7 @@ def node(tmp_path_factory, engine):
         ("--engine vllm", f"--engine vllm {eager}"),
         ("accelerate launch --config_file configs/accelerate/8gpu-zero2.yaml",
          f"{sys.executable} -m accelerate.commands.launch --config_file "
-         "configs/accelerate/8gpu-zero2.yaml --num_processes 2 --main_process_port 29561"),
+         f"configs/accelerate/8gpu-zero2.yaml --num_processes 2 --main_process_port {free_port()}"),
         ("configs/train/kimi-k2.5-offline.yaml",
          f"configs/train/kimi-k2.5-offline.yaml train.out_dir={root / 'run'} train.max_steps=2 "
          "data.max_length=512 data.num_workers=0 data.val_fraction=0 optim.grad_accum=1 "

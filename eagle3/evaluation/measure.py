@@ -18,8 +18,8 @@ turn (plain tok/s; its answers condition later turns), then one with each checkp
 (method eagle3, num_speculative_tokens = the chain steps) decodes the same token-id prompts at
 the same temperature; tau and alpha_i come from vLLM's spec-decode counters over that window
 (one window over all requests; each response's own per-step counts, below, give the
-per-prompt counts). Each pass runs one request at a time and `--engine-batch` N at a time,
-against plain vLLM run the same way. Engine flags: eagle3.engine.server.add_engine_args.
+per-prompt counts). Each pass runs one request at a time and `--engine-batch` N at a time
+(`--engine-passes`: both, or one of them), against plain vLLM run the same way. Engine flags: eagle3.engine.server.add_engine_args.
 
 Acceptance by context position: every in-house step is logged with its context (the tokens
 before its first drafted token; `Tally.prompt_stats`, per prompt). The drafter servers run with
@@ -356,6 +356,12 @@ def engine_reply(server, ids: list[int], cfg: DecodeConfig, eos: list[int]) -> d
 
 # vLLM >= 0.32: every response carries its own steps' accepted/drafted counts, in order
 PER_STEP_ARGS = ("--per-request-spec-decode-metrics", "detailed")
+# --engine-passes -> the concurrency of each pass, from --engine-batch N
+ENGINE_PASSES = {
+    "both": lambda n: (1, n),
+    "single": lambda n: (1,),
+    "batched": lambda n: (n,),
+}
 
 
 def request_steps(reply: dict[str, Any], prompt_len: int) -> tuple[AcceptanceStats | None, int]:
@@ -451,10 +457,11 @@ def engine_runs(
     benches,
     names: dict[str, str],
     cfg: DecodeConfig,
-    batch: int,
+    levels: tuple[int, ...] = (1, 8),
 ) -> list[EngineResult]:
-    """Every checkpoint drafter on every benchmark, one request at a time and `batch`
-    (--engine-batch) at a time, next to plain vLLM run the same way; at most one server runs
+    """Every checkpoint drafter on every benchmark, once at each concurrency of `levels` (1:
+    one request at a time; N: --engine-batch in flight; --engine-passes picks them), next to
+    plain vLLM run the same way; at most one server runs
     at a time, each started as `engine` says. `model`: the resolved target the servers serve;
     `target`: its tokenizer and generation config (a Target or a TargetFiles). Every server is
     told the context the benchmarks need (eagle3.engine.sizing); --engine-arg=--max-model-len=N
@@ -477,10 +484,11 @@ def engine_runs(
     def warm(server, ids):  # first requests pay for graph capture / compilation
         server.complete(ids, max_tokens=WARMUP_TOKENS, stop_token_ids=eos)
 
-    # requests: the plain answers, then every turn twice (1 and `batch` in flight) by plain
-    # vLLM and by each drafter; the servers' start-ups are in the time, as they are in the ETA
+    # requests: the plain answers, then every turn once at each level by plain vLLM and by
+    # each drafter; the servers' start-ups are in the time, as they are in the ETA
     turns_all = decodes(benches, 0)
-    progress = Progress("evaluate [vllm]", turns_all * (3 + 2 * len(drafters)), "requests")
+    total = turns_all * (1 + len(levels) * (1 + len(drafters)))
+    progress = Progress("evaluate [vllm]", total, "requests")
     plain: dict[tuple[str, int], EngineRun] = {}
     with managed_engine(
         engine, model, served_model_name=target.name, max_model_len=max_model_len
@@ -490,7 +498,7 @@ def engine_runs(
         turns = engine_plain_turns(server, target, benches, cfg, eos, progress)
         warm(server, next(iter(turns.values()))[0])
         for bench, ids in turns.items():
-            for n in (1, batch):
+            for n in levels:
                 plain[bench, n] = engine_pass(server, ids, cfg, eos, n, progress)
     results = []
     for name, spec in drafters.items():
@@ -507,7 +515,7 @@ def engine_runs(
                      server.startup_seconds, server.serving.describe(), server.log_path)  # fmt: skip
             warm(server, next(iter(turns.values()))[0])
             for bench, ids in turns.items():
-                for n in (1, batch):
+                for n in levels:
                     run_ = engine_pass(server, ids, cfg, eos, n, progress)
                     prompts = dict(benches)[bench]
                     owners = [j for j, p in enumerate(prompts) for _ in range(user_turns(p))]

@@ -411,7 +411,7 @@ def test_one_run_measures_a_checkpoint_as_chain_and_tree_with_rows_per_turn(
     tree_only = {"exp/final [tree]": f"tree:{ckpt}"}
     model = resolve(chat_target_dir)
     engine = EngineSettings(kind="vllm")
-    assert engine_runs(engine, model, target, [], tree_only, DecodeConfig(), batch=8) == []
+    assert engine_runs(engine, model, target, [], tree_only, DecodeConfig(), (1, 8)) == []
     argv[argv.index(f"tree:{ckpt}")] = "tree:prompt-lookup"
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]

@@ -11,6 +11,7 @@ import pytest
 
 from eagle3.engine.server import EngineSettings
 from eagle3.evaluation.evaluate import build_parser, main
+from eagle3.evaluation.measure import ENGINE_PASSES
 
 TAU_RTOL = 0.03
 STEPS = 4  # chain draft tokens = vLLM num_speculative_tokens
@@ -27,27 +28,23 @@ def test_engine_flags_parse():
         extra_args=("--enforce-eager", "--gpu-memory-utilization=0.8"),
     )
     assert args.engine_batch == 8
+    assert ENGINE_PASSES[args.engine_passes](args.engine_batch) == (1, 8)  # both passes
+    for passes, levels in (("batched", (6,)), ("single", (1,))):
+        argv = ["--target", "t", "--draft", "d", "--engine-passes", passes, "--engine-batch", "6"]
+        args = build_parser().parse_args(argv)
+        assert ENGINE_PASSES[args.engine_passes](args.engine_batch) == levels
 
 
 @pytest.mark.slow
 def test_engine_tau_agrees_with_in_house_eagle3_eagle3_1_and_peagle(
-    engine,
-    embedded_drafter,
-    embedded_drafter_eagle3_1,
-    embedded_drafter_peagle,
-    tmp_path,
-    capsys,
-    monkeypatch,
+    engine, embedded_drafters, tmp_path, capsys, monkeypatch
 ):
     """The three methods in one evaluate (one plain server, one per drafter): ~4 min here with
-    the three drafters' training (~1 min each on an idle 2-core CPU). Each is served as its
+    the three drafters' training (embedded_drafters: ~1.5 min on an idle 2-core CPU). Each is served as its
     method, as vLLM's log shows: the EAGLE-3.1 drafter's fc_norm weights loaded (not silently
     plain EAGLE-3), P-EAGLE's server asked for parallel drafting of STEPS tokens a pass."""
-    (ckpt, bench), (ckpt31, _), (peagle, _) = (
-        embedded_drafter,
-        embedded_drafter_eagle3_1,
-        embedded_drafter_peagle,
-    )
+    drafters, bench = embedded_drafters
+    ckpt, ckpt31, peagle = drafters["eagle3"], drafters["eagle3.1"], drafters["p-eagle"]
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")  # the engine logs every weight it loads
     out, engine_log = tmp_path / "eval.json", tmp_path / "vllm.log"
     argv = [

@@ -13,13 +13,13 @@ def row(drafter: str, bench: str, tau: float, ci: tuple[float, float]) -> dict:
 
 
 def test_tau_table_reads_each_modes_vllm_row_and_says_whether_intervals_overlap(tmp_path):
-    """~0.01 s. Each mode's one-request-at-a-time vLLM row (not the xN row, not "fp8" for
-    "fp8-aux"), its one bucket's τ and interval, and the overlap verdict against bf16."""
+    """~0.01 s. Each mode's vLLM row of BATCH in flight (not another pass's row, not "fp8"
+    for "fp8-aux"), its one bucket's τ and interval, and the overlap verdict against bf16."""
     results = [
-        row("bf16/final [vllm]", "mt_bench", 1.30, (1.20, 1.40)),
-        row("bf16/final [vllm x4]", "mt_bench", 9.0, (9.0, 9.0)),
-        row("fp8-aux/final [vllm]", "mt_bench", 1.28, (1.18, 1.38)),
-        row("fp8/final [vllm]", "mt_bench", 1.60, (1.50, 1.70)),
+        row("bf16/final [vllm x8]", "mt_bench", 1.30, (1.20, 1.40)),
+        row("bf16/final [vllm]", "mt_bench", 9.0, (9.0, 9.0)),
+        row("fp8-aux/final [vllm x8]", "mt_bench", 1.28, (1.18, 1.38)),
+        row("fp8/final [vllm x8]", "mt_bench", 1.60, (1.50, 1.70)),
     ]
     path = tmp_path / "eval.json"
     path.write_text(json.dumps({"results": results}))

