@@ -17,7 +17,7 @@ export WANDB_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # Two workers (TEST_WORKERS=0: one process): most tests keep one core busy (a subprocess, a
 # server starting, a single-threaded training), so two at once fill a 2-core machine. Each
 # worker's torch gets one thread (two threads each would compete for the same two cores);
-# files sharing a costly fixture stay on one worker (tests/conftest.py: schedule_for_workers).
+# tests go out one by one, so a module fixture is built on each worker that needs it.
 # --durations: the slowest tests in every log, to keep the suite (and CI) near 30 minutes.
 workers="${TEST_WORKERS:-2}"
 if [ "$workers" != 0 ]; then

@@ -49,47 +49,13 @@ def transformers_warnings():
     logger.removeHandler(handler)
 
 
-# Session fixtures that cost a CLI run or more: under pytest-xdist (scripts/test.sh runs two
-# workers) the files that use one run on the same worker, so it is built once.
-SHARED_SESSION_FIXTURES = (
-    "kimi_miniature",
-    "online_run",
-    "one_process_batch_2",
-    "embedded_answers",
-)
-
-
 def pytest_collection_modifyitems(config, items):
-    if getattr(config.option, "dist", "no") != "no":
-        schedule_for_workers(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def schedule_for_workers(items) -> None:
-    """Under `--dist loadgroup --no-loadscope-reorder`: one group per file (its module fixtures
-    are built once), files sharing a costly session fixture in one group, and the groups with
-    the most slow tests first (one that starts a vLLM server, the `engine` fixture, counts as
-    five: a server's start is the suite's longest wait), so that the long ones start early and
-    the quick ones fill in while the two workers finish (xdist hands out groups in this order)."""
-    group_of: dict[str, str] = {}
-    for item in items:
-        file = item.nodeid.split("::")[0]
-        shared = next((f for f in SHARED_SESSION_FIXTURES if f in item.fixturenames), None)
-        if shared or file not in group_of:
-            group_of[file] = shared or group_of.get(file, file)
-    slow: dict[str, int] = {}
-    for item in items:
-        group = group_of[item.nodeid.split("::")[0]]
-        weight = 5 if "engine" in item.fixturenames else item.get_closest_marker("slow") is not None
-        slow[group] = slow.get(group, 0) + weight
-        item.add_marker(pytest.mark.xdist_group(group))
-    order = {group: rank for rank, group in enumerate(sorted(slow, key=lambda g: -slow[g]))}
-    items.sort(key=lambda item: order[group_of[item.nodeid.split("::")[0]]])  # stable
 
 
 def tiny_llama_config():
