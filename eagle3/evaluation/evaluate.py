@@ -24,7 +24,8 @@ chain steps) decodes the same token-id prompts at the same temperature; tau and 
 from vLLM's spec-decode counters over that window (alpha_i conditional, as in-house), tau's
 interval from each response's own per-step counts (the same steps, per prompt). Rows "[vllm]" run one
 request at a time, rows "[vllm xN]" N at a time (`--engine-batch`), each against plain vLLM
-run the same way; `--engine-passes single|batched` runs only one of the two. Engine flags: eagle3.engine.server.add_engine_args.
+run the same way; `--engine-passes single|batched` runs only one of the two. Engine flags:
+eagle3.engine.server.add_engine_args.
 
 Acceptance by context position: every row's `by_context` (and the second table) holds tau and
 alpha_i of the verification steps in buckets of the context before each step (prompt +

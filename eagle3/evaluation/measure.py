@@ -19,7 +19,8 @@ turn (plain tok/s; its answers condition later turns), then one with each checkp
 the same temperature; tau and alpha_i come from vLLM's spec-decode counters over that window
 (one window over all requests; each response's own per-step counts, below, give the
 per-prompt counts). Each pass runs one request at a time and `--engine-batch` N at a time
-(`--engine-passes`: both, or one of them), against plain vLLM run the same way. Engine flags: eagle3.engine.server.add_engine_args.
+(`--engine-passes`: both, or one of them), against plain vLLM run the same way. Engine flags:
+eagle3.engine.server.add_engine_args.
 
 Acceptance by context position: every in-house step is logged with its context (the tokens
 before its first drafted token; `Tally.prompt_stats`, per prompt). The drafter servers run with
@@ -457,7 +458,7 @@ def engine_runs(
     benches,
     names: dict[str, str],
     cfg: DecodeConfig,
-    levels: tuple[int, ...] = (1, 8),
+    levels: tuple[int, ...],
 ) -> list[EngineResult]:
     """Every checkpoint drafter on every benchmark, once at each concurrency of `levels` (1:
     one request at a time; N: --engine-batch in flight; --engine-passes picks them), next to
