@@ -47,7 +47,7 @@ def train_flops_per_token(cfg: DraftConfig, seq_len: int, ttt_steps: int) -> flo
     H, ffn, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     fc = 2 * 3 * cfg.target_hidden_size * H
-    if cfg.attention == "mla":  # the latent projections (eagle3.model.MLAAttention)
+    if cfg.attention == "mla":  # the latent projections (eagle3.layers.MLAAttention)
         dqk, dv, r = cfg.head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
         q = cfg.q_lora_rank * (2 * H + nh * dqk) if cfg.q_lora_rank else 2 * H * nh * dqk
         kv = 2 * H * (cfg.kv_lora_rank + r) + cfg.kv_lora_rank * nh * (dqk - r + dv)

@@ -60,7 +60,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3.errors import Eagle3Error
-from eagle3.model import MLP, Attention, DraftConfig, Eagle3Draft, RMSNorm
+from eagle3.layers import MLP, Attention, RMSNorm
+from eagle3.model import DraftConfig, Eagle3Draft
 
 
 class PlainLayer(nn.Module):

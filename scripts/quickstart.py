@@ -53,7 +53,7 @@ from eagle3.cli import HelpFormatter, run_cli
 from eagle3.config import merge, parse_overrides, read_yaml
 from eagle3.errors import Eagle3Error
 from eagle3.evaluation.report import format_table, speedup_note
-from eagle3.methods import METHODS, method_named
+from eagle3.methods import DEFAULT_METHOD, METHODS, method_named
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_RECIPE = REPO / "configs" / "train" / "smollm2-q4-cpu.yaml"
@@ -123,7 +123,7 @@ def wandb_group(args: argparse.Namespace, run: Path) -> str:
 def train_dir(args: argparse.Namespace) -> str:
     """The drafter's run dir: one per method, so that another --method trains afresh on the same
     shards instead of resuming a checkpoint of another layer."""
-    return "train" if args.method == "eagle3" else f"train-{args.method}"
+    return "train" if args.method == DEFAULT_METHOD else f"train-{args.method}"
 
 
 def launch_command(cpu: bool) -> list[str]:
@@ -199,34 +199,56 @@ def shard_dirs(args: argparse.Namespace) -> list[str]:
 
 
 def stage_commands(args: argparse.Namespace, run: Path) -> list[tuple[str, list[str]]]:
-    py = sys.executable
+    """(stage, command) in the order they run; the options leave stages out or add them."""
     offpolicy = [  # --offpolicy 0: the target's own answers only
-        (
-            "offpolicy",
-            [
-                py,
-                "-m",
-                "datagen.offpolicy",
-                "--prompts",
-                "sharegpt",
-                "--limit",
-                str(args.offpolicy),
-                "--split",
-                "train",
-                "--max-turns",
-                "3",
-                "--exclude-benchmarks",
-                args.bench,
-                "--out",
-                str(run / "offpolicy"),
-            ],
-        ),
+        ("offpolicy", offpolicy_command(args, run)),
         capture_command(args, run, "offpolicy", "shards-offpolicy", OFFPOLICY_MAX_LENGTH),
     ]
-    group = wandb_group(args, run)
     # The ablation: same shards, recipe and steps, but EAGLE-2's recipe (the final hidden state
     # only, no training-time test); evaluated next to the EAGLE-3 drafter.
     ablation = [("train-eagle2", train_command(args, run, "train-eagle2", *ABLATION))]
+    return [
+        ("generate", generate_command(args, run)),
+        capture_command(args, run, "responses", "shards", args.max_length),
+        *(offpolicy if args.offpolicy else []),
+        (
+            "train",
+            train_command(args, run, train_dir(args), f"model.draft.method={args.method}"),
+        ),
+        *(ablation if args.ablation else []),
+        ("evaluate", evaluate_command(args, run)),
+    ]
+
+
+def generate_command(args: argparse.Namespace, run: Path) -> list[str]:
+    """The target's own answers to ShareGPT's training prompts (never a benchmark's)."""
+    return [
+        sys.executable, "-m", "datagen.local",
+        "--target", args.target,
+        "--prompts", "sharegpt", "--limit", str(args.prompts), "--split", "train",
+        "--max-turns", str(args.turns),  # second turns teach what MT-bench's second turns need
+        "--max-prompt-tokens", "384",  # ShareGPT's long tail (up to 6k tokens) crawls on a CPU
+        "--exclude-benchmarks", args.bench,  # never train on what the evaluate stage measures
+        "--max-new-tokens", str(args.max_new_tokens),
+        "--temperature", "0",
+        "--out", str(run / "responses"),
+    ]  # fmt: skip
+
+
+def offpolicy_command(args: argparse.Namespace, run: Path) -> list[str]:
+    """ShareGPT's own answers (--offpolicy N conversations), the off-policy share."""
+    return [
+        sys.executable, "-m", "datagen.offpolicy",
+        "--prompts", "sharegpt", "--limit", str(args.offpolicy), "--split", "train",
+        "--max-turns", "3",
+        "--exclude-benchmarks", args.bench,
+        "--out", str(run / "offpolicy"),
+    ]  # fmt: skip
+
+
+def evaluate_command(args: argparse.Namespace, run: Path) -> list[str]:
+    """The drafter (chain, and tree with --tree), the ablation's and prompt lookup, against plain
+    decoding of the same target."""
     final = run / train_dir(args) / "final"
     drafts = [  # the EAGLE-2-style ablation as a chain only: its ratio compares chains
         str(final),
@@ -235,78 +257,24 @@ def stage_commands(args: argparse.Namespace, run: Path) -> list[tuple[str, list[
         *([str(run / "train-eagle2" / "final")] if args.ablation else []),
     ]
     return [
-        (
-            "generate",
-            [
-                py,
-                "-m",
-                "datagen.local",
-                "--target",
-                args.target,
-                "--prompts",
-                "sharegpt",
-                "--limit",
-                str(args.prompts),
-                "--split",
-                "train",
-                "--max-turns",  # second turns teach what MT-bench's second turns need
-                str(args.turns),
-                "--max-prompt-tokens",  # ShareGPT's long tail (up to 6k tokens) crawls on a CPU
-                "384",
-                "--exclude-benchmarks",  # never train on what the evaluate stage measures
-                args.bench,
-                "--max-new-tokens",
-                str(args.max_new_tokens),
-                "--temperature",
-                "0",
-                "--out",
-                str(run / "responses"),
-            ],
-        ),
-        capture_command(args, run, "responses", "shards", args.max_length),
-        *(offpolicy if args.offpolicy else []),
-        (
-            "train",
-            train_command(args, run, train_dir(args), f"model.draft.method={args.method}"),
-        ),
-        *(ablation if args.ablation else []),
-        (
-            "evaluate",
-            [
-                py,
-                "-m",
-                "eagle3.evaluate",
-                "--target",
-                args.target,
-                *[arg for d in drafts for arg in ("--draft", d)],
-                "--draft",  # plain decoding is measured in every row (plain tok/s, speedup)
-                "prompt-lookup",
-                "--bench",
-                args.bench,
-                "--mode",
-                "chain",
-                "--steps",  # the depth trained: a chain past it drafts tokens never trained
-                str(trained_depth(args)),
-                "--topk",
-                str(TREE_TOPK),
-                "--depth",  # the tree's, likewise
-                str(trained_depth(args)),
-                "--total-tokens",
-                str(TREE_TOKENS),
-                "--temperature",
-                "0",
-                "--limit",
-                str(args.eval_limit),
-                "--max-new-tokens",
-                str(args.eval_tokens),
-                "--json",
-                str(run / "eval.json"),
-                *(["--wandb", "--wandb-group", group] if args.wandb else []),
-                *(["--engine", args.engine] if args.engine else []),
-                *[f"--engine-arg={a}" for a in args.engine_arg],
-            ],
-        ),
-    ]
+        sys.executable, "-m", "eagle3.evaluate",
+        "--target", args.target,
+        *[arg for d in drafts for arg in ("--draft", d)],
+        "--draft", "prompt-lookup",  # plain decoding is measured in every row (plain tok/s)
+        "--bench", args.bench,
+        "--mode", "chain",
+        "--steps", str(trained_depth(args)),  # the depth trained: past it, tokens never trained
+        "--topk", str(TREE_TOPK),
+        "--depth", str(trained_depth(args)),  # the tree's, likewise
+        "--total-tokens", str(TREE_TOKENS),
+        "--temperature", "0",
+        "--limit", str(args.eval_limit),
+        "--max-new-tokens", str(args.eval_tokens),
+        "--json", str(run / "eval.json"),
+        *(["--wandb", "--wandb-group", wandb_group(args, run)] if args.wandb else []),
+        *(["--engine", args.engine] if args.engine else []),
+        *[f"--engine-arg={a}" for a in args.engine_arg],
+    ]  # fmt: skip
 
 
 def load_manifest(run: Path) -> dict:
@@ -402,7 +370,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--method",
         choices=METHODS,
-        default="eagle3",
+        default=DEFAULT_METHOD,
         help="the draft method trained (model.draft.method): eagle3; eagle3.1 (an RMSNorm per aux "
         "state before fc, the post-norm state chained; vLLM serves both as eagle3); p-eagle "
         "(parallel drafting: all chain tokens in one forward, chain only)",

@@ -223,7 +223,22 @@ def substitute(command: str, subs: list[tuple[str, str]], used: set[str]) -> lis
     return [sys.executable, *argv[1:]] if argv[0] == "python" else argv
 
 
-def test_kimi_runbook_runs_as_typed_on_the_miniature(node):
+@pytest.fixture(scope="module")
+def runbook(node):
+    """The runbook block's commands but the last (the serve line), run as typed: what the
+    variants below start from (step 3's drafter, step 1's responses) whichever test runs first.
+    -> (the commands, the substitutions they used)."""
+    used: set[str] = set()
+    commands = runbook_commands(RUNBOOK.read_text())
+    for command in commands[:-1]:
+        argv = substitute(command, node["subs"], used)
+        proc = subprocess.run(argv, cwd=REPO, env=node["env"], capture_output=True, text=True,
+                              timeout=900)  # fmt: skip
+        assert proc.returncode == 0, f"{command}\n-> {proc.returncode}\n{proc.stderr[-3000:]}"
+    return commands, used
+
+
+def test_kimi_runbook_runs_as_typed_on_the_miniature(node, runbook):
     """Responses from the fake OpenRouter, the capture estimate, the capture through vLLM (told
     its context, with --trust-remote-code for the tiktoken tokenizer), offline ZeRO-2 training
     on 2 processes that names kimi-k2.5 and reads it where the shards were captured,
@@ -231,13 +246,7 @@ def test_kimi_runbook_runs_as_typed_on_the_miniature(node):
     request with the drafter. ~3 min (189 s in a loaded CI-like run; four vLLM-CPU starts and a
     2-process ZeRO-2 training). It alone runs the page's commands as typed, and serves the
     offline recipe's own draft shape (MLP 18,432) through vLLM."""
-    root, env, used = node["root"], node["env"], set()
-    commands = runbook_commands(RUNBOOK.read_text())
-    for command in commands[:-1]:
-        argv = substitute(command, node["subs"], used)
-        proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=900)  # fmt: skip
-        assert proc.returncode == 0, f"{command}\n-> {proc.returncode}\n{proc.stderr[-3000:]}"
+    root, (commands, used) = node["root"], runbook
     meta = json.loads((root / "shards" / "meta.json").read_text())
     assert (meta["target"], meta["target_dir"]) == ("kimi-k2.5", str(node["model"].resolve()))
     provenance = json.loads((root / "run" / "provenance.json").read_text())
@@ -268,15 +277,13 @@ def test_kimi_runbook_runs_as_typed_on_the_miniature(node):
     assert {old for old, _ in node["subs"]} == used, "a substitution no longer matches the page"
 
 
-def test_kimi_runbook_finetune_variant_runs_as_typed(node):
+def test_kimi_runbook_finetune_variant_runs_as_typed(node, runbook):
     """After the runbook (~1 min): step 3 from a published drafter, as typed: the plan, then a
     2-process ZeRO-2 fine-tune anchored to the start, replaying the step's own shards (as the
     generic slice) and validating the held-out conversations and replay's. The start is the
     drafter the runbook's step 3 wrote, in this project's format, until the published layouts
     load (model.init_from of a TorchSpec/SpecForge directory)."""
     root, start = node["root"], node["root"] / "run" / "final"
-    if not (start / "config.json").is_file():
-        pytest.skip("the start is the runbook's step 3 drafter: run the runbook test first")
     out, shards = root / "finetune", root / "shards"
     launch = [sub for sub in node["subs"] if sub[0].startswith("accelerate launch")]
     subs = launch + [
@@ -301,15 +308,13 @@ def test_kimi_runbook_finetune_variant_runs_as_typed(node):
     assert 0.2 <= json.loads((out / "provenance.json").read_text())["replay"]["fraction"] < 0.5
 
 
-def test_kimi_runbook_long_recipe_capture_runs_as_typed(node):
+def test_kimi_runbook_long_recipe_capture_runs_as_typed(node, runbook):
     """After the runbook (one more vLLM-CPU start for the capture, then the plan's imports:
     ~30 s beside the runbook's 117 s; 265 s measured on 2 cores at load 10, where the runbook's
     step 1 and capture took 293 s): the long recipe's capture from step 1's responses into its own directory, told
     its length (the miniature's context allows 1,000 where the page says 65,536), then its
     memory plan as typed."""
     root = node["root"]
-    if not (root / "shards" / "meta.json").is_file():
-        pytest.skip("the capture reads the runbook's step 1 responses: run the runbook test first")
     subs = [sub for sub in node["subs"] if sub[0] != "--max-length 16384"]
     subs.append(("--max-length 65536", "--max-length 1000"))
     used: set[str] = set()

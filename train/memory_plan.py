@@ -52,13 +52,9 @@ Sizes print in GiB (2^30 bytes), the unit torch reports a card's `total_memory` 
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from eagle3.draft_shapes import target_shape
 from eagle3.errors import Eagle3Error
 from eagle3.methods import draft_for, method_of
 from eagle3.model import DraftConfig
@@ -140,6 +136,10 @@ class Plan:
     # False for P-EAGLE, whose one-pass training (dense per-depth attention over its
     # subsampled slots) this plan does not model: printed as an estimate, never a refusal
     modelled: bool = True
+
+    def add(self, name: str, nbytes: float, note: str) -> None:
+        self.parts[name] = nbytes
+        self.notes[name] = note
 
     @property
     def total(self) -> float:
@@ -271,13 +271,8 @@ def plan_memory(
     """Bytes of every part on one rank (see the module docstring for what each assumes)."""
     if run.attention_path not in ATTENTION_PATHS:
         raise Eagle3Error(f"attention path {run.attention_path!r} is not one of {ATTENTION_PATHS}")
-    trainable, frozen = parameter_counts(draft_cfg)
-    deepspeed = zero.stage > 0
-    weight_b = 2 if (deepspeed and run.bf16) else 4
-    shards = node.gpus if deepspeed else 1
     sp = run.sequence_parallel
     tokens = run.max_length * run.batch_size // sp  # one micro-batch row set (this rank's shard)
-    Ht = draft_cfg.target_hidden_size
     p = Plan(
         card_bytes=node.gpu_bytes,
         run=run,
@@ -285,43 +280,81 @@ def plan_memory(
         heads=draft_cfg.num_attention_heads,
         sp_exchange_bytes=sp_exchange_bytes_per_token(draft_cfg, run.bf16),
     )
+    add_model_state(p, draft_cfg, run, zero, node.gpus)
+    module_bf16 = zero.stage > 0 and run.bf16  # DeepSpeed casts the module: no autocast, all bf16
+    act_tok = add_activations(p, draft_cfg, run, tokens, module_bf16)
+    label_tok, hidden_tok = add_batches(p, draft_cfg, run, tokens, lm_head_rows)
+    p.add("CUDA context", CONTEXT_GB * GB, "context, cuBLAS, NCCL")
+    p.add(
+        "allocator headroom",
+        ALLOCATOR_HEADROOM * node.gpu_bytes,
+        f"{ALLOCATOR_HEADROOM:.0%} of the card (changing lengths)",
+    )
+    if run.engine_fraction:
+        p.add(
+            "engine (vLLM)",
+            run.engine_fraction * node.gpu_bytes,
+            f"--gpu-memory-utilization {run.engine_fraction:g}"
+            + (
+                f" (the target's weights: ~{run.engine_weights_bytes / GIB:.0f} GiB a card)"
+                if run.engine_weights_bytes
+                else ""
+            ),
+        )
+    p.per_token_bytes = (act_tok + label_tok * run.labels_held + hidden_tok * run.grad_accum) / sp
+    return p
 
-    p.parts["draft weights"] = (trainable + frozen) * weight_b
-    p.notes["draft weights"] = (
-        f"{trainable / 1e6:.0f}M trainable + {frozen / 1e6:.0f}M frozen embeddings, "
-        f"{'bf16' if weight_b == 2 else 'fp32'}"
+
+def add_model_state(p: Plan, draft_cfg: DraftConfig, run: RunShape, zero: ZeroSetup, gpus: int):
+    """The weights, the anchor's start, the optimizer state, the gradients and ZeRO's buckets."""
+    trainable, frozen = parameter_counts(draft_cfg)
+    deepspeed = zero.stage > 0
+    weight_b = 2 if (deepspeed and run.bf16) else 4
+    weight_dtype = "bf16" if weight_b == 2 else "fp32"
+    shards = gpus if deepspeed else 1
+    p.add(
+        "draft weights",
+        (trainable + frozen) * weight_b,
+        f"{trainable / 1e6:.0f}M trainable + {frozen / 1e6:.0f}M frozen embeddings, {weight_dtype}",
     )
     if run.anchor:  # θ_start in the weights' dtype, whole on every rank (ZeRO-2 / DDP)
-        p.parts["anchor start"] = trainable * weight_b
-        p.notes["anchor start"] = (
+        p.add(
+            "anchor start",
+            trainable * weight_b,
             f"train.anchor_l2: the {trainable / 1e6:.0f}M trainable starting weights, "
-            f"{'bf16' if weight_b == 2 else 'fp32'}"
+            f"{weight_dtype}",
         )
     opt_b = 12 if (deepspeed and run.bf16) else 8
-    p.parts["master + Adam"] = trainable * opt_b / shards
-    p.notes["master + Adam"] = (
+    p.add(
+        "master + Adam",
+        trainable * opt_b / shards,
         f"{opt_b} B/param{' (fp32 master, m, v)' if opt_b == 12 else ' (m, v)'}"
-        + (f" / {shards} ranks (ZeRO-{zero.stage})" if deepspeed else "")
+        + (f" / {shards} ranks (ZeRO-{zero.stage})" if deepspeed else ""),
     )
-    if deepspeed:
-        grad_b = 4 if zero.grad_accum_fp32 or not run.bf16 else 2
-        grads = trainable * grad_b / (shards if zero.stage >= 2 else 1)
-        buckets = zero.reduce_bucket * 2 * (2 if zero.overlap_comm else 1)
-        buckets += zero.allgather_bucket * 2
-        p.parts["gradients"] = grads
-        p.notes["gradients"] = f"{'fp32' if grad_b == 4 else 'bf16'} accumulation" + (
-            f", / {shards} ranks" if zero.stage >= 2 else ""
-        )
-        p.parts["ZeRO buckets"] = buckets
-        p.notes["ZeRO buckets"] = (
-            f"reduce {zero.reduce_bucket:.0e}{' x 2 (overlap_comm)' if zero.overlap_comm else ''}"
-            f" + allgather {zero.allgather_bucket:.0e} elements, bf16"
-        )
-    else:
-        p.parts["gradients"] = trainable * 4
-        p.notes["gradients"] = "fp32, every rank"
+    if not deepspeed:
+        p.add("gradients", trainable * 4, "fp32, every rank")
+        return
+    grad_b = 4 if zero.grad_accum_fp32 or not run.bf16 else 2
+    p.add(
+        "gradients",
+        trainable * grad_b / (shards if zero.stage >= 2 else 1),
+        f"{'fp32' if grad_b == 4 else 'bf16'} accumulation"
+        + (f", / {shards} ranks" if zero.stage >= 2 else ""),
+    )
+    buckets = zero.reduce_bucket * 2 * (2 if zero.overlap_comm else 1)
+    p.add(
+        "ZeRO buckets",
+        buckets + zero.allgather_bucket * 2,
+        f"reduce {zero.reduce_bucket:.0e}{' x 2 (overlap_comm)' if zero.overlap_comm else ''}"
+        f" + allgather {zero.allgather_bucket:.0e} elements, bf16",
+    )
 
-    module_bf16 = deepspeed and run.bf16  # DeepSpeed casts the module: no autocast, all bf16
+
+def add_activations(
+    p: Plan, draft_cfg: DraftConfig, run: RunShape, tokens: int, module_bf16: bool
+) -> float:
+    """The TTT unroll's activations (with flex's K/V or one tile's scores) and, under sequence
+    parallelism, the all-to-all copies and the group's communicator -> bytes per local token."""
     if run.recompute:
         flex_bf16 = module_bf16 and run.attention_path == "flex"
         blocks = RECOMPUTE_FLEX_KV_BLOCKS if flex_bf16 else RECOMPUTE_KV_BLOCKS
@@ -344,51 +377,58 @@ def plan_memory(
     if method_of(draft_cfg).parallel:  # an estimate only (Plan.modelled)
         p.modelled = False
         note += "; p-eagle: its one-pass depths and dense per-depth masks are not modelled"
-    p.parts["activations"] = acts
-    p.notes["activations"] = f"{note} ({run.attention_path})" + (
-        f", 1/{sp} of each record (sequence parallel)" if sp > 1 else ""
+    sp = run.sequence_parallel
+    p.add(
+        "activations",
+        acts,
+        f"{note} ({run.attention_path})"
+        + (f", 1/{sp} of each record (sequence parallel)" if sp > 1 else ""),
     )
     if sp > 1:  # q, k, v of one step: the shard's, the whole record's share, the send copies
         exchange = sp_exchange_bytes_per_token(draft_cfg, run.bf16)
-        p.parts["SP all-to-all"] = exchange * tokens
-        p.notes["SP all-to-all"] = (
-            f"{exchange / 1024:.0f} KiB/token x {tokens} tokens: one TTT step's q/k/v all-to-all"
+        p.add(
+            "SP all-to-all",
+            exchange * tokens,
+            f"{exchange / 1024:.0f} KiB/token x {tokens} tokens: one TTT step's q/k/v all-to-all",
         )
         act_tok += exchange
-        p.parts["SP communicator"] = NCCL_COMMUNICATOR_GB * GB
-        p.notes["SP communicator"] = "the group's NCCL communicator beside the data-parallel one"
+        p.add(
+            "SP communicator",
+            NCCL_COMMUNICATOR_GB * GB,
+            "the group's NCCL communicator beside the data-parallel one",
+        )
+    return act_tok
 
+
+def add_batches(
+    p: Plan, draft_cfg: DraftConfig, run: RunShape, tokens: int, lm_head_rows: int
+) -> tuple[float, float]:
+    """The soft labels (and their cache), the hidden-state batches and the target's lm_head
+    -> (label bytes, hidden-state bytes) per local token."""
     label_tok = 4 * draft_cfg.draft_vocab_size + 1
-    p.parts["soft labels"] = label_tok * tokens * run.labels_held + (
-        4 * run.lm_head_chunk * lm_head_rows * 2  # a chunk's logits and its softmax
-    )
-    p.notes["soft labels"] = (
+    p.add(
+        "soft labels",
+        label_tok * tokens * run.labels_held
+        + 4 * run.lm_head_chunk * lm_head_rows * 2,  # a chunk's logits and its softmax
         f"{label_tok / 1024:.0f} KiB/token x {tokens} tokens x {run.labels_held} micro-batch(es)"
-        f" + lm_head chunk {run.lm_head_chunk} rows"
+        f" + lm_head chunk {run.lm_head_chunk} rows",
     )
     if run.label_cache_bytes:
-        p.parts["soft-label cache"] = run.label_cache_bytes
-        p.notes["soft-label cache"] = "data.label_cache_gb (data.label_cache_gb=0: none)"
-    hidden_tok = 4 * Ht * 2
-    p.parts["hidden-state batches"] = hidden_tok * tokens * run.grad_accum
-    p.notes["hidden-state batches"] = (
-        f"{hidden_tok / 1024:.0f} KiB/token x {tokens} tokens x {run.grad_accum} micro-batches, bf16"
-    )
-    p.parts["target lm_head"] = lm_head_rows * Ht * 2
-    p.notes["target lm_head"] = f"{lm_head_rows} x {Ht}, bf16 (soft labels)"
-    p.parts["CUDA context"] = CONTEXT_GB * GB
-    p.notes["CUDA context"] = "context, cuBLAS, NCCL"
-    p.parts["allocator headroom"] = ALLOCATOR_HEADROOM * node.gpu_bytes
-    p.notes["allocator headroom"] = f"{ALLOCATOR_HEADROOM:.0%} of the card (changing lengths)"
-    if run.engine_fraction:
-        p.parts["engine (vLLM)"] = run.engine_fraction * node.gpu_bytes
-        p.notes["engine (vLLM)"] = f"--gpu-memory-utilization {run.engine_fraction:g}" + (
-            f" (the target's weights: ~{run.engine_weights_bytes / GIB:.0f} GiB a card)"
-            if run.engine_weights_bytes
-            else ""
+        p.add(
+            "soft-label cache",
+            run.label_cache_bytes,
+            "data.label_cache_gb (data.label_cache_gb=0: none)",
         )
-    p.per_token_bytes = (act_tok + label_tok * run.labels_held + hidden_tok * run.grad_accum) / sp
-    return p
+    Ht = draft_cfg.target_hidden_size
+    hidden_tok = 4 * Ht * 2
+    p.add(
+        "hidden-state batches",
+        hidden_tok * tokens * run.grad_accum,
+        f"{hidden_tok / 1024:.0f} KiB/token x {tokens} tokens x {run.grad_accum} micro-batches,"
+        " bf16",
+    )
+    p.add("target lm_head", lm_head_rows * Ht * 2, f"{lm_head_rows} x {Ht}, bf16 (soft labels)")
+    return label_tok, hidden_tok
 
 
 # -- what would fit ---------------------------------------------------------------------------
@@ -471,145 +511,3 @@ def check_fits(plan: Plan, online: bool) -> None:
         f"{plan.card_bytes / GIB:.1f} GiB card (run --plan for the table): "
         + ("; or ".join(options) if options else "use cards with more memory")
     )
-
-
-# -- reading the launch -----------------------------------------------------------------------
-def read_zero(ds_config: dict | None) -> ZeroSetup:
-    """The ZeroSetup of a DeepSpeed config dict (None: no DeepSpeed)."""
-    if not ds_config:
-        return ZeroSetup()
-    zero = ds_config.get("zero_optimization", {})
-    dtypes = ds_config.get("data_types", {})
-
-    def number(key: str) -> float:  # "auto" (or absent): DeepSpeed's default, 5e8
-        value = zero.get(key, 5e8)
-        return float(value) if not isinstance(value, str) or value != "auto" else 5e8
-
-    return ZeroSetup(
-        stage=int(zero.get("stage", 0)),
-        reduce_bucket=number("reduce_bucket_size"),
-        allgather_bucket=number("allgather_bucket_size"),
-        overlap_comm=bool(zero.get("overlap_comm", False)),
-        grad_accum_fp32=dtypes.get("grad_accum_dtype") == "fp32",
-    )
-
-
-def read_launch_config(path: str | Path | None) -> dict | None:
-    """The DeepSpeed config dict an accelerate launch config (or a DeepSpeed JSON) names."""
-    import yaml
-
-    if path is None:
-        return None
-    path = Path(path)
-    if not path.exists():
-        raise Eagle3Error(f"--accelerate-config {path} does not exist")
-    if path.suffix == ".json":
-        return json.loads(path.read_text())
-    launch = yaml.safe_load(path.read_text()) or {}
-    ds = (launch.get("deepspeed_config") or {}).get("deepspeed_config_file")
-    if not ds:
-        return None
-    ds_path = Path(ds)
-    if not ds_path.is_absolute() and not ds_path.exists():
-        ds_path = path.parent.parent.parent / ds  # configs/accelerate/x.yaml -> repo root
-    return json.loads(ds_path.read_text())
-
-
-def engine_fraction(engine_args: list[str]) -> float:
-    """vLLM's --gpu-memory-utilization among the engine args (its default when absent)."""
-    for i, arg in enumerate(engine_args):
-        if arg.startswith("--gpu-memory-utilization"):
-            value = arg.split("=", 1)[1] if "=" in arg else engine_args[i + 1]
-            return float(value)
-    return VLLM_DEFAULT_UTILIZATION
-
-
-# -- the plan of a recipe ---------------------------------------------------------------------
-def served_weights_gb(name: str) -> float:
-    """The registry's `served_weights_gb` of a target (what an engine loads), 0 if unknown."""
-    from eagle3.target import resolve
-
-    return float((resolve(name).spec or {}).get("served_weights_gb") or 0.0)
-
-
-def recipe_plan(
-    cfg, node: Node, ds_config: dict | None, attention_path: str, draft_cfg: DraftConfig = None
-) -> Plan:
-    """The plan of a recipe (train/config.py's Config) on `node` under a DeepSpeed config."""
-    from train.draft import draft_config
-    from train.sequence_parallel import check_heads, sp_groups
-
-    if draft_cfg is None:
-        hf = target_shape(cfg.target.name)
-        aux = cfg.target.aux_layer_ids or [1, 2, 3]  # their values cost nothing
-        draft_cfg = draft_config(cfg.model, hf, min(cfg.model.draft_vocab_size, hf.vocab_size), aux)
-    sp_groups(node.gpus, cfg.train.sequence_parallel)  # one line when sp does not divide them
-    check_heads(draft_cfg.num_attention_heads, cfg.train.sequence_parallel)
-    mixed = cfg.train.mixed_precision
-    tensor_parallel = cfg.target.engine.tensor_parallel_size or node.gpus
-    # served on these GPUs; a server at target.engine.url is another node's and takes none
-    online_served = (
-        cfg.data.mode == "online"
-        and cfg.target.engine.kind == "vllm"
-        and cfg.target.engine.url is None
-    )
-    run = RunShape(
-        max_length=(cfg.data.packing and cfg.data.pack_length) or cfg.data.max_length,
-        batch_size=cfg.data.batch_size,
-        grad_accum=cfg.optim.grad_accum,
-        ttt_steps=cfg.model.ttt_steps,
-        bf16=mixed in ("auto", "bf16"),  # auto: bf16 on a GPU, which is what is planned
-        attention_path=attention_path,
-        labels_held=1,  # train_loop makes each micro-batch's soft labels before its forward
-        lm_head_chunk=cfg.data.lm_head_chunk,
-        engine_fraction=engine_fraction(cfg.target.engine.args) if online_served else 0.0,
-        engine_weights_bytes=served_weights_gb(cfg.target.name) * GB / tensor_parallel
-        if online_served
-        else 0.0,
-        sequence_parallel=cfg.train.sequence_parallel,
-        anchor=cfg.train.anchor_l2 > 0,
-        recompute=cfg.train.recompute_ttt_steps and not method_of(draft_cfg).parallel,
-        label_cache_bytes=cfg.data.label_cache_gb * GIB if cfg.data.mode == "offline" else 0.0,
-    )
-    return plan_memory(draft_cfg, run, read_zero(ds_config), node, draft_cfg.vocab_size)
-
-
-def launch_config_path() -> str:
-    """The DeepSpeed config of this launch: accelerate launch's (it exports the file's path),
-    else the 8-GPU ZeRO-2 one the Kimi recipes are launched with."""
-    launched = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if launched:
-        return launched
-    return str(Path(__file__).resolve().parents[1] / "configs/accelerate/ds_zero2.json")
-
-
-def detect_node(
-    gpus: int | None, gpu_memory_gib: float | None, gpu_memory_gb: float | None = None
-) -> Node:
-    """The node from --gpus / --gpu-memory-gib (GiB: what torch reports as a card's
-    total_memory, / 2^30), else from the visible GPUs (one line if none). --gpu-memory-gb
-    (decimal GB, 1e9 bytes: what it always meant) still works, with one line saying so."""
-    import torch
-
-    if gpu_memory_gib is None and gpu_memory_gb is not None:
-        gpu_memory_gib = gpu_memory_gb * GB / GIB
-        print(
-            f"note: --gpu-memory-gb {gpu_memory_gb:g} is {gpu_memory_gb:g}e9 bytes = "
-            f"{gpu_memory_gib:.1f} GiB; the launch plans the card torch reports (total_memory): "
-            "give that as --gpu-memory-gib (an RTX PRO 6000 reports ~95)",
-            file=sys.stderr,
-            flush=True,
-        )
-    if gpus is None or gpu_memory_gib is None:
-        if not torch.cuda.is_available():
-            raise Eagle3Error(
-                "no GPU visible to detect the node: give --gpus N --gpu-memory-gib GIB "
-                "(e.g. --gpus 8 --gpu-memory-gib 95 for 8 RTX PRO 6000, as torch reports them)"
-            )
-        if gpus is None:
-            gpus = int(os.environ.get("WORLD_SIZE", torch.cuda.device_count()))
-        if gpu_memory_gib is None:
-            gpu_memory_gib = torch.cuda.get_device_properties(0).total_memory / GIB
-    if gpus < 1 or gpu_memory_gib <= 0:
-        raise Eagle3Error(f"--gpus {gpus} and --gpu-memory-gib {gpu_memory_gib} must be positive")
-    return Node(gpus, gpu_memory_gib * GIB)

@@ -176,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokens", type=parse_count, help="token count for --estimate (e.g. 40M)")
     p.add_argument("--tokens-per-s", type=float, help="capture speed for --estimate")
+    add_engine_capture_args(p)
+    return p
+
+
+def add_engine_capture_args(p: argparse.ArgumentParser) -> None:
+    """Capture through an engine: the managed one's flags, running capture servers, --serve."""
     add_engine_args(p)
     p.add_argument("--engine-concurrency", type=int, default=16, help="engine: requests in flight")
     p.add_argument(
@@ -196,7 +202,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--host", default="127.0.0.1", help="--serve: the address to listen on (0.0.0.0: all)"
     )
     p.add_argument("--port", type=int, help="--serve: the port (default: a free one)")
-    return p
 
 
 def parse_args(argv: list[str] | None) -> CaptureSettings:

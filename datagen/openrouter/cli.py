@@ -27,7 +27,7 @@ the settlement with a countdown (``--no-wait-for-orphans``: exit 75 naming the t
 
 ``--audit-every N`` loads a local copy of the target (``--audit-target``, default the config's
 ``audit_target``) and, every N finished prompts, scores a sample of each provider's responses
-under it (datagen.audit.OnlineAudit). A provider whose responses stand out is added to the
+under it (datagen.online_audit.OnlineAudit). A provider whose responses stand out is added to the
 rule's ``ignore`` list for the rest of the run, and the decision and its reason are appended to
 ``DIR/audit.jsonl``; later runs on DIR read that file and keep ignoring it (audit on or off).
 

@@ -1,7 +1,7 @@
 """The provider audit of a run (``--audit-every N``) and the exclusions it leaves behind.
 
 :func:`make_audit` loads the local copy of the target once and wraps it in
-:class:`datagen.audit.OnlineAudit`; the requester runs its checks and appends each exclusion
+:class:`datagen.online_audit.OnlineAudit`; the requester runs its checks and appends each exclusion
 (``{"t": "exclude", "provider", "slugs", "reason", "time"}``) to ``DIR/audit.jsonl``, beside the
 audit's own check lines. A later run on DIR reads those exclusions back
 (:func:`ignore_earlier_exclusions`) and keeps ignoring the providers, audit on or off: a verdict
@@ -72,7 +72,7 @@ def ignore_earlier_exclusions(
 
 def make_audit(target: str, every: int, log_path: Path, device_map: str | None = None):
     """Load the audit target once and wrap it in an OnlineAudit (tests replace this)."""
-    from datagen.audit import OnlineAudit
+    from datagen.online_audit import OnlineAudit
     from eagle3.target import load_target
 
     log.info("audit: loading target %s; a check every %d prompts", target, every)

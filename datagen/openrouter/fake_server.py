@@ -305,6 +305,8 @@ class FakeOpenRouter:
         return response
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
+        """One chat completion as OpenRouter answers it: the provider rule, routing to the
+        cheapest live endpoint, credits, the configured faults, then the bill and the body."""
         cfg, st = self.config, self.stats
         try:
             req = await request.json()
@@ -314,31 +316,13 @@ class FakeOpenRouter:
             return _error(400, f"{req.get('model')} is not a valid model ID")
         messages = req.get("messages") or []
         max_tokens = int(req.get("max_tokens") or 4096)
-
-        reachable = self.reachable(req.get("provider"), max_tokens)
-        bad = sorted({e["tag"] for e in reachable if e["tag"].split("/")[0] in cfg.forbidden})
-        if bad:
-            st.violations += 1
-            if len(st.violation_examples) < 5:
-                st.violation_examples.append({"provider": req.get("provider"), "reach": bad})
-            return _error(400, f"provider rule violation: the request may route to {bad}")
-        live = [e for e in reachable if (e.get("status") or 0) >= 0]
-        if not live:
-            return _error(404, "No endpoints found matching your data policy and provider rule")
-        route = min(
-            live,
-            key=lambda e: (float(e["pricing"]["completion"]), float(e["pricing"]["prompt"])),
-        )
+        route = self._route(req.get("provider"), max_tokens)
+        if isinstance(route, web.Response):
+            return route
         p_in = float(route["pricing"]["prompt"])
         p_out = float(route["pricing"]["completion"])
         prompt_tokens = _prompt_tokens(messages)
-        cached, p_cache = 0, p_in
-        if cfg.cache and route["pricing"].get("input_cache_read") is not None:
-            # the conversation before the last user turn was sent with the previous turn
-            last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=0)
-            if any(m.get("role") == "assistant" for m in messages[:last]):
-                cached = _prompt_tokens(messages[:last])
-                p_cache = min(p_in, float(route["pricing"]["input_cache_read"]))
+        cached, p_cache = self._cached_prefix(route, messages)
 
         if cfg.latency:
             await asyncio.sleep(cfg.latency)
@@ -366,6 +350,80 @@ class FakeOpenRouter:
             return web.Response(status=499)
         gen_id = f"gen-{int(time.time())}-{next(self._ids):08d}"
         headers = {"X-Generation-Id": gen_id}
+        if fault in ("truncated", "524_in_200", "no_choices"):
+            return await self._malformed(fault, request, gen_id, headers)
+
+        lo, hi = cfg.completion_tokens
+        completion = self.rng.randint(lo, hi)
+        finish = "stop"
+        if completion >= max_tokens:
+            completion, finish = max_tokens, "length"
+        discount = cached * (p_in - p_cache)
+        cost = prompt_tokens * p_in - discount + completion * p_out
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "cost": cost,
+            "is_byok": False,
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"reasoning_tokens": completion // 3},
+        }
+        if cached:
+            usage["cache_discount"] = discount
+        self._bill(gen_id, route, usage, finish)
+        if fault == "no_cost":
+            del usage["cost"]
+        body = {
+            "id": gen_id,
+            "provider": route["provider_name"],
+            "model": cfg.model + "-0127",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "choices": [self._choice(route, messages, usage, finish, fault)],
+            "usage": usage,
+        }
+        return web.Response(
+            body=json.dumps(body).encode(), content_type="application/json", headers=headers
+        )
+
+    def _route(self, provider: dict | None, max_tokens: int) -> dict | web.Response:
+        """The endpoint a request goes to (the cheapest live one its provider rule reaches), or
+        the error OpenRouter answers; reaching a forbidden provider is a counted violation."""
+        st = self.stats
+        reachable = self.reachable(provider, max_tokens)
+        forbidden = self.config.forbidden
+        bad = sorted({e["tag"] for e in reachable if e["tag"].split("/")[0] in forbidden})
+        if bad:
+            st.violations += 1
+            if len(st.violation_examples) < 5:
+                st.violation_examples.append({"provider": provider, "reach": bad})
+            return _error(400, f"provider rule violation: the request may route to {bad}")
+        live = [e for e in reachable if (e.get("status") or 0) >= 0]
+        if not live:
+            return _error(404, "No endpoints found matching your data policy and provider rule")
+        return min(
+            live,
+            key=lambda e: (float(e["pricing"]["completion"]), float(e["pricing"]["prompt"])),
+        )
+
+    def _cached_prefix(self, route: dict, messages: list[dict]) -> tuple[int, float]:
+        """(cached prompt tokens, their price): the conversation before the last user turn was
+        sent with the previous turn, so a caching endpoint reads it from its cache."""
+        p_in = float(route["pricing"]["prompt"])
+        if not self.config.cache or route["pricing"].get("input_cache_read") is None:
+            return 0, p_in
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=0)
+        if not any(m.get("role") == "assistant" for m in messages[:last]):
+            return 0, p_in
+        return _prompt_tokens(messages[:last]), min(
+            p_in, float(route["pricing"]["input_cache_read"])
+        )
+
+    async def _malformed(
+        self, fault: str, request: web.Request, gen_id: str, headers: dict
+    ) -> web.StreamResponse:
+        """A 200 that carries no answer: a truncated body, an error inside the 200, no choices."""
         if fault == "truncated":
             resp = web.StreamResponse(status=200, headers=headers)
             resp.content_type = "application/json"
@@ -376,18 +434,14 @@ class FakeOpenRouter:
         if fault == "524_in_200":
             body = {"error": {"code": 524, "message": "Provider timed out", "metadata": {}}}
             return web.json_response(body, headers=headers)
-        if fault == "no_choices":
-            body = {"id": gen_id, "object": "chat.completion", "choices": []}
-            return web.json_response(body, headers=headers)
+        body = {"id": gen_id, "object": "chat.completion", "choices": []}
+        return web.json_response(body, headers=headers)
 
-        lo, hi = cfg.completion_tokens
-        completion = self.rng.randint(lo, hi)
-        finish = "stop"
-        if completion >= max_tokens:
-            completion, finish = max_tokens, "length"
-        reasoning_tokens = completion // 3
-        discount = cached * (p_in - p_cache)
-        cost = prompt_tokens * p_in - discount + completion * p_out
+    def _bill(self, gen_id: str, route: dict, usage: dict, finish: str) -> None:
+        """Charge a generation and keep it for GET /generation, as OpenRouter settles it."""
+        st, cost = self.stats, usage["cost"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        discount = usage.get("cache_discount", 0.0)
         st.charged_usd += cost
         st.billed += 1
         st.bills.append((time.time(), cost))
@@ -395,25 +449,33 @@ class FakeOpenRouter:
         st.cache_discount_usd += discount
         self.generations[gen_id] = {
             "id": gen_id,
-            "model": cfg.model + "-0127",
+            "model": self.config.model + "-0127",
             "provider_name": route["provider_name"],
             "total_cost": cost,
             "cache_discount": discount if cached else None,
-            "tokens_prompt": prompt_tokens,
-            "tokens_completion": completion,
-            "native_tokens_prompt": prompt_tokens,
-            "native_tokens_completion": completion,
+            "tokens_prompt": usage["prompt_tokens"],
+            "tokens_completion": usage["completion_tokens"],
+            "native_tokens_prompt": usage["prompt_tokens"],
+            "native_tokens_completion": usage["completion_tokens"],
             "native_tokens_cached": cached,
-            "native_tokens_reasoning": reasoning_tokens,
+            "native_tokens_reasoning": usage["completion_tokens_details"]["reasoning_tokens"],
             "finish_reason": finish,
             "cancelled": False,
             "is_byok": False,
         }
+
+    def _choice(
+        self, route: dict, messages: list[dict], usage: dict, finish: str, fault: str | None
+    ) -> dict:
+        """The answer: a digest of the last user turn (tests match answers to prompts by it),
+        or the empty / errored choice a fault asks for."""
+        reasoning_tokens = usage["completion_tokens_details"]["reasoning_tokens"]
         last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         digest = hashlib.sha1(str(last_user).encode()).hexdigest()[:10]
+        answer_tokens = usage["completion_tokens"] - reasoning_tokens
         message = {
             "role": "assistant",
-            "content": f"Answer {digest} in {completion - reasoning_tokens} tokens.",
+            "content": f"Answer {digest} in {answer_tokens} tokens.",
             "reasoning": f"Thinking about {digest} for {reasoning_tokens} tokens.",
         }
         choice = {"index": 0, "finish_reason": finish, "native_finish_reason": finish}
@@ -423,33 +485,10 @@ class FakeOpenRouter:
             choice["finish_reason"] = "error"
             choice["error"] = {"code": 502, "message": "upstream stream error"}
         else:
-            st.providers[route["tag"]] += 1
-            st.ok_contents[digest] += 1
+            self.stats.providers[route["tag"]] += 1
+            self.stats.ok_contents[digest] += 1
         choice["message"] = message
-        body = {
-            "id": gen_id,
-            "provider": route["provider_name"],
-            "model": cfg.model + "-0127",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion,
-                "cost": cost,
-                "is_byok": False,
-                "prompt_tokens_details": {"cached_tokens": cached},
-                "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            },
-        }
-        if cached:
-            body["usage"]["cache_discount"] = discount
-        if fault == "no_cost":
-            del body["usage"]["cost"]
-        return web.Response(
-            body=json.dumps(body).encode(), content_type="application/json", headers=headers
-        )
+        return choice
 
     def _draw_fault(self) -> str | None:
         faults = self.config.faults

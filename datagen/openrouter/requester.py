@@ -113,7 +113,7 @@ class HeldOrphans(Protocol):
 
 
 class Auditor(Protocol):
-    """What the requester needs of :class:`datagen.audit.OnlineAudit`."""
+    """What the requester needs of :class:`datagen.online_audit.OnlineAudit`."""
 
     def add(self, record: dict) -> bool: ...  # True when a check is due
 

@@ -71,27 +71,16 @@ async def run(
         if acct["key_status"] == 401:
             raise ConfigError("OpenRouter rejected the API key (401): check OPENROUTER_API_KEY")
 
-        block = providers.provider_block(endpoints, cfg.native_precision, cfg.ignore)
-        settings = Settings(
+        settings = requester_settings(
+            cfg,
+            endpoints,
+            allowed,
+            groups,
+            budget=budget,
             base_url=base_url,
             api_key=api_key,
-            model=cfg.model,
-            max_tokens=cfg.max_tokens,
-            temperature=cfg.temperature,
-            reasoning=cfg.reasoning,
-            provider=block,
-            prices=providers.dearest(allowed),
-            budget=budget,
-            token_budgets={name: cfg.token_budget(name) for name in groups},
-            concurrency=cfg.concurrency,
-            retry_policy=retry.Policy(cfg.max_attempts, cfg.retry_initial_s, cfg.retry_max_s),
-            request_timeout=cfg.request_timeout_s,
-            grace=cfg.grace_s,
-            log_every=cfg.log_every_s,
             audit_log=out_dir / AUDIT_LOG,
-            provider_slugs=slugs_of,
-            allowed_slugs=[e.tag for e in allowed],
-            cache_savings=providers.cache_savings(allowed),
+            slugs_of=slugs_of,
             wait_for_orphans=wait_for_orphans,
         )
         total = sum(len(prompts) for prompts in groups.values())
@@ -101,37 +90,29 @@ async def run(
             if acct["usage"] is not None:  # the snapshot comes before this run's first request
                 ledger.record_key_usage(acct["usage"])
             settler = Settler(ledger, api, cfg.request_timeout_s)
-            for line in await settler.start(acct["usage"], read_at):
-                print(line, file=sys.stderr, flush=True)
+            say(await settler.start(acct["usage"], read_at))
             todo, done_before = prompts_left(store, groups)
             settings.plan_usd_per_m_out = usd_per_m_out(cfg, allowed, dict(zip(groups, todo)))
             settings.done_before = done_before  # progress: already done, not in the rate
             log.info(
-                "allowed providers: %s; rule %s", ", ".join(e.provider for e in allowed), block
+                "allowed providers: %s; rule %s",
+                ", ".join(e.provider for e in allowed),
+                settings.provider,
             )
             audit = None
             if audit_every > 0 and any(todo):
                 audit = exclusions.make_audit(
                     cfg.audit_target, audit_every, out_dir / AUDIT_LOG, cfg.audit_device_map
                 )
-            settling = asyncio.create_task(settler.run())  # tries while the run goes on
-            try:
-                outcome = await Requester(settings, todo, store, ledger, audit, settler).run()
-            finally:
-                settling.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await settling  # (a bug in it surfaces here)
-            for line in await settler.finish(outcome.stop == "interrupted"):
-                print(line, file=sys.stderr, flush=True)
+            requester = Requester(settings, todo, store, ledger, audit, settler)
+            outcome = await generate_while_settling(requester, settler)
+            say(await settler.finish(outcome.stop == "interrupted"))
             spent = ledger.spent_usd + ledger.reserved_usd  # open reservations now are abandoned
             tokens = sum(ledger.tokens.values())
             cache = (ledger.cached_tokens, ledger.cache_discount_usd)
             remaining = total - done_before - outcome.done - outcome.failed
-            held = settler.pending_line()
-            if held:
-                print(held, file=sys.stderr)
-            for line in await stop_messages(outcome, remaining, spent, budget, api, store, groups):
-                print(line, file=sys.stderr)
+            say([settler.pending_line()])
+            say(await stop_messages(outcome, remaining, spent, budget, api, store, groups))
         finally:
             ledger.close()
             store.close()
@@ -143,6 +124,63 @@ async def run(
     )
     print(line, flush=True)
     return EXIT_OK if remaining == 0 else EXIT_TEMPFAIL
+
+
+async def generate_while_settling(requester: Requester, settler: Settler):
+    """The requester's run, with the settler trying to settle earlier requests meanwhile."""
+    settling = asyncio.create_task(settler.run())
+    try:
+        return await requester.run()
+    finally:
+        settling.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await settling  # (a bug in it surfaces here)
+
+
+def say(lines: list[str | None]) -> None:
+    """Status lines to stderr (the summary alone goes to stdout); empty ones are left out."""
+    for line in lines:
+        if line:
+            print(line, file=sys.stderr, flush=True)
+
+
+def requester_settings(
+    cfg: GenConfig,
+    endpoints: list,
+    allowed: list,
+    groups: dict[str, list[Prompt]],
+    *,
+    budget: float,
+    base_url: str,
+    api_key: str,
+    audit_log: Path,
+    slugs_of: dict[str, list[str]],
+    wait_for_orphans: bool,
+) -> Settings:
+    """The requester's settings: the config's sampling, limits and retries, the provider block
+    routing to the allowed endpoints, the dearest allowed price for reservations."""
+    return Settings(
+        base_url=base_url,
+        api_key=api_key,
+        model=cfg.model,
+        max_tokens=cfg.max_tokens,
+        temperature=cfg.temperature,
+        reasoning=cfg.reasoning,
+        provider=providers.provider_block(endpoints, cfg.native_precision, cfg.ignore),
+        prices=providers.dearest(allowed),
+        budget=budget,
+        token_budgets={name: cfg.token_budget(name) for name in groups},
+        concurrency=cfg.concurrency,
+        retry_policy=retry.Policy(cfg.max_attempts, cfg.retry_initial_s, cfg.retry_max_s),
+        request_timeout=cfg.request_timeout_s,
+        grace=cfg.grace_s,
+        log_every=cfg.log_every_s,
+        audit_log=audit_log,
+        provider_slugs=slugs_of,
+        allowed_slugs=[e.tag for e in allowed],
+        cache_savings=providers.cache_savings(allowed),
+        wait_for_orphans=wait_for_orphans,
+    )
 
 
 def load_all_prompts(cfg: GenConfig, files: list[str]) -> dict[str, list[Prompt]]:

@@ -232,14 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise Eagle3Error(
             f"target {args.target} has no tokenizer; the benchmarks need its chat template"
         )
-    names: dict[str, str] = {}
-    for spec in specs:  # every checkpoint is checked before any decoding starts
-        name, n = drafter_name(spec), 1
-        while name in names:
-            n += 1
-            name = f"{drafter_name(spec)}#{n}"
-        names[name] = spec
-        check_drafter_tokenizer(spec, target.tokenizer)
+    names = drafter_names(specs, target.tokenizer)
     if args.engine_only:  # checked against the target, never loaded here
         drafters = {}
         for spec in engine_drafters(names).values():
@@ -261,19 +254,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     warmed = False
     report["config"]["context_buckets"] = edges
-    report["benchmarks"] = {}
-    loaded = []
-    for bench, source in benches:
-        prompts = load_bench(bench, source, target.tokenizer, context, args)
-        if not prompts:
-            raise Eagle3Error(f"benchmark {bench} ({source}) has no prompts")
-        loaded.append((bench, prompts))
-        report["benchmarks"][bench] = prompt_lengths(target.tokenizer, prompts)
-    if args.held_out:
-        held, report["held_out"] = held_out_benches(args, target.tokenizer, context)
-        for bench, prompts in held:
-            loaded.append((bench, prompts))
-            report["benchmarks"][bench] = prompt_lengths(target.tokenizer, prompts)
+    loaded = load_benches(benches, args, target.tokenizer, context, report)
     inhouse = [] if args.engine_only else loaded
     # every turn of every prompt, plainly and by each drafter: what the time goes with
     where = {"bench": f"plain + {len(drafters)} drafters on {len(inhouse)} benchmarks"}
@@ -307,6 +288,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row["dataset"] = row["bench"][len(HELD_OUT) :]
         report["weakest"] = weakest(report["results"])
     return report
+
+
+def drafter_names(specs: list[str], tokenizer: Any) -> dict[str, str]:
+    """name -> spec (a repeated name numbered: name#2, ...), each checkpoint's tokenizer checked
+    before any decoding starts."""
+    names: dict[str, str] = {}
+    for spec in specs:
+        name, n = drafter_name(spec), 1
+        while name in names:
+            n += 1
+            name = f"{drafter_name(spec)}#{n}"
+        names[name] = spec
+        check_drafter_tokenizer(spec, tokenizer)
+    return names
+
+
+def load_benches(
+    benches: list[tuple[str, str]],
+    args: argparse.Namespace,
+    tokenizer: Any,
+    context: int,
+    report: dict[str, Any],
+) -> list[tuple[str, list]]:
+    """[(bench, prompts)]: the benchmarks, then the held-out datasets (--held-out); each one's
+    prompt lengths go to report["benchmarks"], the held-out split to report["held_out"]."""
+    report["benchmarks"] = {}
+    loaded = []
+    for bench, source in benches:
+        prompts = load_bench(bench, source, tokenizer, context, args)
+        if not prompts:
+            raise Eagle3Error(f"benchmark {bench} ({source}) has no prompts")
+        loaded.append((bench, prompts))
+    if args.held_out:
+        held, report["held_out"] = held_out_benches(args, tokenizer, context)
+        loaded += held
+    for bench, prompts in loaded:
+        report["benchmarks"][bench] = prompt_lengths(tokenizer, prompts)
+    return loaded
 
 
 def add_held_out_args(p: argparse.ArgumentParser) -> None:

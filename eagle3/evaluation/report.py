@@ -399,61 +399,12 @@ def log_wandb(
             kwargs.update(job_type="eval", name=f"eval-{name}", config={"eval": report["config"]})
         run = wandb.init(**kwargs)
         try:
-            for r in rows:
-                prefix = f"eval/{r['bench']}"
-                run.summary[f"{prefix}/tau"] = r["tau"]
-                for side, value in zip(("lo", "hi"), r.get("tau_ci95") or ()):
-                    run.summary[f"{prefix}/tau_ci95_{side}"] = value
-                run.summary[f"{prefix}/speedup"] = r["speedup"]
-                run.summary[f"{prefix}/spec_tokens_per_s"] = r["spec_tokens_per_s"]
-                run.summary[f"{prefix}/plain_tokens_per_s"] = r["plain_tokens_per_s"]
-                for i, a in enumerate(r["alpha"]):
-                    if a is not None:
-                        run.summary[f"{prefix}/alpha_{i + 1}"] = a
-                for turn in r.get("per_turn") or ():  # MT-bench: turn 2 follows turn 1's answer
-                    run.summary[f"{prefix}/turn{turn['turn']}/tau"] = turn["tau"]
-                    run.summary[f"{prefix}/turn{turn['turn']}/speedup"] = turn["speedup"]
-                for b in r.get("by_context") or ():  # tau by the context before each step
-                    where = f"{prefix}/context_from_{b['context_lo']}"  # the bucket's edge
-                    run.summary[f"{where}/tau"] = b["tau"]
-                    run.summary[f"{where}/steps"] = b["steps"]
-                    for side, value in zip(("lo", "hi"), b.get("tau_ci95") or ()):
-                        run.summary[f"{where}/tau_ci95_{side}"] = value
-                    for i, a in enumerate(b["alpha"]):
-                        if a is not None:
-                            run.summary[f"{where}/alpha_{i + 1}"] = a
-            columns = [
-                "drafter",
-                "bench",
-                "tau",
-                "speedup",
-                "spec_tokens_per_s",
-                "plain_tokens_per_s",
-                "prompts",
-                "tokens",
-            ]
-            ctx_columns = ["drafter", "bench", "context_lo", "context_hi", "steps", "prompts",
-                           "tau", "tau_ci95_lo", "tau_ci95_hi"]  # fmt: skip
-            ctx_data = [
-                [
-                    r["drafter"],
-                    r["bench"],
-                    b["context_lo"],
-                    b["context_hi"],
-                    b["steps"],
-                    b["prompts"],
-                    b["tau"],
-                    *(b.get("tau_ci95") or (None, None)),
-                ]  # fmt: skip
-                for r in rows
-                for b in r.get("by_context") or ()
-            ]
+            for key, value in wandb_summary(rows).items():
+                run.summary[key] = value
             run.log(
                 {
-                    "eval/results": wandb.Table(
-                        columns=columns, data=[[r[c] for c in columns] for r in rows]
-                    ),
-                    "eval/by_context": wandb.Table(columns=ctx_columns, data=ctx_data),
+                    name: wandb.Table(columns=columns, data=data)
+                    for name, (columns, data) in wandb_tables(rows).items()
                 }
             )
             if run.dir and Path(run.dir).is_dir():
@@ -462,3 +413,59 @@ def log_wandb(
                 )
         finally:
             run.finish()
+
+
+def wandb_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One drafter's result rows as W&B summary keys: eval/<bench>/tau (its interval, speedup,
+    throughputs, alpha_i), per MT-bench turn, and per context bucket."""
+    summary: dict[str, Any] = {}
+    for r in rows:
+        prefix = f"eval/{r['bench']}"
+        summary[f"{prefix}/tau"] = r["tau"]
+        for side, value in zip(("lo", "hi"), r.get("tau_ci95") or ()):
+            summary[f"{prefix}/tau_ci95_{side}"] = value
+        summary[f"{prefix}/speedup"] = r["speedup"]
+        summary[f"{prefix}/spec_tokens_per_s"] = r["spec_tokens_per_s"]
+        summary[f"{prefix}/plain_tokens_per_s"] = r["plain_tokens_per_s"]
+        for i, a in enumerate(r["alpha"]):
+            if a is not None:
+                summary[f"{prefix}/alpha_{i + 1}"] = a
+        for turn in r.get("per_turn") or ():  # MT-bench: turn 2 follows turn 1's answer
+            summary[f"{prefix}/turn{turn['turn']}/tau"] = turn["tau"]
+            summary[f"{prefix}/turn{turn['turn']}/speedup"] = turn["speedup"]
+        for b in r.get("by_context") or ():  # tau by the context before each step
+            where = f"{prefix}/context_from_{b['context_lo']}"  # the bucket's edge
+            summary[f"{where}/tau"] = b["tau"]
+            summary[f"{where}/steps"] = b["steps"]
+            for side, value in zip(("lo", "hi"), b.get("tau_ci95") or ()):
+                summary[f"{where}/tau_ci95_{side}"] = value
+            for i, a in enumerate(b["alpha"]):
+                if a is not None:
+                    summary[f"{where}/alpha_{i + 1}"] = a
+    return summary
+
+
+def wandb_tables(rows: list[dict[str, Any]]) -> dict[str, tuple[list[str], list[list[Any]]]]:
+    """One drafter's result rows as W&B tables: name -> (columns, data)."""
+    columns = ["drafter", "bench", "tau", "speedup", "spec_tokens_per_s", "plain_tokens_per_s",
+               "prompts", "tokens"]  # fmt: skip
+    ctx_columns = ["drafter", "bench", "context_lo", "context_hi", "steps", "prompts",
+                   "tau", "tau_ci95_lo", "tau_ci95_hi"]  # fmt: skip
+    ctx_data = [
+        [
+            r["drafter"],
+            r["bench"],
+            b["context_lo"],
+            b["context_hi"],
+            b["steps"],
+            b["prompts"],
+            b["tau"],
+            *(b.get("tau_ci95") or (None, None)),
+        ]  # fmt: skip
+        for r in rows
+        for b in r.get("by_context") or ()
+    ]
+    return {
+        "eval/results": (columns, [[r[c] for c in columns] for r in rows]),
+        "eval/by_context": (ctx_columns, ctx_data),
+    }

@@ -29,6 +29,7 @@ from eagle3.model import DraftConfig, Eagle3Draft
 
 REGISTRY: dict[str, Eagle3Method] = {m.name: m for m in (EAGLE3, EAGLE3_1, P_EAGLE)}
 METHODS = tuple(REGISTRY)  # the names, in the order help texts list them
+DEFAULT_METHOD = EAGLE3.name  # what a config that names no method trains
 
 
 def method_named(name: str) -> Eagle3Method:

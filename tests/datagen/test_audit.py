@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from datagen import audit
-from datagen.audit import OnlineAudit, RecordScore, compare_providers
+from datagen.audit import RecordScore, compare_providers
+from datagen.online_audit import OnlineAudit
 
 PROMPTS = [
     "What is the capital of France?",
@@ -240,6 +241,12 @@ def provider_records(smollm2_target):
 
 @pytest.mark.slow
 def test_audit_flags_requantized_and_different_models(provider_records, tmp_path, capsys):
+    """The audit CLI on real generations of the embedded 4-bit SmolLM2 (A: the target, B:
+    re-quantised to 3 bits, C: 3 of its 30 layers dropped) flags B and C and not A, exit 1 under
+    --fail-on-flag: the only check of the CLI's flag rule on real generations rather than synthetic
+    scores. Costs ~33 s of fixture setup (the module's provider_records: 12 sampled answers from
+    each of the 3 models, shared with the online audit test) + ~9 s (its call; measured on 2 xdist
+    workers)."""
     from eagle3.data.records import ResultStore
 
     with ResultStore(tmp_path / "out") as store:
@@ -272,6 +279,11 @@ def test_audit_flags_requantized_and_different_models(provider_records, tmp_path
 
 @pytest.mark.slow
 def test_online_audit_excludes_flagged_providers(smollm2_target, provider_records, tmp_path):
+    """OnlineAudit, as training runs it, on the same real records arriving interleaved: the check
+    falls due at the 36th record, excludes B and C with their nats/token reasons, logs the check,
+    and no longer samples an excluded provider. Costs ~11 s (its call: scoring 36 records on the
+    target; measured on 2 xdist workers), after the module's provider_records (~33 s, built once for
+    both tests)."""
     online = OnlineAudit(
         smollm2_target, every=36, per_check=12, min_records=8, log_path=tmp_path / "audit.jsonl"
     )

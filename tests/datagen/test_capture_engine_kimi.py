@@ -127,6 +127,13 @@ def within_bf16_bounds(errors: torch.Tensor) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("capture", ["vllm", "vllm-bf16"])
 def test_engine_shards_equal_the_in_process_int4_capture(kimi, capture):
+    """For each dtype the engine serves (float32, bfloat16), vLLM-CPU's shards of the de-quantised
+    miniature equal the in-process INT4 capture within that dtype's bound, vLLM captured the aux ids
+    plus one with the attention backend it was given, and a neighbouring layer fails the bound: the
+    engine capture is right for Kimi's MLA + MoE wrapper. Costs ~54 s and ~86 s of fixture setup on
+    the 2 xdist workers (the module's kimi fixture, built once per worker: the session's miniature
+    if not yet built, its in-process INT4 capture and two vLLM-CPU captures; shared with the file's
+    other tests) + 0.02 s a dtype."""
     hf_meta = json.loads((kimi["hf"] / "meta.json").read_text())
     vllm_meta = json.loads((kimi["root"] / capture / "meta.json").read_text())
     for key in ("target", "vocab_size", "target_hidden_size", "aux_layer_ids", "num_layers",
@@ -186,7 +193,9 @@ def test_an_attention_backend_this_cpu_cannot_serve_is_refused_before_the_engine
     kimi, tmp_path
 ):
     """--attention-backend AMX_MLA with the default float32 weights: AMX_MLA takes bfloat16
-    only (an AMX CPU), or needs AMX (any other): one line, no server, no shards, no temp dir."""
+    only (an AMX CPU), or needs AMX (any other): one line, no server, no shards, no temp dir. Costs
+    < 0.1 s; slow only because it takes its paths from the module's kimi fixture (~1-1.5 min to
+    build, shared with the file's other tests)."""
     argv = ["--target", str(kimi["plain"]), "--data", str(kimi["data"]), "--max-length", "512",
             "--out", str(tmp_path / "shards"), "--engine", "vllm",
             "--engine-arg=--attention-backend=AMX_MLA"]  # fmt: skip
@@ -202,7 +211,9 @@ def test_an_attention_backend_this_cpu_cannot_serve_is_refused_before_the_engine
 @pytest.mark.slow
 def test_max_length_beyond_the_context_is_one_line_error_before_the_engine_starts(kimi, tmp_path):
     """vLLM refuses a max_model_len beyond max_position_embeddings (1024 in the miniature); the
-    capture says so before starting a server (the default --max-length is 4096)."""
+    capture says so before starting a server (the default --max-length is 4096). Costs ~0.05 s; slow
+    only because it takes its paths from the module's kimi fixture (~1-1.5 min to build, shared with
+    the file's other tests)."""
     argv = ["--target", str(kimi["int4"]), "--data", str(kimi["data"]),
             "--out", str(tmp_path / "shards"), "--engine", "vllm"]  # fmt: skip
     with pytest.raises(Eagle3Error) as excinfo:

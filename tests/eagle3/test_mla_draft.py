@@ -13,7 +13,8 @@ import torch
 
 from eagle3.checkpoint import MLA_ARCHITECTURE, load_config, load_draft, save_draft
 from eagle3.errors import Eagle3Error
-from eagle3.model import DraftConfig, Eagle3Draft, MLAAttention
+from eagle3.layers import MLAAttention
+from eagle3.model import DraftConfig, Eagle3Draft
 from tests.eagle3.test_model import check_ttt_equals_decoding
 
 # The miniature's YaRN (scripts/make_tiny_kimi.py) over a tiny original context, so that a few

@@ -8,7 +8,14 @@ import pytest
 from eagle3.decoding.acceptance import AcceptanceStats
 from eagle3.decoding.decoder import Generation
 from eagle3.evaluation.measure import Tally
-from eagle3.evaluation.report import format_context_table, format_table, result_row, speedup_note
+from eagle3.evaluation.report import (
+    format_context_table,
+    format_table,
+    result_row,
+    speedup_note,
+    wandb_summary,
+    wandb_tables,
+)
 
 
 def test_table_shows_intervals_and_says_why_an_engine_row_has_none():
@@ -190,3 +197,29 @@ def test_context_table_lists_each_bucket_of_each_drafter_but_none():
     assert lines[4].startswith("| x/final | long_context | >=32 | 1 | 1 | 2.00 |")
     assert len(lines) == 5
     assert format_context_table([engine]) == ""
+
+
+def test_wandb_keys_name_every_number_a_row_holds():
+    """0.01 s. What a drafter's W&B run gets, from its rows alone: the summary keys (interval,
+    alpha_i without the unmeasured ones, MT-bench turns, context buckets) and both tables."""
+    row = {"drafter": "d", "bench": "mt_bench", "tau": 1.5, "tau_ci95": [1.4, 1.6],
+           "speedup": 1.2, "spec_tokens_per_s": 30.0, "plain_tokens_per_s": 25.0,
+           "alpha": [0.5, None], "prompts": 20, "tokens": 900,
+           "per_turn": [{"turn": 2, "tau": 1.4, "speedup": 1.1}],
+           "by_context": [{"context_lo": 512, "context_hi": 1024, "steps": 40, "prompts": 9,
+                           "tau": 1.3, "tau_ci95": [1.2, 1.4], "alpha": [None, 0.25]}]}  # fmt: skip
+    summary = wandb_summary([row])
+    assert summary == {
+        "eval/mt_bench/tau": 1.5, "eval/mt_bench/tau_ci95_lo": 1.4,
+        "eval/mt_bench/tau_ci95_hi": 1.6, "eval/mt_bench/speedup": 1.2,
+        "eval/mt_bench/spec_tokens_per_s": 30.0, "eval/mt_bench/plain_tokens_per_s": 25.0,
+        "eval/mt_bench/alpha_1": 0.5, "eval/mt_bench/turn2/tau": 1.4,
+        "eval/mt_bench/turn2/speedup": 1.1, "eval/mt_bench/context_from_512/tau": 1.3,
+        "eval/mt_bench/context_from_512/steps": 40,
+        "eval/mt_bench/context_from_512/tau_ci95_lo": 1.2,
+        "eval/mt_bench/context_from_512/tau_ci95_hi": 1.4,
+        "eval/mt_bench/context_from_512/alpha_2": 0.25,
+    }  # fmt: skip
+    tables = wandb_tables([row])
+    assert tables["eval/results"][1] == [["d", "mt_bench", 1.5, 1.2, 30.0, 25.0, 20, 900]]
+    assert tables["eval/by_context"][1] == [["d", "mt_bench", 512, 1024, 40, 9, 1.3, 1.2, 1.4]]

@@ -234,6 +234,10 @@ def private_cache(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_gguf_conversion_is_cached_with_identical_logits(private_cache):
+    """The embedded GGUF converted into a private cache: a second call is a cache hit, no temp dir
+    is left, and the cached model's logits equal the fresh conversion's bit for bit: the caching
+    every SmolLM2 load relies on. Costs ~19 s (its call, nearly all the GGUF de-quantisation;
+    measured on 2 xdist workers)."""
     out, fresh, tokenizer = gguf_to_hf(_smollm2_gguf())  # the ~20 s de-quantization
     assert fresh is not None
     assert gguf_to_hf(_smollm2_gguf())[1] is None  # second time: a cache hit
@@ -246,6 +250,10 @@ def test_gguf_conversion_is_cached_with_identical_logits(private_cache):
 
 @pytest.mark.slow
 def test_smollm2_loads_and_captures_a_real_prompt(smollm2_target):
+    """The embedded SmolLM2 loads with its sizes and registry aux ids [1, 14, 26], its chat template
+    renders a prompt, and the captured last hidden state through lm_head gives the model's logits:
+    the real target's capture, where the other tests use tiny random targets. Costs ~0.4 s (its
+    call), once the session's SmolLM2 is loaded (~1 s from its cache)."""
     t = smollm2_target
     assert (t.num_layers, t.hidden_size, t.vocab_size) == (30, 576, 49152)
     assert t.aux_layer_ids == [1, 14, 26]
@@ -264,6 +272,9 @@ def test_smollm2_loads_and_captures_a_real_prompt(smollm2_target):
 
 @pytest.mark.slow
 def test_smollm2_by_path_and_dir_share_the_cache(smollm2_target):
+    """The GGUF's path, its directory and the registry name resolve to one converted HF dir, and
+    load_lm_head / load_embeddings read the tied weights the loaded target holds: the three names of
+    the target share one cache. Costs ~0.1 s (its call), once the session's SmolLM2 is loaded."""
     gguf = _smollm2_gguf()
     hf_dir = resolve("smollm2-135m-q4").hf_dir
     assert resolve(gguf).hf_dir == hf_dir and resolve(gguf.parent).hf_dir == hf_dir

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from eagle3.data.shards import ShardDataset, ShardWriter
+from eagle3.layers import DraftAttention
 from eagle3.loss import label_rows, target_probs, ttt_loss, valid_counts
 from eagle3.methods.eagle3 import recomputed_ttt_loss
-from eagle3.model import DraftAttention, DraftConfig, Eagle3Draft, TTTModel
+from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
 from train.batching import collate
 from train.datasets import Windows
 from train.packing import PackedDataset

@@ -62,6 +62,11 @@ def test_the_best_score_is_read_once_and_then_kept_in_memory(tmp_path):
 def test_resume_after_sigkill_matches_an_uninterrupted_run(
     tmp_path, helpers, tiny_llama_dir, shard_dir
 ):
+    """A training run SIGKILLed after its step-6 checkpoint and resumed from latest logs every step
+    and validation pass once and lands on the uninterrupted run's losses, lr and validation losses
+    (rel 1e-6); old optimizer states are pruned and every SGLang export kept: a resume restores
+    everything a step depends on. Costs ~15 s (its call: a 30-step run, a killed one and its resume;
+    measured on 2 xdist workers) + 0.2 s of fixture setup."""
     steps = {"train.max_steps": 30, "train.save_every": 3, **helpers.offline(shard_dir)}
     steps.update({"data.val_fraction": 0.3, "train.eval_every": 3})  # validation resumes too
     whole, killed = tmp_path / "whole", tmp_path / "killed"

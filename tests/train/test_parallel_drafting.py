@@ -92,7 +92,8 @@ def test_peagle_loss_is_one_count_normalised_mean_and_acc_follows_the_chain():
 @pytest.mark.slow
 def test_peagle_recipe_trains_validates_and_exports(tmp_path, helpers, tiny_llama_dir, shard_dir):
     """model.draft.method=p-eagle end to end: the loss falls, validation logs the chain's
-    simulated tau, and the export loads back as the P-EAGLE draft vLLM serves."""
+    simulated tau, and the export loads back as the P-EAGLE draft vLLM serves. Costs ~4 s (its call:
+    a 6-step trainer run; measured on 2 xdist workers)."""
     from eagle3.checkpoint import load_draft
     from eagle3.parallel_draft import PEagleDraft
 

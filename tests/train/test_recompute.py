@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from eagle3.errors import ConfigError
+from eagle3.layers import DraftAttention
 from eagle3.methods import Unroll
-from eagle3.model import DraftAttention
 from tests.train.sequence_parallel_worker import draft  # the same tiny draft, seeded
 from train.config import load_config
 

@@ -80,6 +80,11 @@ def wait_for_lines(path: Path, n: int, proc, timeout: float = 60.0) -> None:
 
 @pytest.mark.slow
 def test_kill_9_mid_run_then_resume_completes_each_prompt_once(tmp_path, fake, cli, h):
+    """A real SIGKILL of the CLI subprocess mid-run (400 prompts, 20 in flight, 429s and empty
+    answers injected), then a resume: every line the kill left parses, every prompt lands exactly
+    once, and the ledger's charges plus the killed run's in-flight requests at their worst case
+    cover what the fake billed, within the budget. Only a real kill -9 skips every shutdown path.
+    Costs ~7 s (its call; measured on 2 xdist workers)."""
     server = fake(latency=0.05, faults={"429": 0.05, "empty": 0.05}, seed=5)
     cfg = h.write_config(tmp_path / "c.yaml", concurrency=20)
     ids = h.write_prompts(tmp_path / "p.jsonl", 400, multi_every=5)
@@ -118,6 +123,10 @@ def test_kill_9_mid_run_then_resume_completes_each_prompt_once(tmp_path, fake, c
 
 @pytest.mark.slow
 def test_sigterm_stops_sending_finishes_in_flight_and_exits_75(tmp_path, fake, cli, h):
+    """SIGTERM to the CLI subprocess: it stops sending, lets the requests in flight finish and
+    charges them (no orphans; the ledger equals what the fake billed), exits 75 with a summary
+    naming what remains, and a resume completes the rest: the graceful stop through a real signal.
+    Costs ~1 s (its call; measured on 2 xdist workers)."""
     server = fake(latency=0.05)
     cfg = h.write_config(tmp_path / "c.yaml", concurrency=20, grace=30)
     ids = h.write_prompts(tmp_path / "p.jsonl", 400)
@@ -154,6 +163,10 @@ def test_sigterm_stops_sending_finishes_in_flight_and_exits_75(tmp_path, fake, c
 
 @pytest.mark.slow
 def test_requests_abandoned_after_the_grace_period_count_at_worst_case(tmp_path, fake, cli, h):
+    """Requests still in flight when the grace period after SIGINT ends are abandoned: exit 75, the
+    ledger counts all 8 as orphans at their worst case and the summary's spend includes them, so a
+    request whose cost is unknown cannot let a later run overspend the budget. Costs ~0.6 s (its
+    call: a CLI subprocess; measured on 2 xdist workers)."""
     server = fake(latency=1.0)
     cfg = h.write_config(tmp_path / "c.yaml", concurrency=8, grace=0.2)
     h.write_prompts(tmp_path / "p.jsonl", 8)

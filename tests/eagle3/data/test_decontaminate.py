@@ -55,7 +55,9 @@ def test_short_benchmark_texts_match_whole_words_only(bench_file):
 @pytest.mark.slow
 def test_embedded_training_prompts_hold_no_benchmark_prompt():
     """The quickstart trains on ShareGPT and measures on MT-bench, HumanEval and GSM8K: every
-    benchmark question must be found when planted, and the training prompts must be clean."""
+    benchmark question must be found when planted, and the training prompts must be clean. Costs
+    ~0.6 s (its call: indexing three benchmarks and scanning 2,000 ShareGPT prompts; measured on 2
+    xdist workers)."""
     if not GSM8K_TEST.is_file():
         pytest.skip(f"{GSM8K_TEST} is not here")
     sources = ["mt_bench", "humaneval", f"gsm8k={GSM8K_TEST}"]

