@@ -20,7 +20,7 @@ export WANDB_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # Files go out whole (--dist loadfile), in collection order: a module's fixtures (a vLLM
 # server, a trained drafter, the runbook's run) are built once, on the file's worker. xdist's
 # default order (most tests first) leaves the few-test, minutes-long files for last: 25 min
-# against ~21 here.
+# against 23 here (results/README.md, "Setup and the test suite").
 # --durations: the slowest tests in every log, to keep the suite (and CI) near 30 minutes.
 workers="${TEST_WORKERS:-2}"
 if [ "$workers" != 0 ]; then
