@@ -42,11 +42,12 @@ from pathlib import Path
 
 from train_arms import ENGINE_BATCH, REPO, markdown_table, train_arm
 
+from eagle3.evaluation.report import engine_row_name
+
 TARGET = "smollm2-135m-q4"
 CONFIG = "configs/train/smollm2-q4-cpu.yaml"
 BENCHES = ["humaneval", "mt_bench", "gsm8k"]
 ARMS = ["start", "scratch", "finetune", "anchor", "replay"]
-BATCH = ENGINE_BATCH  # requests in flight (train_arms)
 ASK = "Write the Python function `{name}({args})` of the standard library's `{module}` module.\n\n{doc}"
 # not prose-like code, or not Python: as bench_long_records skips them
 SKIP = (
@@ -185,7 +186,7 @@ def main() -> None:
          "--bench", benches, "--limit", str(args.prompts), "--max-new-tokens", "64",
          "--steps", "4", "--temperature", "0", "--context-buckets", "0",
          "--engine", "vllm", "--engine-only", "--engine-arg=--enforce-eager",
-         "--engine-passes", "batched", "--engine-batch", str(BATCH),
+         "--engine-passes", "batched", "--engine-batch", str(ENGINE_BATCH),
          "--json", str(out)], work / "eval.log", done=out)  # fmt: skip
     print(markdown_table(*tau_table(json.loads(out.read_text()), work)))
     print("training seconds: " + ", ".join(f"{a} {s:.0f}" for a, s in seconds.items()))
@@ -194,7 +195,7 @@ def main() -> None:
 def tau_table(report: dict, work: Path) -> tuple[list[str], list[list[str]]]:
     """Arms x benchmarks: τ [95% interval] from each arm's vLLM row."""
     cells: dict[str, dict[str, str]] = {arm: {} for arm in ARMS}
-    suffix = f" [vllm x{BATCH}]"
+    suffix = engine_row_name("", ENGINE_BATCH)  # the batched pass's rows
     for row in report["results"]:
         if not row["drafter"].endswith(suffix):
             continue

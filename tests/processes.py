@@ -37,6 +37,6 @@ def run_at_once(commands: list[list[str]], *, cwd: Path, env: dict[str, str]) ->
     for cmd, proc, log in zip(commands, procs, logs):
         proc.wait()
         log.seek(0)
-        assert proc.returncode == 0, (
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{log.read()[-3000:]}"
-        )
+        tail = log.read()[-3000:]
+        log.close()
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{tail}"

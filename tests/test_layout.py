@@ -46,7 +46,7 @@ def modules() -> dict[str, ast.Module]:
 def imported(name: str, tree: ast.Module, known: dict, top_only: bool) -> set[str]:
     """The product modules `name` imports (module level only, or anywhere)."""
     nodes = tree.body if top_only else list(ast.walk(tree))
-    is_package = name in known and (REPO / name.replace(".", "/") / "__init__.py").is_file()
+    is_package = (REPO / name.replace(".", "/") / "__init__.py").is_file()
     package = name if is_package else name.rpartition(".")[0]
     out = set()
     for node in nodes:
@@ -88,8 +88,8 @@ def test_no_module_level_import_cycle(modules):
     def visit(name: str, path: list[str]) -> list[str] | None:
         state[name] = 1
         for dep in sorted(graph[name]):
-            if state.get(dep) == 1:
-                return [*path[path.index(dep) :], dep] if dep in path else [name, dep]
+            if state.get(dep) == 1:  # on the path: a cycle back to it
+                return [*path[path.index(dep) :], dep]
             if dep not in state and (cycle := visit(dep, [*path, dep])):
                 return cycle
         state[name] = 2

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+import yaml
 from accelerate import Accelerator
 
 from eagle3.draft_shapes import target_shape
@@ -22,6 +23,7 @@ from eagle3.methods import method_of
 from eagle3.model import DraftConfig
 from eagle3.ttt_attention import auto_impl
 from train.config import Config, DataConfig
+from train.draft import draft_config
 from train.memory_plan import (
     GB,
     GIB,
@@ -33,7 +35,7 @@ from train.memory_plan import (
     check_fits,
     plan_memory,
 )
-from train.sequence_parallel import check_deepspeed_config
+from train.sequence_parallel import check_deepspeed_config, check_heads, sp_groups
 
 
 def check_memory(cfg: Config, accelerator: Accelerator, draft_cfg: DraftConfig) -> None:
@@ -114,8 +116,6 @@ def read_zero(ds_config: dict | None) -> ZeroSetup:
 
 def read_launch_config(path: str | Path | None) -> dict | None:
     """The DeepSpeed config dict an accelerate launch config (or a DeepSpeed JSON) names."""
-    import yaml
-
     if path is None:
         return None
     path = Path(path)
@@ -154,9 +154,6 @@ def recipe_plan(
     cfg, node: Node, ds_config: dict | None, attention_path: str, draft_cfg: DraftConfig = None
 ) -> Plan:
     """The plan of a recipe (train/config.py's Config) on `node` under a DeepSpeed config."""
-    from train.draft import draft_config
-    from train.sequence_parallel import check_heads, sp_groups
-
     if draft_cfg is None:
         hf = target_shape(cfg.target.name)
         aux = cfg.target.aux_layer_ids or [1, 2, 3]  # their values cost nothing
@@ -207,8 +204,6 @@ def detect_node(
     """The node from --gpus / --gpu-memory-gib (GiB: what torch reports as a card's
     total_memory, / 2^30), else from the visible GPUs (one line if none). --gpu-memory-gb
     (decimal GB, 1e9 bytes: what it always meant) still works, with one line saying so."""
-    import torch
-
     if gpu_memory_gib is None and gpu_memory_gb is not None:
         gpu_memory_gib = gpu_memory_gb * GB / GIB
         print(

@@ -416,9 +416,8 @@ class FakeOpenRouter:
         last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=0)
         if not any(m.get("role") == "assistant" for m in messages[:last]):
             return 0, p_in
-        return _prompt_tokens(messages[:last]), min(
-            p_in, float(route["pricing"]["input_cache_read"])
-        )
+        cache_price = min(p_in, float(route["pricing"]["input_cache_read"]))
+        return _prompt_tokens(messages[:last]), cache_price
 
     async def _malformed(
         self, fault: str, request: web.Request, gen_id: str, headers: dict

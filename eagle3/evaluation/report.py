@@ -130,6 +130,12 @@ def _measures(
     }
 
 
+def engine_row_name(drafter: str, concurrency: int) -> str:
+    """An engine row's drafter name: "x/final [vllm]" (one request at a time) or
+    "x/final [vllm xN]" (N at a time)."""
+    return f"{drafter} [vllm]" if concurrency == 1 else f"{drafter} [vllm x{concurrency}]"
+
+
 def engine_row(result: EngineResult, k: int, edges: list[int] | None = None) -> dict[str, Any]:
     """A serving-engine row: drafter "x/final [vllm]" (one request at a time) or
     "x/final [vllm xN]" (N at a time). Its tau and alpha_i are the counters' window; tau's
@@ -140,7 +146,7 @@ def engine_row(result: EngineResult, k: int, edges: list[int] | None = None) -> 
     prompt_stats = result.prompt_stats()
     edges = edges or default_context_edges(None)
     return {
-        "drafter": f"{result.drafter} [vllm]" if n == 1 else f"{result.drafter} [vllm x{n}]",
+        "drafter": engine_row_name(result.drafter, n),
         "bench": result.bench,
         "tau": run_.window.tau,
         "tau_ci95": None if prompt_stats is None else tau_interval(prompt_stats),

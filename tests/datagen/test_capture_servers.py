@@ -215,7 +215,7 @@ def test_multinode_capture_resumes_after_the_capture_is_killed(servers, one_serv
     """The two-server capture SIGKILLed mid-run, then resumed against the same servers: the resume
     keeps what was indexed, captures only the rest, and the shards equal the one-server capture with
     each record once. Costs ~18 s (its call; measured on 2 xdist workers), after the module's
-    servers and reference capture (~77-81 s, shared)."""
+    servers and reference capture (~75 s, shared)."""
     root, data, (a, b) = servers
     out = root / "killed"
     proc = capture(data, out, [a.url, b.url], *ONE_AT_A_TIME)
@@ -234,9 +234,8 @@ def test_multinode_capture_resumes_after_the_capture_is_killed(servers, one_serv
 def test_multinode_capture_goes_on_when_a_server_is_killed(servers, one_server):
     """Last in the module: server B stays dead. A server SIGKILLed mid-capture (the node's process
     and its engine): the capture says so, the survivor takes its requests, and the shards still
-    equal the one-server capture. Costs ~81 s of fixture setup (on its xdist worker it was the first
-    test to need the module's servers and reference capture) + ~11 s (its call; measured on 2 xdist
-    workers)."""
+    equal the one-server capture. Costs ~12 s (its call; measured on 2 xdist workers), after the
+    module's servers and reference capture (~75 s, shared)."""
     root, data, (a, b) = servers
     out = root / "server-killed"
     proc = capture(data, out, [a.url, b.url], *ONE_AT_A_TIME)

@@ -60,9 +60,9 @@ def test_the_arms_share_the_targeted_shards_and_epochs_and_differ_by_one_setting
 
 
 def test_tau_table_reads_each_arms_batched_vllm_row(tmp_path):
-    """~0.01 s: each arm's cell is its vLLM row of BATCH in flight (the pass the script runs),
+    """~0.01 s: each arm's cell is its vLLM row of ENGINE_BATCH in flight (the pass the script runs),
     τ and interval of its first bucket with steps; an arm without a row shows "-"."""
-    from bench_finetune import BATCH, BENCHES, tau_table
+    from bench_finetune import BENCHES, ENGINE_BATCH, tau_table
 
     def row(drafter: str, bench: str, tau: float) -> dict:
         empty = {"tau": 0.0, "tau_ci95": None, "steps": 0}
@@ -70,9 +70,9 @@ def test_tau_table_reads_each_arms_batched_vllm_row(tmp_path):
         return {"drafter": drafter, "bench": bench, "by_context": [empty, bucket]}
 
     results = [
-        row(f"{tmp_path}/start/final [vllm x{BATCH}]", "humaneval", 1.5),
+        row(f"{tmp_path}/start/final [vllm x{ENGINE_BATCH}]", "humaneval", 1.5),
         row(f"{tmp_path}/start/final [vllm]", "humaneval", 9.0),  # another pass: not read
-        row(f"{tmp_path}/anchor/final [vllm x{BATCH}]", "gsm8k", 1.25),
+        row(f"{tmp_path}/anchor/final [vllm x{ENGINE_BATCH}]", "gsm8k", 1.25),
     ]
     head, rows = tau_table({"results": results}, tmp_path)
     assert head == ["arm", *[f"τ {b}" for b in BENCHES]]

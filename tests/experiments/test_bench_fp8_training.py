@@ -13,7 +13,7 @@ def row(drafter: str, bench: str, tau: float, ci: tuple[float, float]) -> dict:
 
 
 def test_tau_table_reads_each_modes_vllm_row_and_says_whether_intervals_overlap(tmp_path):
-    """~0.01 s. Each mode's vLLM row of BATCH in flight (not another pass's row, not "fp8"
+    """~0.01 s. Each mode's vLLM row of ENGINE_BATCH in flight (not another pass's row, not "fp8"
     for "fp8-aux"), its one bucket's τ and interval, and the overlap verdict against bf16."""
     results = [
         row("bf16/final [vllm x8]", "mt_bench", 1.30, (1.20, 1.40)),

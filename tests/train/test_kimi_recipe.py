@@ -133,9 +133,9 @@ def test_capture_offline_train_evaluate(kimi):
     """The offline recipe as written (kimi-k2.5-offline.yaml, scaled by config values only) trains
     on the miniature's bf16 capture, exports the MLA draft with the miniature's MLA dims and YaRN
     rope, and eagle3.evaluate decodes with it: the Kimi offline path end to end through the real
-    CLIs. Costs ~14 s of fixture setup (the module's kimi fixture: the miniature, its answers and
-    their capture, shared with the file's other tests; built once per xdist worker, 27 s on the
-    other) + ~17 s (its call; measured on 2 xdist workers)."""
+    CLIs. Costs ~21 s of fixture setup (the module's kimi fixture: the miniature, its answers and
+    their capture, shared with the file's other tests) + ~15 s (its call; measured on 2 xdist
+    workers, whole files to each)."""
     meta = json.loads((kimi["shards"] / "meta.json").read_text())
     assert meta["dtype"] == "bf16" and meta["aux_layer_ids"] == AUX and meta["complete"]
     out = kimi["root"] / "offline"
