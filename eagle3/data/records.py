@@ -209,8 +209,12 @@ class ResultStore:
 
     def failed_ids(self) -> set[str]:
         """Ids listed in DIR/failed.jsonl (prompts that failed for good in some run)."""
+        return set(self.failed_reasons())
+
+    def failed_reasons(self) -> dict[str, str]:
+        """Why each prompt in DIR/failed.jsonl failed: its id -> the reason of its last line."""
         return {
-            str(r["id"])
+            str(r["id"]): str(r.get("reason", "unknown"))
             for r in _read_lines(self._path(FAILED))
             if isinstance(r, dict) and "id" in r
         }

@@ -107,7 +107,7 @@ def test_servers_round_robin_retries_reasoning_resume(
     tokens = sum(r["usage"]["completion_tokens"] for r in records(out).values())
     assert captured.out == (
         f"local: 4 of 5 prompts are records (4 written in this run, {tokens} tokens) -> {out} "
-        "(chat.jsonl; 1 failed: failed.jsonl)\n"
+        "(chat.jsonl; failed.jsonl: 1 http 400)\n"
     )
     got = records(out)
     assert sorted(got) == ["p0", "p1", "p2", "p3"]
@@ -224,9 +224,12 @@ def test_in_process_generation(chat_llama, prompts_file, tmp_path, capsys, monke
     lengths = {k: len(tc_prompt_ids(chat_llama, r["messages"])) for k, r in got.items()}
     cut = sorted(lengths.values())[2]
     short = tmp_path / "short"
+    capsys.readouterr()
     assert local.main([*argv(short, 2), "--max-prompt-tokens", str(cut)]) == 0
     kept = set(records(short))
     failed = [json.loads(line) for line in (short / "failed.jsonl").open()]
+    # the closing line says why they are not records: skipped as too long, not failed
+    assert capsys.readouterr().out.endswith(f"; failed.jsonl: {len(failed)} prompt too long)\n")
     assert kept and failed and kept.isdisjoint(f["id"] for f in failed)
     assert all(f["reason"] == "prompt too long" for f in failed)
     assert kept | {f["id"] for f in failed} == set(got)
