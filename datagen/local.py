@@ -123,22 +123,19 @@ def generation_progress(stage: str, done: list[Prompt], todo: list[Prompt], stat
 def produced_line(stage: str, out: str, prompts: list[Prompt], store: ResultStore, stats) -> str:
     """The closing line: how many of the prompts are records now, and in which files."""
     ids = {p.id for p in prompts}
-    records = len(store.done_ids() & ids)
+    done = store.done_ids()
     files = sorted({f"{p.dataset}.jsonl" for p in prompts})
     return (
-        f"{stage}: {count(records)} of {count(len(ids))} prompts are records "
+        f"{stage}: {count(len(done & ids))} of {count(len(ids))} prompts are records "
         f"({stats.done:,} written in this run, {count(stats.completion_tokens)} tokens) -> {out} "
-        f"({', '.join(files)}{failed_note(store, ids)})"
+        f"({', '.join(files)}{failed_note(store.failed_reasons(), ids - done)})"
     )
 
 
-def failed_note(store: ResultStore, ids: set[str]) -> str:
-    """'; failed.jsonl: 2 prompt too long, 1 http 400' for the prompts that are not
-    records: a prompt skipped as too long is not one the server failed to answer."""
-    done = store.done_ids()
-    reasons = Counter(
-        reason for pid, reason in store.failed_reasons().items() if pid in ids and pid not in done
-    )
+def failed_note(failed_reasons: dict[str, str], missing: set[str]) -> str:
+    """'; failed.jsonl: 2 prompt too long, 1 http 400' for the prompts that are not records
+    (`missing`): a prompt skipped as too long is not one the server failed to answer."""
+    reasons = Counter(reason for pid, reason in failed_reasons.items() if pid in missing)
     if not reasons:
         return ""
     why = ", ".join(f"{n:,} {reason}" for reason, n in reasons.most_common())

@@ -10,8 +10,9 @@ Definition (the EAGLE-3 paper; parameter names as in SGLang's LlamaForCausalLMEa
 
 The attention is Llama's GQA (`Attention`, exported as LlamaForCausalLMEagle3) or DeepSeek-V3's
 MLA (`MLAAttention`, exported as vLLM's Eagle3DeepseekV3ForCausalLM): DraftConfig.attention.
-Everything else is the same layer (eagle3.layers holds the layer and its parts). In vLLM's decoder-layer terms the residual is the incoming h,
-not hidden_norm(h) (norm_before_residual = false), for every method.
+Everything else is the same layer (eagle3.layers holds the layer and its parts). In vLLM's
+decoder-layer terms the residual is the incoming h, not hidden_norm(h) (norm_before_residual =
+false), for every method.
 
 The method (DraftConfig.method; eagle3/methods/ holds one module per method) is EAGLE-3 as
 above, or EAGLE-3.1 (arXiv 2605.09992), which turns on two switches vLLM 0.32 reads from the draft's config.json in both

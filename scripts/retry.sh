@@ -23,7 +23,8 @@ quiet_retry() {
             echo "$label: FAILED: $*" >&2
             exit 1
         fi
-        echo "$label: a download failed (attempt $attempt of $attempts: $cause); again in $pause s" >&2
+        echo "$label: a download failed (attempt $attempt of $attempts: $cause);" \
+            "again in $pause s" >&2
         sleep "$pause"
         attempt=$((attempt + 1))
     done

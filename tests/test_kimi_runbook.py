@@ -281,8 +281,9 @@ def test_kimi_runbook_finetune_variant_runs_as_typed(node, runbook):
     """After the runbook (~1 min): step 3 from a published drafter, as typed: the plan, then a
     2-process ZeRO-2 fine-tune anchored to the start, replaying the step's own shards (as the
     generic slice) and validating the held-out conversations and replay's. The start is the
-    drafter the runbook's step 3 wrote, in this project's format, until the published layouts
-    load (model.init_from of a TorchSpec/SpecForge directory)."""
+    drafter the runbook's step 3 wrote, in this project's format: the miniature has no published
+    drafter of its shape (model.init_from of the published layouts: tests/train/test_vocab.py,
+    tests/eagle3/test_published_drafters.py)."""
     root, start = node["root"], node["root"] / "run" / "final"
     out, shards = root / "finetune", root / "shards"
     launch = [sub for sub in node["subs"] if sub[0].startswith("accelerate launch")]

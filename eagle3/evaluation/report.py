@@ -425,29 +425,28 @@ def wandb_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One drafter's result rows as W&B summary keys: eval/<bench>/tau (its interval, speedup,
     throughputs, alpha_i), per MT-bench turn, and per context bucket."""
     summary: dict[str, Any] = {}
+
+    def acceptance(where: str, measured: dict[str, Any]) -> None:  # a row's or a bucket's
+        summary[f"{where}/tau"] = measured["tau"]
+        for side, value in zip(("lo", "hi"), measured.get("tau_ci95") or ()):
+            summary[f"{where}/tau_ci95_{side}"] = value
+        for i, a in enumerate(measured["alpha"]):
+            if a is not None:
+                summary[f"{where}/alpha_{i + 1}"] = a
+
     for r in rows:
         prefix = f"eval/{r['bench']}"
-        summary[f"{prefix}/tau"] = r["tau"]
-        for side, value in zip(("lo", "hi"), r.get("tau_ci95") or ()):
-            summary[f"{prefix}/tau_ci95_{side}"] = value
+        acceptance(prefix, r)
         summary[f"{prefix}/speedup"] = r["speedup"]
         summary[f"{prefix}/spec_tokens_per_s"] = r["spec_tokens_per_s"]
         summary[f"{prefix}/plain_tokens_per_s"] = r["plain_tokens_per_s"]
-        for i, a in enumerate(r["alpha"]):
-            if a is not None:
-                summary[f"{prefix}/alpha_{i + 1}"] = a
         for turn in r.get("per_turn") or ():  # MT-bench: turn 2 follows turn 1's answer
             summary[f"{prefix}/turn{turn['turn']}/tau"] = turn["tau"]
             summary[f"{prefix}/turn{turn['turn']}/speedup"] = turn["speedup"]
         for b in r.get("by_context") or ():  # tau by the context before each step
             where = f"{prefix}/context_from_{b['context_lo']}"  # the bucket's edge
-            summary[f"{where}/tau"] = b["tau"]
+            acceptance(where, b)
             summary[f"{where}/steps"] = b["steps"]
-            for side, value in zip(("lo", "hi"), b.get("tau_ci95") or ()):
-                summary[f"{where}/tau_ci95_{side}"] = value
-            for i, a in enumerate(b["alpha"]):
-                if a is not None:
-                    summary[f"{where}/alpha_{i + 1}"] = a
     return summary
 
 

@@ -40,8 +40,8 @@ def test_engine_tau_agrees_with_in_house_eagle3_eagle3_1_and_peagle(
     engine, embedded_drafters, tmp_path, capsys, monkeypatch
 ):
     """The three methods in one evaluate (one plain server, one per drafter): ~4 min here with
-    the three drafters' training (embedded_drafters: ~1.5 min on an idle 2-core CPU). Each is served as its
-    method, as vLLM's log shows: the EAGLE-3.1 drafter's fc_norm weights loaded (not silently
+    the three drafters' training (embedded_drafters: ~1.5 min on an idle 2-core CPU). Each is
+    served as its method, as vLLM's log shows: the EAGLE-3.1 drafter's fc_norm weights loaded (not silently
     plain EAGLE-3), P-EAGLE's server asked for parallel drafting of STEPS tokens a pass."""
     drafters, bench = embedded_drafters
     ckpt, ckpt31, peagle = drafters["eagle3"], drafters["eagle3.1"], drafters["p-eagle"]

@@ -1,6 +1,8 @@
 """Kimi-K2.5 in miniature: scripts/make_tiny_kimi.py writes a random checkpoint in the real
 layout (kimi_k25 wrapper, Kimi's tensor names, INT4 experts packed by compressed-tensors) and
-load_target loads it the way it loads the real one."""
+load_target loads it the way it loads the real one. The miniature is the session's
+(tests/conftest.py, kimi_miniature): ~30 s to build, paid by the first test on a worker that
+needs it; each test's cost below is its own after that build."""
 
 from __future__ import annotations
 
@@ -50,8 +52,8 @@ def _one_line_error(excinfo) -> str:
 def test_miniature_has_kimis_config_and_files(kimi_dirs):
     """The miniature's config, quantization config, preprocessor config and remote-code tokenizer
     (with its chat template) are Kimi-K2.5's layout: what every other Kimi test relies on for it to
-    stand in for the real checkpoint. Costs < 0.1 s once the session's Kimi miniature exists (~30 s
-    to build, paid by the first test on a worker that needs it); slow for that build."""
+    stand in for the real checkpoint. Costs < 0.1 s after the miniature's build (module docstring);
+    slow for that build."""
     int4, plain = kimi_dirs
     config = json.loads((int4 / "config.json").read_text())
     assert config["architectures"] == ["KimiK25ForConditionalGeneration"]
@@ -97,9 +99,8 @@ def test_miniature_has_kimis_config_and_files(kimi_dirs):
 @pytest.mark.slow
 def test_the_miniature_directory_is_the_registry_target(kimi_dirs):
     """Laid out like the download, the miniature resolves to kimi-k2.5 (its trust flags and chat
-    rules) at its own sizes: shards and recipes then name the same target. Costs < 0.1 s once the
-    session's Kimi miniature exists (~30 s to build, paid by the first test on a worker that needs
-    it); slow for that build."""
+    rules) at its own sizes: shards and recipes then name the same target. Costs < 0.1 s after the
+    miniature's build (module docstring); slow for that build."""
     for path in kimi_dirs:
         t = resolve(path)
         assert (t.name, t.hf_dir, t.tokenizer_remote_code) == ("kimi-k2.5", str(path), True)
@@ -184,8 +185,7 @@ def test_int4_experts_are_packed(kimi_dirs):
     """Every expert of the INT4 copy is stored in compressed-tensors' pack-quantized format (8
     nibbles an int32, offset 8, a bf16 scale per group of 32) and unpacks exactly to the
     de-quantised copy's bf16 weights, and every other tensor is the same in both: the two copies
-    hold one model. Costs ~0.05 s once the session's Kimi miniature exists (~30 s to build, paid by
-    the first test on a worker that needs it)."""
+    hold one model. Costs ~0.05 s after the miniature's build (module docstring)."""
     packed, plain = (_tensors(p) for p in kimi_dirs)
     experts = sorted(
         n.removesuffix(".weight")
@@ -221,8 +221,7 @@ def test_load_target_loads_the_wrapper_and_finds_the_text_layers(kimi_dirs):
     """load_target on the INT4 miniature gets the kimi_k25 wrapper, finds its 8 text layers, its
     untied lm_head and remote-code tokenizer, upcasts the de-quantised experts, and captures each
     aux layer as HF's hidden_states[id + 1] (an off-by-one fails): the path every Kimi capture
-    takes. Costs ~0.6 s (its call) once the session's Kimi miniature exists (~30 s to build, paid by
-    the first test on a worker that needs it)."""
+    takes. Costs ~0.6 s (its call) after the miniature's build (module docstring)."""
     target = load_target(kimi_dirs[0], device="cpu")
     assert type(target.model).__name__ == "Kimi_K25ForConditionalGeneration"
     text_model = target.model.model.language_model
@@ -253,14 +252,13 @@ def test_load_target_loads_the_wrapper_and_finds_the_text_layers(kimi_dirs):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_capture_equals_dequantized_capture(kimi_dirs, dtype):
-    """compressed-tensors unpacks to exactly the values the de-quantised copy stores, and with
-    the experts upcast to the asked dtype both run the same arithmetic: the captures are equal
-    bit for bit (measured max diff 0.0). Left in bf16 under an fp32 model (transformers'
-    default) they differed by up to 0.025 on |h| <= 16, and by >1 when that flipped a router's
-    top-2 choice, so a tolerance would hide a real difference. Where the CPU has no native
-    bf16 both compute, and capture, in float32 (eagle3.compute). Costs ~0.3-0.4 s a dtype (its call)
-    once the session's Kimi miniature exists (~30 s to build, paid by the first test on a worker
-    that needs it)."""
+    """compressed-tensors unpacks to exactly the values the de-quantised copy stores, and with the
+    experts upcast to the asked dtype both run the same arithmetic: the captures are equal bit for
+    bit (measured max diff 0.0). Left in bf16 under an fp32 model (transformers' default) they
+    differed by up to 0.025 on |h| <= 16, and by >1 when that flipped a router's top-2 choice, so a
+    tolerance would hide a real difference. Where the CPU has no native bf16 both compute, and
+    capture, in float32 (eagle3.compute). Costs ~0.3-0.4 s a dtype (its call) after the miniature's
+    build (module docstring)."""
     int4, plain = (load_target(p, device="cpu", dtype=dtype) for p in kimi_dirs)
     ids = torch.randint(0, int4.vocab_size, (3, 21))
     mask = torch.ones_like(ids)
@@ -303,8 +301,8 @@ def _broken_copy(src: Path, dst: Path, edit) -> Path:
 def test_broken_checkpoint_is_one_line_error(kimi_dirs, tmp_path, case, edit, expected):
     """A copy of the miniature with a broken config (not JSON, an unknown model_type, not a causal
     LM, sizes that do not fit the weights) fails load_target in one line saying what to do, not in a
-    transformers traceback. Costs ~0.2 s for the four cases (their calls) once the session's Kimi
-    miniature exists (~30 s to build, paid by the first test on a worker that needs it)."""
+    transformers traceback. Costs ~0.2 s for the four cases (their calls) after the miniature's
+    build (module docstring)."""
     path = tmp_path / case
     if edit is None:
         shutil.copytree(kimi_dirs[1], path)
@@ -319,8 +317,8 @@ def test_broken_checkpoint_is_one_line_error(kimi_dirs, tmp_path, case, edit, ex
 @pytest.mark.slow
 def test_missing_weights_is_one_line_error(kimi_dirs, tmp_path):
     """A copy of the miniature without model.safetensors fails load_target in one line naming the
-    missing safetensors. Costs < 0.1 s once the session's Kimi miniature exists (~30 s to build,
-    paid by the first test on a worker that needs it); slow for that build."""
+    missing safetensors. Costs < 0.1 s after the miniature's build (module docstring); slow for that
+    build."""
     path = tmp_path / "no-weights"
     shutil.copytree(kimi_dirs[1], path)
     (path / "model.safetensors").unlink()
@@ -332,9 +330,8 @@ def test_missing_weights_is_one_line_error(kimi_dirs, tmp_path):
 @pytest.mark.slow
 def test_missing_compressed_tensors_says_what_to_install(kimi_dirs, monkeypatch):
     """Without compressed-tensors the INT4 checkpoint cannot load: load_target says so in one line
-    naming the extra to install (eagle3-forge[kimi]). Costs < 0.1 s once the session's Kimi
-    miniature exists (~30 s to build, paid by the first test on a worker that needs it); slow for
-    that build."""
+    naming the extra to install (eagle3-forge[kimi]). Costs < 0.1 s after the miniature's build
+    (module docstring); slow for that build."""
     from transformers.quantizers import quantizer_compressed_tensors
 
     monkeypatch.setattr(
@@ -349,10 +346,9 @@ def test_missing_compressed_tensors_says_what_to_install(kimi_dirs, monkeypatch)
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["AutoConfig", "AutoModelForImageTextToText"])
 def test_remote_code_failure_is_one_line_error(kimi_dirs, monkeypatch, stage):
-    """Remote config/modelling code can raise anything; simulated here (running real remote
-    code would write into the shared ~/.cache/huggingface/modules). Costs < 0.1 s a stage once the
-    session's Kimi miniature exists (~30 s to build, paid by the first test on a worker that needs
-    it); slow for that build."""
+    """Remote config/modelling code can raise anything; simulated here (running real remote code
+    would write into the shared ~/.cache/huggingface/modules). Costs < 0.1 s a stage after the
+    miniature's build (module docstring); slow for that build."""
     import transformers
 
     def broken(*args, **kwargs):
