@@ -80,10 +80,16 @@ def shape_facts(spec: str) -> dict:
         rms_norm_eps=1e-6,
         max_position_embeddings=4096,
     )
+    return facts_of(hf)
+
+
+def facts_of(hf) -> dict:
+    """What the benchmark reads of a target's config, whichever way it was given (one builder:
+    the registry path once lacked hidden_size and crashed)."""
     return {
         "hf_config": hf,
-        "vocab_size": v["vocab"],
-        "hidden_size": v["hidden"],
+        "vocab_size": hf.vocab_size,
+        "hidden_size": hf.hidden_size,
         "aux_layer_ids": None,
     }
 
@@ -154,8 +160,7 @@ def main() -> None:
     if args.target_shape is not None:
         facts = shape_facts(args.target_shape)
     else:  # a registry target's plan_shape (Kimi: no download), else its config.json
-        hf = target_shape(cfg.target.name)
-        facts = {"hf_config": hf, "vocab_size": hf.vocab_size, "aux_layer_ids": None}
+        facts = facts_of(target_shape(cfg.target.name))
     aux_ids = cfg.target.aux_layer_ids or facts["aux_layer_ids"] or [1, 2, 3]
     vocab_size = facts["vocab_size"]
     dv = min(cfg.model.draft_vocab_size, vocab_size)

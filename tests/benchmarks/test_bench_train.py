@@ -52,3 +52,18 @@ def test_recompute_flag_prints_the_ratio_and_both_peaks():
     assert "x the plain step's time" in proc.stdout
     peaks = next(line for line in proc.stdout.splitlines() if line.startswith("peak above"))
     assert len(re.findall(r"[\d.]+ GiB", peaks)) == 2, peaks
+
+
+def test_a_registry_target_runs_without_a_target_shape():
+    """~7 s (mostly imports and the matmul peak): the command as docs/benchmarks.md prints it,
+    a registry target and no --target-shape, at its smallest size (this path once stopped with
+    KeyError: 'hidden_size')."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/bench_train.py"),
+         "--config", str(REPO / "configs/train/smollm2-q4-cpu.yaml"),
+         "--seq-len", "16", "--batch-size", "1", "--steps", "1", "--device", "cpu"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "target V=49152" in proc.stdout and "MFU" in proc.stdout
