@@ -6,7 +6,9 @@ flatly (OpenRouter documents errors both as HTTP statuses and as an ``error`` in
 - ``OK``: usable data;
 - ``RETRY``: 408/429/5xx, connection errors, timeouts, and HTTP 200 bodies that are failures
   (top-level ``error``, ``finish_reason: "error"``, no ``choices``, empty content with no
-  reasoning, whitespace-then-nothing bodies);
+  reasoning, think tags out of place (:func:`eagle3.data.chat.split_thinking`: a reply given
+  as ``reasoning</think>answer`` is read as its reasoning and answer),
+  whitespace-then-nothing bodies);
 - ``FAIL``: 400/401/403/404 and other 4xx: retrying cannot help, the prompt is marked failed;
 - ``NO_CREDITS``: 402, the account is out of credit: stop sending.
 
@@ -34,6 +36,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from eagle3.data.chat import RenderError, split_thinking
 from eagle3.data.records import make_failure
 
 if TYPE_CHECKING:
@@ -114,8 +117,10 @@ def check(status: int, body: dict | None) -> Verdict:
     if choice.get("finish_reason") == "error" or choice.get("error"):
         return Verdict(RETRY, "finish_reason error", _error_message(choice.get("error", "")))
     message = choice.get("message") or {}
-    content = message.get("content") or ""
-    reasoning = message.get("reasoning") or ""
+    try:
+        reasoning, content = split_thinking(message)
+    except RenderError as err:  # another sample may close its tags
+        return Verdict(RETRY, err.reason, str(err))
     if not content.strip() and not reasoning.strip():
         return Verdict(RETRY, "empty content")
     if not content.strip() and choice.get("finish_reason") != "length":

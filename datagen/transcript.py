@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from eagle3.data.chat import next_turns
+from eagle3.data.chat import next_turns, split_thinking
 from eagle3.data.prompts import Prompt
 from eagle3.data.records import make_record, sum_usage
 
@@ -29,14 +29,13 @@ class Reply:
 
 def parse_reply(body: dict) -> Reply:
     """The reply in a response body that :func:`datagen.retry.check` found OK. Reasoning comes
-    as ``reasoning`` (OpenRouter) or ``reasoning_content`` (SGLang/vLLM); it is kept apart."""
+    as ``reasoning`` (OpenRouter), ``reasoning_content`` (SGLang/vLLM with a reasoning parser) or
+    before ``</think>`` in the content (no parser: the opener was the generation prompt's); it
+    is kept apart (:func:`eagle3.data.chat.split_thinking`), so the record and the next turn's
+    request carry the bare answer, which is all Kimi's template shows of an earlier turn."""
     choice = body["choices"][0]
-    msg = choice.get("message") or {}
-    message = {
-        "role": "assistant",
-        "content": msg.get("content") or "",
-        "reasoning": msg.get("reasoning") or msg.get("reasoning_content") or "",
-    }
+    reasoning, content = split_thinking(choice.get("message") or {})
+    message = {"role": "assistant", "content": content, "reasoning": reasoning}
     usage = body.get("usage") or {}
     return Reply(
         message, usage, choice.get("finish_reason"), body.get("provider"), body.get("model")

@@ -10,10 +10,13 @@ conversation prefix by prefix and comparing.
   wrote: ``render(messages[:last], add_generation_prompt=True)`` + the last turn. Earlier
   assistant turns appear in it the way the template renders history (Kimi-K2.5 blanks their
   reasoning to ``<think></think>``; ChatML keeps the answer), which is exactly the context the
-  target conditioned on, so their tokens are masked 1 as they appear there.
-- Assistant turn ``i`` starts where ``render(messages[:i], add_generation_prompt=True)`` stops
-  agreeing with the sequence (token ids; normally at its end) and ends at the first end-of-turn
-  token after that.
+  target conditioned on, so what the target wrote of them is masked 1 as it appears there (the
+  answer and its end-of-turn token; not the empty ``<think></think>``, the template's).
+- Assistant turn ``i`` starts where both ``render(messages[:i], add_generation_prompt=True)``
+  and the same history with turn ``i`` blank stop agreeing with the sequence (token ids): after
+  the role header and after what the template writes into every turn, such as the empty
+  ``<think></think>`` Kimi-K2.5 puts in place of earlier reasoning, which the target never wrote
+  there. It ends at the first end-of-turn token after that.
 - The last turn is ``render(messages[:last + 1])`` minus the generation prompt, cut after its
   end-of-turn token. A template that drops the final turn's reasoning (Kimi-K2.5 renders every
   assistant turn up to the last one as history) gets it back where the target wrote it: just
@@ -24,13 +27,19 @@ conversation prefix by prefix and comparing.
 - Reasoning that the template has no place for at all (no think-closing tag, e.g. ChatML) is
   left out and flagged (``Rendered.reasoning_dropped``): the target never writes it.
 
-Assistant messages may carry ``reasoning`` (OpenRouter) or ``reasoning_content`` (SGLang/vLLM);
-templates receive it as ``reasoning_content``. Problems with one record raise
+A server returns a thinking turn in one of two shapes, and both render alike
+(:func:`split_thinking`): the reasoning in its own field, ``reasoning`` (OpenRouter) or
+``reasoning_content`` (SGLang/vLLM with a reasoning parser), and the bare answer in ``content``;
+or, without a reasoning parser, ``content`` = ``reasoning</think>answer`` (the ``<think>`` came
+with the generation prompt). Templates receive the reasoning as ``reasoning_content``. Think tags
+out of place (an opener without its closer, two closers, a tag in the reasoning field) are
+refused: such a turn has no one right rendering. Problems with one record raise
 :class:`RenderError` whose ``reason`` is a short stable key for counters.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -38,8 +47,11 @@ from typing import Any
 from eagle3.data.prompts import Prompt, open_turns
 from eagle3.errors import Eagle3Error
 
+# A reasoning block's (opening, closing) tags: most reasoning templates, Kimi-K2.5's included,
+# and Kimi-VL's.
+THINK_TAGS = (("<think>", "</think>"), ("◁think▷", "◁/think▷"))
 # Tags that close a reasoning block, in the order tried.
-THINK_CLOSE = ("</think>", "◁/think▷")
+THINK_CLOSE = tuple(close for _, close in THINK_TAGS)
 # Token strings that end an assistant turn in common templates (looked up in the vocabulary).
 END_OF_TURN = (
     "<|im_end|>",  # ChatML (SmolLM2, Qwen), Kimi
@@ -119,12 +131,58 @@ def end_of_turn_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
+def _unbalanced(what: str) -> RenderError:
+    return RenderError(
+        "unbalanced think tags",
+        f"{what}; give the reasoning in its own field or as content 'reasoning</think>answer'",
+    )
+
+
+def split_thinking(message: dict) -> tuple[str, str]:
+    """An assistant message -> (reasoning, answer), from either shape a server returns a thinking
+    turn in: the reasoning in ``reasoning`` or ``reasoning_content`` and the answer in
+    ``content``, or ``content`` = ``reasoning</think>answer`` (the opener came with the
+    generation prompt; one written at the very start of ``content`` is taken as well). Both
+    verbatim: the tokens are the target's. Raises :class:`RenderError` ("unbalanced think tags")
+    for tags out of place."""
+    content, reasoning = message.get("content") or "", _reasoning(message)
+    if not isinstance(content, str) or not isinstance(reasoning, str):
+        raise RenderError("bad record", "an assistant turn's content or reasoning is not text")
+    for opener, closer in THINK_TAGS:
+        if opener in reasoning or closer in reasoning:
+            raise _unbalanced(
+                f"a {opener if opener in reasoning else closer} in the reasoning field"
+            )
+        body = content[len(opener) :] if content.startswith(opener) else content
+        if opener in body:
+            raise _unbalanced(f"an {opener} inside the answer")
+        closers = body.count(closer)
+        if closers > 1:
+            raise _unbalanced(f"{closers} {closer} in one answer")
+        if closers and reasoning:
+            raise _unbalanced(f"a {closer} in the answer beside a reasoning field")
+        if body is not content and not closers:
+            raise _unbalanced(f"an {opener} without its {closer}")
+        if closers:
+            reasoning, content = body.split(closer)
+    return reasoning, content
+
+
+def _split_turn(message: dict) -> dict:
+    """An assistant message with its reasoning in ``reasoning`` and the answer in ``content``."""
+    if message.get("role") != "assistant":
+        return message
+    reasoning, content = split_thinking(message)
+    kept = {k: v for k, v in message.items() if k not in ("reasoning", "reasoning_content")}
+    return {**kept, "content": content, "reasoning": reasoning}
+
+
 def _template_messages(messages: list[dict]) -> list[dict]:
     out = []
     for m in messages:
         if m["role"] == "assistant":
-            turn = {"role": "assistant", "content": m.get("content") or ""}
-            reasoning = _reasoning(m)
+            reasoning, content = split_thinking(m)
+            turn = {"role": "assistant", "content": content}
             if reasoning:
                 turn["reasoning_content"] = reasoning
             out.append(turn)
@@ -184,7 +242,7 @@ def prompt_ids(
 
 
 def _check_roles(messages: list[dict]) -> int:
-    """Validate roles; return the index of the last assistant turn."""
+    """Validate roles; return the index of the last assistant turn (its reasoning apart)."""
     if not isinstance(messages, list) or not all(
         isinstance(m, dict) and "role" in m for m in messages
     ):
@@ -194,7 +252,7 @@ def _check_roles(messages: list[dict]) -> int:
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
     if last < 0:
         raise RenderError("empty response", "no assistant turn")
-    answer = messages[last]
+    answer = _split_turn(messages[last])
     if not (answer.get("content") or "").strip() and not _reasoning(answer).strip():
         raise RenderError("empty response")
     return last
@@ -252,7 +310,7 @@ def render_conversation(
     turn cut at max tokens (finish_reason "length"). Raises :class:`RenderError`.
     """
     last = _check_roles(messages)
-    msgs = messages[: last + 1]
+    msgs = [_split_turn(m) for m in messages[: last + 1]]
     kw = {"chat_template": chat_template, "template_kwargs": template_kwargs}
     prefix_text = render_text(tokenizer, msgs[:last], add_generation_prompt=True, **kw)
     full_text = render_text(tokenizer, msgs, add_generation_prompt=False, **kw)
@@ -277,9 +335,7 @@ def render_conversation(
         header = encode(
             tokenizer, render_text(tokenizer, msgs[:i], add_generation_prompt=True, **kw)
         )
-        start = 0
-        while start < min(len(header), len(prefix)) and header[start] == prefix[start]:
-            start += 1
+        start = _agreement(header, prefix)
         if start < len(before) or before != prefix[: len(before)]:
             raise RenderError(
                 "unknown template",
@@ -289,6 +345,11 @@ def render_conversation(
         end = next((j for j in range(start, len(prefix)) if prefix[j] in eot), None)
         if end is None:
             raise RenderError("unknown template", f"no end-of-turn token after assistant turn {i}")
+        # what the template writes into any turn (Kimi's `<think></think>`) is not the target's
+        blank = [*msgs[:i], {"role": "assistant", "content": ""}, *msgs[i + 1 : last]]
+        with contextlib.suppress(RenderError):  # a template may refuse an empty turn
+            blank_text = render_text(tokenizer, blank, add_generation_prompt=True, **kw)
+            start = min(max(start, _agreement(encode(tokenizer, blank_text), prefix)), end)
         mask[start : end + 1] = [1] * (end + 1 - start)
 
     ids = prefix + gen
@@ -296,6 +357,14 @@ def render_conversation(
     if truncated:
         ids, mask = ids[:max_length], mask[:max_length]
     return Rendered(ids, mask, truncated, reasoning_dropped=dropped)
+
+
+def _agreement(a: list[int], b: list[int]) -> int:
+    """How many leading ids `a` and `b` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def render_record(
@@ -333,4 +402,5 @@ __all__ = [
     "render_conversation",
     "render_record",
     "render_text",
+    "split_thinking",
 ]

@@ -106,6 +106,38 @@ CASES = [
         RETRY,
         "reasoning without answer",
     ),
+    (
+        "200 reasoning</think>answer (no reasoning parser)",
+        200,
+        {"choices": [{"finish_reason": "stop", "message": {"content": "x</think>4"}}]},
+        OK,
+        "ok",
+    ),
+    (
+        "200 reasoning</think> and no answer",
+        200,
+        {"choices": [{"finish_reason": "stop", "message": {"content": "x</think> "}}]},
+        RETRY,
+        "reasoning without answer",
+    ),
+    (
+        "200 two </think>",
+        200,
+        {"choices": [{"finish_reason": "stop", "message": {"content": "x</think>y</think>4"}}]},
+        RETRY,
+        "unbalanced think tags",
+    ),
+    (
+        "200 </think> beside reasoning_content",
+        200,
+        {
+            "choices": [
+                {"finish_reason": "stop", "message": {"content": "x</think>4", "reasoning": "x"}}
+            ]
+        },
+        RETRY,
+        "unbalanced think tags",
+    ),
 ]
 
 
