@@ -15,11 +15,12 @@ it (paths, GPU counts, sizes, the fake OpenRouter's URL, the CPU engine's flags,
 EAGLE3_TRAIN_OVERRIDES / EAGLE3_ENGINE_ARGS, which the tools read themselves). The GPU check's
 block needs a GPU and is parsed only.
 
-Cost: the cheap tests ~1 s together (the setup block in two shells: its installs check their
-stamps and return); the rehearsal ~5 min on 2 cores (measured 301 s at load 4: the runbook 190
-s, the generic block 30 s, the fine-tune 28 s, the long block 53 s; six vLLM-CPU starts: step
-2's capture, step 4's two servers, step 5's `vllm serve` answering one request, the generic and
-the long captures; two 2-process ZeRO-2 trainings), `pytest -k runbook`.
+Cost: the cheap tests ~0.5 s together (the setup block in two shells: its installs check their
+stamps and return); the rehearsal 4-5 min on 2 cores (the whole file measured 258 s at load 4:
+the runbook 155 s, the generic block 38 s, the fine-tune 21 s, the long block 44 s; 301 s in
+another run; six vLLM-CPU starts: step 2's capture, step 4's two servers, step 5's `vllm serve`
+answering one request, the generic and the long captures; two 2-process ZeRO-2 trainings),
+`pytest -k runbook`.
 """
 
 from __future__ import annotations
