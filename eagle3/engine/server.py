@@ -13,7 +13,9 @@ after a grace period) on `stop()`, context-manager exit, Ctrl-C or interpreter e
 EngineClient (eagle3.engine.client), the interface of a server someone else runs. A server
 that does not start, or dies, is a RemoteError naming the root cause found in its log.
 `vllm_server` is the factory: it picks the dtype and attention backend (eagle3.engine.choice).
-Nothing here imports vLLM.
+`EAGLE3_ENGINE_ARGS` in the environment holds more server arguments for every engine this
+project starts (split as a shell would, after the caller's own: `--enforce-eager` for the CPU
+rehearsal of docs/kimi-runbook.md). Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -57,6 +60,7 @@ ENGINES = ("vllm",)  # what --engine and target.engine.kind accept
 # compile and graph capture included.
 DEFAULT_STARTUP_TIMEOUT_S = 900.0
 STARTUP_TIMEOUT_FLAG = "--engine-startup-timeout"  # the CLIs' knob; online training's is a key
+ENGINE_ARGS_ENV = "EAGLE3_ENGINE_ARGS"  # more vLLM server arguments for every managed engine
 
 
 def startup_timeout_for(target: ResolvedTarget | str | os.PathLike) -> float:
@@ -215,7 +219,7 @@ class VLLMServer(EngineClient):
             args.append("--enforce-eager")
         if speculative_config is not None:
             args += ["--speculative-config", json.dumps(speculative_config)]
-        self.args = args + [str(a) for a in extra_args]
+        self.args = args + [str(a) for a in extra_args] + environment_engine_args()
         self.log_path = Path(log_path) if log_path else None
         self.kvcache_space_gib = kvcache_space_gib
         self.omp_threads = omp_threads
@@ -411,7 +415,8 @@ def add_engine_args(p) -> None:
         default=[],
         metavar="ARG",
         help="engine: one more vLLM server argument, verbatim and last, e.g. "
-        "--engine-arg=--gpu-memory-utilization=0.85 --engine-arg=--enforce-eager (repeatable)",
+        "--engine-arg=--gpu-memory-utilization=0.85 --engine-arg=--enforce-eager (repeatable; "
+        f"${ENGINE_ARGS_ENV} adds more to every engine)",
     )
     g.add_argument("--engine-log", help="engine: the server's log file (default: a temp file)")
     g.add_argument(
@@ -422,6 +427,15 @@ def add_engine_args(p) -> None:
         "registry entry's engine_startup_timeout_s, an hour for kimi-k2.5, else "
         f"{DEFAULT_STARTUP_TIMEOUT_S:.0f})",
     )
+
+
+def environment_engine_args() -> list[str]:
+    """The vLLM server arguments in $EAGLE3_ENGINE_ARGS (none when unset), or Eagle3Error."""
+    text = os.environ.get(ENGINE_ARGS_ENV, "")
+    try:
+        return shlex.split(text)
+    except ValueError as err:
+        raise Eagle3Error(f"{ENGINE_ARGS_ENV}={text!r}: {err} (quote as in a shell)") from err
 
 
 def positive_seconds(text: str) -> float:

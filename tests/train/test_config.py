@@ -171,3 +171,14 @@ def test_eagle3_1_kimi_recipes_name_their_method():
         cfg = load_config(REPO / "configs" / "train" / name, check_paths=False)
         assert (cfg.model.draft.method, cfg.model.draft.attention) == ("eagle3", "mla"), name
         assert "method: eagle3" in (REPO / "configs" / "train" / name).read_text()
+
+
+def test_overrides_from_the_environment_come_before_the_command_line(monkeypatch):
+    """Cheap (~0.01 s): $EAGLE3_TRAIN_OVERRIDES is split as a shell would; the command line's
+    own overrides win; bad quoting is one ConfigError naming the variable."""
+    monkeypatch.setenv("EAGLE3_TRAIN_OVERRIDES", "train.max_steps=2 'wandb.tags=[a, b]' optim.lr=1")
+    cfg = load_config(None, ["data.shard_dirs=[x]", "optim.lr=5e-5"], check_paths=False)
+    assert (cfg.train.max_steps, cfg.wandb.tags, cfg.optim.lr) == (2, ["a", "b"], 5e-5)
+    monkeypatch.setenv("EAGLE3_TRAIN_OVERRIDES", "train.max_steps='2")
+    with pytest.raises(ConfigError, match="EAGLE3_TRAIN_OVERRIDES=.*quotation"):
+        load_config(None, ["data.shard_dirs=[x]"], check_paths=False)
