@@ -6,7 +6,8 @@ Alignment (one convention for the whole project; see Eagle3Draft.ttt_forward):
 - step k's logits at position t predict x_{t+k+2}, so their label is row t+k+1, and the
   position counts when x_{t+k+2} is a generated token (loss_mask) and the target's own
   argmax at row t+k+1 lies in the draft vocab (otherwise the draft cannot match it).
-Loss = sum_k w^k * CE_k, each CE_k a mean over its valid positions.
+Loss = sum_k w^k * L_k, each L_k a mean over its valid positions of the recipe's objective
+(train.loss, eagle3/losses/: the soft cross-entropy CE_k by default, or an LK loss).
 Packed rows (train/packing.py) pass `segment_ids` (B, T): then step k at position t also needs
 x_{t+k+2} in t's own record; a prediction across a record boundary never counts.
 Sequence-parallel shards (train/sequence_parallel.py) pass `queries`: the shard's positions,
@@ -19,6 +20,10 @@ from __future__ import annotations
 import torch
 
 from eagle3.compute import matmul_dtype
+from eagle3.losses import KL, Objective, position_loss
+
+# What step_loss reports of each step k (as "<key>_<k>"); P-EAGLE's loss the same per depth
+METRIC_KEYS = ("loss", "alpha", "acc", "count", "masked", "correct")
 
 
 def step_targets(
@@ -135,81 +140,15 @@ def target_probs(
     return (probs.view(B, T, -1) if with_probs else None), in_vocab.view(B, T)
 
 
-# Elements of a chunk of soft cross-entropy rows: on CPU 8 MiB of float32, so a chunk's
-# temporaries stay in cache and in glibc's heap (a whole-sequence (T, Vd) temporary is mmapped
-# and page-faulted afresh per call); measured at T = 8k with the 8,000-word draft vocab, the
-# whole-row F.cross_entropy spent ~1 s per TTT step in log_softmax, the product with the labels
-# and their backward (6.8 ns per element vs 0.5 in cache). On GPUs, fewer launches.
-CE_CHUNK_ELEMENTS = {"cpu": 2**21, "cuda": 2**26}
-
-
-class _SoftCrossEntropy(torch.autograd.Function):
-    """-(p * log_softmax(logits)).sum(-1) over the first n positions of each row, a chunk of
-    positions at a time, and the logits' argmax there (no gradient).
-
-    apply(logits (B, T, V), probs (B, n, V), chunk) -> (ce float32 (B, n), argmax (B, n)).
-    Saves the logits, the labels (both held by the caller anyway), the per-position LSE and
-    label mass; backward writes (softmax * sum(p) - p) * dce chunk by chunk over the logits
-    themselves, zero past n, and returns them as their own gradient. So no (B, n, V)
-    log-softmax is kept for backward (one per TTT step: 1.5 GB for a 12k-token Kimi row with a
-    32k draft vocab), and no tensor of that size is made beyond the logits.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, probs, chunk):
-        B, n, _ = probs.shape
-        ce = logits.new_empty(B, n, dtype=torch.float32)
-        lse, mass = torch.empty_like(ce), torch.empty_like(ce)
-        top = torch.empty(B, n, dtype=torch.long, device=logits.device)
-        for b in range(B):
-            for a in range(0, n, chunk):
-                e = min(a + chunk, n)
-                x, p = logits[b, a:e].float(), probs[b, a:e]
-                lse[b, a:e] = x.logsumexp(-1)
-                mass[b, a:e] = p.sum(-1)
-                ce[b, a:e] = -(p * (x - lse[b, a:e, None])).sum(-1)
-                top[b, a:e] = x.argmax(-1)
-        ctx.save_for_backward(logits, probs, lse, mass)
-        ctx.chunk, ctx.consumed = chunk, False
-        ctx.mark_non_differentiable(top)
-        return ce, top
-
-    @staticmethod
-    def backward(ctx, dce, _dtop):
-        if ctx.consumed:
-            raise RuntimeError(
-                "soft_cross_entropy's backward ran twice: its first backward wrote the gradient "
-                "over the logits (retain_graph is not supported)"
-            )
-        ctx.consumed = True
-        logits, probs, lse, mass = ctx.saved_tensors
-        B, n, _ = probs.shape
-        # The gradient is written over the logits, chunk by chunk after each is read: they are
-        # dead by now (this loss is their only reader), and their pages are already mapped,
-        # where a fresh (B, T, V) gradient would be mmapped and page-faulted per TTT step.
-        grad = logits.detach()
-        grad[:, n:] = 0  # positions past n carry no loss
-        for b in range(B):
-            for a in range(0, n, ctx.chunk):
-                e = min(a + ctx.chunk, n)
-                g = (logits[b, a:e].float() - lse[b, a:e, None]).exp_()  # softmax
-                g = g.mul_(mass[b, a:e, None]).sub_(probs[b, a:e]).mul_(dce[b, a:e, None])
-                grad[b, a:e] = g
-        return grad, None, None
-
-
 def soft_cross_entropy(
     logits: torch.Tensor, probs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Soft-label cross-entropy of logits (B, T, V) against probs (B, n, V) (n <= T: the first
-    n positions) -> (ce float32 (B, n), the logits' argmax (B, n)). The same values as
-    F.cross_entropy(logits[:, :n].float(), probs) row by row, in chunks of positions (see
-    CE_CHUNK_ELEMENTS). Backward overwrites `logits` with their gradient: read them before it,
-    as the trainer does. A second backward through the same graph, or a second loss over the
-    same logits, raises (autograd's in-place check) instead of using overwritten values."""
-    per_chunk = CE_CHUNK_ELEMENTS.get(logits.device.type, CE_CHUNK_ELEMENTS["cuda"])
-    chunk = max(1, per_chunk // max(probs.shape[-1], 1))
-    return _SoftCrossEntropy.apply(logits, probs.detach(), chunk)
+    n positions) -> (ce float32 (B, n), the logits' argmax (B, n)): the "kl" objective's
+    position_loss (eagle3/losses/chunks.py: in chunks, backward over the logits). The same
+    values as F.cross_entropy(logits[:, :n].float(), probs) row by row."""
+    ce, _, top = position_loss(logits, probs, KL)
+    return ce, top
 
 
 def ttt_loss(
@@ -221,10 +160,12 @@ def ttt_loss(
     denominators: list[float] | None = None,
     segment_ids: torch.Tensor | None = None,
     queries: int | None = None,
+    objective: Objective = KL,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weighted sum of per-step soft cross-entropies -> (loss, metrics).
+    """Weighted sum of per-step losses (`objective`'s, eagle3/losses/) -> (loss, metrics).
 
-    metrics holds loss_k (over the valid positions), acc_k (draft argmax == target argmax,
+    metrics holds loss_k (over the valid positions), alpha_k (the mean acceptance probability
+    sum_x min(p, q) there, whatever the objective), acc_k (draft argmax == target argmax,
     over *every* loss-masked position: one whose target token is outside the draft vocab is a
     miss, as it is when decoding, so acc_k is the acceptance a chain would see; SpecForge counts
     the same way), and count_k (valid) / masked_k / correct_k for exact aggregation across
@@ -232,7 +173,7 @@ def ttt_loss(
     replaces the local valid-position counts (e.g. counts all-reduced over data-parallel
     ranks, divided by world size) so N ranks reproduce one rank with an N-times batch.
     `segment_ids`: packed rows, `queries`: a sequence-parallel shard (step_targets). After backward, `step_logits` hold their
-    gradients (soft_cross_entropy).
+    gradients (eagle3/losses/chunks.py).
     """
     total = probs.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
@@ -240,7 +181,7 @@ def ttt_loss(
     for k, logits in enumerate(step_logits):
         loss_k, step_metrics = step_loss(
             k, logits, probs, in_vocab, loss_mask, step_weight, denominators, segment_ids,
-            queries, target_top,
+            queries, target_top, objective,
         )  # fmt: skip
         metrics.update(step_metrics)
         if loss_k is not None:
@@ -259,23 +200,25 @@ def step_loss(
     segment_ids: torch.Tensor | None,
     queries: int | None,
     target_top: torch.Tensor,
+    objective: Objective = KL,
 ) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """TTT step k's share of ttt_loss -> (step_weight^k * CE_k, or None when step k has no
+    """TTT step k's share of ttt_loss -> (step_weight^k * L_k, or None when step k has no
     position; its metrics). target_top: probs.argmax(-1). Called by ttt_loss for each step, and
     inside each recomputed step by a run with train.recompute_ttt_steps (eagle3.model's
     ttt_forward `step_loss`), so the step's logits need not outlive it."""
     rows, valid = step_labels(in_vocab, loss_mask, k, segment_ids, queries)
     n = valid.shape[1]
     if n == 0:
-        return None, {f"{key}_{k}": 0 for key in ("loss", "acc", "count", "masked", "correct")}
+        return None, {f"{key}_{k}": 0 for key in METRIC_KEYS}
     masked = int(step_targets(loss_mask, k, segment_ids, queries).sum())
-    ce, top = soft_cross_entropy(logits, probs[:, rows])  # (B, n) each
+    ce, alpha, top = position_loss(logits, probs[:, rows], objective)  # (B, n) each
     count = int(valid.sum())
     denom = denominators[k] if denominators is not None else max(count, 1)
     loss_k = (ce * valid).sum() / max(denom, 1e-8)
     correct = int(((top == target_top[:, rows]) & valid).sum())
     metrics = {
         f"loss_{k}": float((ce.detach() * valid).sum()) / max(count, 1),
+        f"alpha_{k}": float((alpha * valid).sum()) / max(count, 1),
         f"acc_{k}": correct / max(masked, 1),
         f"count_{k}": count,
         f"masked_{k}": masked,

@@ -28,6 +28,7 @@ from eagle3.config import load_typed
 from eagle3.data.windows import MODES as WINDOW_MODES
 from eagle3.engine.server import ENGINES
 from eagle3.errors import ConfigError, Eagle3Error
+from eagle3.losses import DEFAULT_LOSS, LK_ETA, LOSSES
 from eagle3.methods import METHODS, method_named
 from eagle3.model import ATTENTIONS, FEATURES, MLA_FIELDS
 from eagle3.rope import rope_scaling_for_engines
@@ -257,6 +258,11 @@ class TrainConfig:
     # keys/values instead of all its activations (Kimi's MLA draft: ~3.5x less memory a token,
     # the memory plan counts it), for one more forward of each step. Not for p-eagle
     recompute_ttt_steps: bool = False
+    # The objective of every TTT step (eagle3/losses/): kl (soft cross-entropy to the target's
+    # soft labels), lk-alpha (-log of the acceptance probability alpha = sum min(p, q)) or
+    # lk-lambda (exp(-eta alpha) * KL + (1 - exp(-eta alpha)) * (1 - alpha), eta = loss_eta)
+    loss: str = DEFAULT_LOSS
+    loss_eta: float = LK_ETA  # lk-lambda's eta (the LK paper's best: 3); other losses ignore it
 
 
 @dataclass
@@ -412,6 +418,8 @@ def _check_train(
         "rank of a group would capture the whole record again: set train.sequence_parallel=1",
     )
     need(t.anchor_l2 >= 0, f"train.anchor_l2 must be >= 0, got {t.anchor_l2}")
+    need(t.loss in LOSSES, f"train.loss must be one of {'/'.join(LOSSES)}, got {t.loss!r}")
+    need(t.loss_eta >= 0, f"train.loss_eta must be >= 0, got {t.loss_eta}")
     need(
         t.anchor_l2 == 0 or init_from is not None,
         f"train.anchor_l2={t.anchor_l2:g} pulls toward the starting weights of model.init_from, "

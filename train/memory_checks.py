@@ -19,6 +19,8 @@ from accelerate import Accelerator
 
 from eagle3.draft_shapes import target_shape
 from eagle3.errors import Eagle3Error
+from eagle3.losses import objective_named
+from eagle3.losses.chunks import CE_CHUNK_ELEMENTS
 from eagle3.methods import method_of
 from eagle3.model import DraftConfig
 from eagle3.ttt_attention import auto_impl
@@ -185,6 +187,8 @@ def recipe_plan(
         anchor=cfg.train.anchor_l2 > 0,
         recompute=cfg.train.recompute_ttt_steps and not method_of(draft_cfg).parallel,
         label_cache_bytes=cfg.data.label_cache_gb * GIB if cfg.data.mode == "offline" else 0.0,
+        loss_extra_bytes=objective_named(cfg.train.loss, cfg.train.loss_eta).extra_bytes_per_element
+        * CE_CHUNK_ELEMENTS["cuda"],
     )
     return plan_memory(draft_cfg, run, read_zero(ds_config), node, draft_cfg.vocab_size)
 

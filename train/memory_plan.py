@@ -43,6 +43,9 @@ names what would fit. What each term assumes:
   are the bytes of nh heads of a shard); the halo of ttt_steps + 1 tokens is left out. The
   all-to-all adds one TTT step's q, k, v in both layouts plus the send copies, in flight,
   and the group's own NCCL communicator (NCCL_COMMUNICATOR_GB) beside the data-parallel one.
+- loss: train.loss's chunk temporaries beyond the soft cross-entropy's (whose own are inside
+  the measured activation and headroom terms): the LK losses' bool comparison of one chunk
+  of positions (eagle3/losses/chunks.py), 64 MiB on CUDA; nothing for kl.
 - soft-label cache (train/soft_label_cache.py): data.label_cache_gb on the device when an
   offline run reads its records more than once (counted whenever it may: offline, > 0).
 
@@ -119,6 +122,9 @@ class RunShape:
     anchor: bool = False  # train.anchor_l2 > 0: a copy of the starting weights (train/anchor.py)
     recompute: bool = False  # train.recompute_ttt_steps: each TTT step recomputed in backward
     label_cache_bytes: float = 0.0  # data.label_cache_gb on the device (offline, > 1 epoch)
+    # train.loss's temporaries beyond the soft cross-entropy's, one chunk of positions at a time
+    # (eagle3/losses/chunks.py: Objective.extra_bytes_per_element x CE_CHUNK_ELEMENTS)
+    loss_extra_bytes: float = 0.0
 
 
 @dataclass
@@ -284,6 +290,8 @@ def plan_memory(
     module_bf16 = zero.stage > 0 and run.bf16  # DeepSpeed casts the module: no autocast, all bf16
     act_tok = add_activations(p, draft_cfg, run, tokens, module_bf16)
     label_tok, hidden_tok = add_batches(p, draft_cfg, run, tokens, lm_head_rows)
+    if run.loss_extra_bytes:
+        p.add("loss (LK)", run.loss_extra_bytes, "one chunk's q < p mask (train.loss)")
     p.add("CUDA context", CONTEXT_GB * GB, "context, cuBLAS, NCCL")
     p.add(
         "allocator headroom",

@@ -29,23 +29,28 @@ log = logging.getLogger(__name__)
 
 class MetricSums:
     """Running sums of micro-batches (the training steps since the last log line, or one
-    validation pass), per TTT step k: `ce` (ce_k x count_k), `correct`, `count` (valid
-    positions: the loss) and `masked` (every loss-masked position: the accuracy); then
+    validation pass), per TTT step k: `ce` (loss_k x count_k: the objective, train.loss),
+    `alpha` (alpha_k x count_k: the acceptance probability sum min(p, q)), `correct`, `count`
+    (valid positions: the loss) and `masked` (every loss-masked position: the accuracy); then
     `tokens` and `slots` (padding). One float64 tensor underneath, so one all-reduce sums them
     over ranks; the fields are named views into it."""
 
+    ROWS = 5  # ce, alpha, correct, count, masked
+
     def __init__(self, ttt_steps: int, device: torch.device, flat: torch.Tensor | None = None):
         K = self.ttt_steps = ttt_steps
+        R = self.ROWS
         if flat is None:
-            flat = torch.zeros(4 * K + 2, dtype=torch.float64, device=device)
+            flat = torch.zeros(R * K + 2, dtype=torch.float64, device=device)
         self.flat = flat
-        self.ce, self.correct, self.count, self.masked = flat[: 4 * K].view(4, K)
-        self.tokens, self.slots = flat[4 * K], flat[4 * K + 1]  # 0-d views: += writes into flat
+        self.ce, self.alpha, self.correct, self.count, self.masked = flat[: R * K].view(R, K)
+        self.tokens, self.slots = flat[R * K], flat[R * K + 1]  # 0-d views: += writes into flat
 
     def add(self, m: dict, mb: dict) -> None:
         """One micro-batch: `m` from eagle3.loss.ttt_loss, `mb` the labelled micro-batch."""
         for k in range(self.ttt_steps):
             self.ce[k] += m[f"loss_{k}"] * m[f"count_{k}"]
+            self.alpha[k] += m[f"alpha_{k}"] * m[f"count_{k}"]
             self.correct[k] += m[f"correct_{k}"]
             self.count[k] += m[f"count_{k}"]
             self.masked[k] += m[f"masked_{k}"]
@@ -61,16 +66,23 @@ class MetricSums:
         return MetricSums(self.ttt_steps, flat.device, flat)
 
     def summary(self, step_weight: float) -> dict[str, float]:
-        """loss (weighted over the steps), loss_k, acc_k and the simulated acceptance length."""
-        K, w = self.ttt_steps, step_weight
-        ce, correct, count, masked = self.flat[: 4 * K].view(4, K).tolist()  # one copy
+        """loss (weighted over the steps), loss_k, acc_k and the simulated acceptance length
+        (greedy: step k right with probability acc_k); alpha_k, the mean acceptance
+        probability sum min(p, q) over step k's valid positions (what the LK losses optimise;
+        speculative sampling accepts step k's token with it), and sim_accept_len_alpha, the
+        chain length those would give."""
+        K, w, R = self.ttt_steps, step_weight, self.ROWS
+        ce, alpha, correct, count, masked = self.flat[: R * K].view(R, K).tolist()  # one copy
         losses = [ce[k] / max(count[k], 1) for k in range(K)]
+        alphas = [alpha[k] / max(count[k], 1) for k in range(K)]
         accs = [correct[k] / max(masked[k], 1) for k in range(K)]
         return {
             "loss": sum(w**k * losses[k] for k in range(K)),
             **{f"loss_{k}": losses[k] for k in range(K)},
             **{f"acc_{k}": accs[k] for k in range(K)},
+            **{f"alpha_{k}": alphas[k] for k in range(K)},
             "sim_accept_len": simulated_acceptance(accs),
+            "sim_accept_len_alpha": simulated_acceptance(alphas),
         }
 
 
@@ -147,6 +159,12 @@ class MetricsLog:
             acc = "/".join(f"{a:.2f}" for a in accs)
             parts.append(
                 f"loss {metrics['loss']:.3f}, acc {acc}, simulated tau {metrics['sim_accept_len']:.2f}"
+            )
+        if "alpha_0" in metrics:  # what the LK losses optimise (sampling's acceptance)
+            alphas = [value for key, value in metrics.items() if key.startswith("alpha_")]
+            parts.append(
+                f"alpha {'/'.join(f'{a:.2f}' for a in alphas)} "
+                f"(tau {metrics['sim_accept_len_alpha']:.2f} sampled)"
             )
         parts += [f"{name} simulated tau {tau:.2f}" for name, tau in others.items()]
         self.write(

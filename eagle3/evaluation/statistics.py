@@ -55,6 +55,32 @@ def bootstrap_ci(
     return [float(lo), float(hi)]
 
 
+def paired_tau_difference(
+    base: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]]
+) -> tuple[float, list[float] | None]:
+    """tau(other) - tau(base) over the same prompts, and its 95% interval bootstrapped over
+    those prompts drawn together (each resample sums both drafters' counts of the same
+    prompts), from two result rows' `per_prompt` lists (ids matched; a prompt missing from
+    either is refused). Narrower than two separate intervals wherever the prompts' own
+    difficulty moves both drafters alike, which is most of a benchmark's spread."""
+    ours = {p["id"]: p for p in other}
+    if {p["id"] for p in base} != set(ours):
+        raise Eagle3Error("paired_tau_difference: the two rows are not over the same prompts")
+    rows = [
+        [b["accepted"] + b["steps"], b["steps"], o["accepted"] + o["steps"], o["steps"]]
+        for b in base
+        for o in [ours[b["id"]]]
+    ]
+    sums = np.asarray(rows, dtype=np.float64).sum(0)[None]
+    difference = float(difference_of_ratios(sums)[0])
+    return difference, bootstrap_ci(rows, difference_of_ratios)
+
+
+def difference_of_ratios(sums: np.ndarray) -> np.ndarray:
+    """[R, 4] sums (numerator a, denominator a, numerator b, denominator b) -> [R] b - a."""
+    return sums[:, 2] / sums[:, 3] - sums[:, 0] / sums[:, 1]
+
+
 def ratio_of_sums(sums: np.ndarray) -> np.ndarray:
     """[R, 2] sums (numerator, denominator) -> [R] ratios."""
     return sums[:, 0] / sums[:, 1]

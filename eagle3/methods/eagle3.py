@@ -5,7 +5,7 @@ What the method is to the rest of the project (eagle3/methods/__init__.py has th
 - the draft: eagle3.model.Eagle3Draft, one decoder layer over fused target features; its
   config leaves P-EAGLE's fields unset and EAGLE-3.1's switches off;
 - training: the TTT unroll of model.ttt_steps steps (eagle3.model.TTTModel) scored by
-  eagle3.loss.ttt_loss, sum_k step_weight^k * CE_k; with train.recompute_ttt_steps each step
+  eagle3.loss.ttt_loss, sum_k step_weight^k * L_k (L the recipe's train.loss, eagle3/losses/); with train.recompute_ttt_steps each step
   under activation checkpointing (`recomputed_ttt_loss` below);
 - export: the config.json of eagle3/checkpoint.py with no field of its own;
 - decoding: eagle3.decoding.eagle.EagleDrafter, chain or tree.
@@ -40,6 +40,7 @@ from torch import nn
 
 from eagle3.errors import Eagle3Error
 from eagle3.loss import step_loss, ttt_loss, valid_counts
+from eagle3.losses import KL, Objective, objective_named
 from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
 
 # EAGLE-3.1's switches (eagle3.model's docstring), DraftConfig fields and config.json keys
@@ -107,7 +108,11 @@ class Eagle3Method:
 
     def unroll(self, draft_cfg: DraftConfig, model: Any, train: Any) -> TTTUnroll:
         """The training unroll for the model and train config sections."""
-        return TTTUnroll(depth=model.ttt_steps, recompute=train.recompute_ttt_steps)
+        return TTTUnroll(
+            depth=model.ttt_steps,
+            recompute=train.recompute_ttt_steps,
+            objective=objective_named(train.loss, train.loss_eta),
+        )
 
     # -- export ---------------------------------------------------------------------------
     def export_extra(self, draft_cfg: DraftConfig) -> dict[str, Any]:
@@ -134,6 +139,7 @@ class TTTUnroll:
 
     depth: int  # TTT steps: the acc_k / loss_k columns
     recompute: bool = False  # train.recompute_ttt_steps: each TTT step checkpointed
+    objective: Objective = KL  # train.loss (eagle3/losses/)
 
     def module(self, draft: Eagle3Draft) -> nn.Module:
         return TTTModel(draft, self.depth, recompute=self.recompute)
@@ -156,18 +162,22 @@ class TTTUnroll:
     ) -> tuple[torch.Tensor, dict]:
         """Forward and loss of a labelled micro-batch -> (loss, metrics of eagle3.loss's keys)."""
         if self.recompute:  # each step's loss inside the step
-            return recomputed_ttt_loss(model, mb, step_weight, denominators)
+            return recomputed_ttt_loss(model, mb, step_weight, denominators, self.objective)
         # mb["sp"]: this rank's shard under sequence parallelism, else None
         step_logits = model(
             mb["input_ids"], mb["aux"], mb["segment_ids"], mb["position_ids"], mb["sp"]
         )
-        return ttt_loss(step_logits, **ttt_labels(mb, step_weight, denominators))
+        labels = ttt_labels(mb, step_weight, denominators, self.objective)
+        return ttt_loss(step_logits, **labels)
 
 
-def ttt_labels(mb: dict, step_weight: float, denominators: list[float] | None) -> dict[str, Any]:
+def ttt_labels(
+    mb: dict, step_weight: float, denominators: list[float] | None, objective: Objective = KL
+) -> dict[str, Any]:
     """The label arguments eagle3.loss.ttt_loss and step_loss take, from a labelled micro-batch
     (mb["queries"]: this rank's shard under sequence parallelism, else None)."""
     return {
+        "objective": objective,
         "probs": mb["probs"],
         "in_vocab": mb["in_vocab"],
         "loss_mask": mb["loss_mask"],
@@ -179,12 +189,16 @@ def ttt_labels(mb: dict, step_weight: float, denominators: list[float] | None) -
 
 
 def recomputed_ttt_loss(
-    model: nn.Module, mb: dict, step_weight: float, denominators: list[float] | None
+    model: nn.Module,
+    mb: dict,
+    step_weight: float,
+    denominators: list[float] | None,
+    objective: Objective = KL,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Forward and loss of a labelled micro-batch (TTTUnroll.loss) with each TTT step's loss
     made inside the step (module docstring) -> (loss, metrics), the values eagle3.loss.ttt_loss
     gives for the same micro-batch. `model` is the TTTModel built with recompute=True."""
-    labels = ttt_labels(mb, step_weight, denominators)
+    labels = ttt_labels(mb, step_weight, denominators, objective)
     target_top = mb["probs"].argmax(-1)  # (B, T): once, as ttt_loss does
     metrics: dict[str, float] = {}
 

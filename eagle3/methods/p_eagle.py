@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from eagle3.errors import Eagle3Error
-from eagle3.loss import soft_cross_entropy
+from eagle3.losses import KL, Objective, objective_named, position_loss
 from eagle3.methods.eagle3 import Eagle3Method, Need
 from eagle3.model import DraftConfig, Eagle3Draft
 from eagle3.parallel_draft import ParallelModel, PEagleDraft
@@ -145,7 +145,11 @@ class PEagleMethod(Eagle3Method):
     def unroll(self, draft_cfg: DraftConfig, model: Any, train: Any) -> ParallelUnroll:
         shape = model.draft
         return ParallelUnroll(
-            draft_cfg.parallel_depth, shape.keep_rate, shape.keep_floor, train.seed
+            draft_cfg.parallel_depth,
+            shape.keep_rate,
+            shape.keep_floor,
+            train.seed,
+            objective_named(train.loss, train.loss_eta),
         )
 
     # -- export ---------------------------------------------------------------------------
@@ -172,6 +176,7 @@ class ParallelUnroll:
     keep_rate: float
     keep_floor: float
     seed: int
+    objective: Objective = KL  # train.loss (eagle3/losses/)
 
     def module(self, draft: PEagleDraft) -> nn.Module:
         return ParallelModel(draft)
@@ -208,6 +213,7 @@ class ParallelUnroll:
             mb["anchors"],
             None if denominators is None else sum(denominators),  # one count, all depths
             mb["segment_ids"],
+            self.objective,
         )
 
 
@@ -312,6 +318,7 @@ def parallel_loss(
     anchors: list[torch.Tensor],
     denominator: float | None = None,
     segment_ids: torch.Tensor | None = None,
+    objective: Objective = KL,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The count-normalised loss over every depth -> (loss, metrics) (module docstring).
 
@@ -328,7 +335,7 @@ def parallel_loss(
     chain_ok = None  # (B, n_{d-1}): depths 0..d-1 right at the previous depth's anchors
     for d, (logits, where) in enumerate(zip(depth_logits, positions)):
         rows, masked, valid = depth_labels(in_vocab, loss_mask, where, d, segment_ids)
-        ce, top = soft_cross_entropy(logits, probs[:, rows])
+        ce, alpha, top = position_loss(logits, probs[:, rows], objective)
         total = total + (ce * valid).sum() / max(denom, 1e-8)
         right = (top == target_top[:, rows]) & valid
         if chain_ok is None:
@@ -339,6 +346,7 @@ def parallel_loss(
         chain_ok = reached & right
         count = int(valid.sum())
         metrics[f"loss_{d}"] = float((ce.detach() * valid).sum()) / max(count, 1)
+        metrics[f"alpha_{d}"] = float((alpha * valid).sum()) / max(count, 1)
         metrics[f"count_{d}"] = count
         metrics[f"masked_{d}"] = int(offered.sum())
         metrics[f"correct_{d}"] = int(chain_ok.sum())

@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3 import loss as loss_module
 from eagle3.loss import simulated_acceptance, soft_cross_entropy, ttt_loss, valid_counts
+from eagle3.losses import chunks
 
 
 def one_hot_probs(labels, vocab):
@@ -80,7 +80,7 @@ def test_soft_cross_entropy_is_the_fused_cross_entropy_in_chunks(
     """Values, argmax and the logits' gradient equal F.cross_entropy over logits[:, :n] (soft
     labels, one row of them all zero as unlabelled rows are), in chunks that do not divide n;
     backward leaves the gradient in the logits' own memory."""
-    monkeypatch.setitem(loss_module.CE_CHUNK_ELEMENTS, "cpu", chunk_elements)
+    monkeypatch.setitem(chunks.CE_CHUNK_ELEMENTS, "cpu", chunk_elements)
     torch.manual_seed(0)
     B, T, n, V = 2, 13, 10, 11
     leaf = (torch.randn(B, T, V) * 4).to(dtype).requires_grad_()

@@ -203,6 +203,15 @@ def test_kimi_offline_recipe_fits_8_gpus(gpu_gb):
     assert {"activations", "soft labels", "ZeRO buckets", "CUDA context"} <= set(plan.parts)
 
 
+def test_an_lk_loss_adds_its_chunk_mask_and_kl_adds_nothing():
+    """<1 s: train.loss=lk-lambda adds one chunk's q < p mask (64 MiB on CUDA) to the plan of
+    the Kimi offline recipe; kl, the default, prints no loss term."""
+    kl, lk = plan_of("offline", 96), plan_of("offline", 96, ["train.loss=lk-lambda"])
+    assert "loss (LK)" not in kl.parts
+    assert lk.parts["loss (LK)"] == 2**26
+    assert sum(lk.parts.values()) - sum(kl.parts.values()) == 2**26
+
+
 def test_over_the_card_refused_naming_what_fits():
     """<1 s: 64k tokens on 96 GB cards: one line naming a max_length that fits."""
     plan = plan_of("offline", 96, ["data.max_length=65536"])

@@ -28,11 +28,13 @@ def test_metric_sums_are_named_views_of_one_tensor_reduced_at_once():
     m = {}
     for k in range(K):
         m.update({f"loss_{k}": 0.5 + k, f"count_{k}": 10 - k, f"correct_{k}": 4 - k})
+        m[f"alpha_{k}"] = 0.6 - 0.1 * k
         m[f"masked_{k}"] = 12 - k
     for _ in range(2):  # two micro-batches
         sums.add(m, {"tokens": 30, "slots": 40})
-    assert sums.flat.shape == (4 * K + 2,)  # one all-reduce for everything
+    assert sums.flat.shape == (5 * K + 2,)  # one all-reduce for everything
     assert sums.ce.tolist() == pytest.approx([10.0, 27.0, 40.0])  # ce_k x count_k
+    assert sums.alpha.tolist() == pytest.approx([12.0, 9.0, 6.4])  # alpha_k x count_k
     assert sums.count.tolist() == [20, 18, 16] and sums.masked.tolist() == [24, 22, 20]
     assert sums.correct.tolist() == [8, 6, 4]
     assert (sums.tokens.item(), sums.slots.item()) == (60, 80)
@@ -45,7 +47,9 @@ def test_metric_sums_are_named_views_of_one_tensor_reduced_at_once():
             "loss": 0.5 + 0.8 * 1.5 + 0.64 * 2.5,
             **{f"loss_{k}": 0.5 + k for k in range(K)},
             **{f"acc_{k}": accs[k] for k in range(K)},
+            **{f"alpha_{k}": 0.6 - 0.1 * k for k in range(K)},
             "sim_accept_len": simulated_acceptance(accs),
+            "sim_accept_len_alpha": simulated_acceptance([0.6, 0.5, 0.4]),
         }
     )
     sums.zero_()
@@ -136,14 +140,16 @@ def test_every_message_is_one_whole_line_in_a_log(tmp_path, monkeypatch):
     for step in (1, 2):
         log.advance()
         log.log(step, {"loss": 1.0, "acc_0": 0.5, "tokens_per_s": 10.0})
-    log.log_eval(2, {"loss": 1.0, "acc_0": 0.5, "sim_accept_len": 1.48}, improved=False)
+    row = {"loss": 1.0, "acc_0": 0.5, "alpha_0": 0.6, "sim_accept_len": 1.48}
+    log.log_eval(2, {**row, "sim_accept_len_alpha": 1.6}, improved=False)
     log.write("done: 2 steps; SGLang draft in x/final")
     log.close("produced")
     assert all(w.endswith("\n") and w.count("\n") == 1 for w in writes), writes
     lines = "".join(writes).splitlines()
     assert lines[-4].startswith("train: 2/2 steps (100%) in ")
     assert lines[-3:] == [
-        "validation at step 2: loss 1.000, acc 0.50, simulated tau 1.48",
+        "validation at step 2: loss 1.000, acc 0.50, simulated tau 1.48, alpha 0.60 (tau 1.60 "
+        "sampled)",
         "done: 2 steps; SGLang draft in x/final",
         "produced",
     ]

@@ -91,9 +91,11 @@ def test_peagle_loss_is_one_count_normalised_mean_and_acc_follows_the_chain():
 
 @pytest.mark.slow
 def test_peagle_recipe_trains_validates_and_exports(tmp_path, helpers, tiny_llama_dir, shard_dir):
-    """model.draft.method=p-eagle end to end: the loss falls, validation logs the chain's
-    simulated tau, and the export loads back as the P-EAGLE draft vLLM serves. Costs ~4 s (its call:
-    a 6-step trainer run; measured on 2 xdist workers)."""
+    """model.draft.method=p-eagle end to end, trained with an LK loss (train.loss=lk-alpha: the
+    objective reaches P-EAGLE's one-pass loss as it does the TTT unroll's): the loss falls,
+    validation logs the chain's simulated tau and every depth's alpha, and the export loads back
+    as the P-EAGLE draft vLLM serves. Costs ~4 s (its call: a 6-step trainer run; measured on 2
+    xdist workers)."""
     from eagle3.checkpoint import load_draft
     from eagle3.parallel_draft import PEagleDraft
 
@@ -112,6 +114,7 @@ def test_peagle_recipe_trains_validates_and_exports(tmp_path, helpers, tiny_llam
             "data.pack_length": 128,
             "data.batch_size": 2,
             "train.eval_every": 3,
+            "train.loss": "lk-alpha",
         },
     )
     helpers.run_cli(args)
@@ -120,6 +123,8 @@ def test_peagle_recipe_trains_validates_and_exports(tmp_path, helpers, tiny_llam
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     val = [x for x in lines if "val/sim_accept_len" in x]
     assert len(val) == 2 and "val/acc_3" in val[-1] and "val/acc_4" not in val[-1]
+    assert all(0 < val[-1][f"val/alpha_{d}"] <= 1 for d in range(4))
+    assert val[-1]["val/sim_accept_len_alpha"] > 1
     config = json.loads((out / "final" / "config.json").read_text())
     assert (config["method"], config["num_hidden_layers"], config["mask_token_id"]) == (
         "p-eagle",

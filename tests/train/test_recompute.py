@@ -42,7 +42,7 @@ def micro_batch(B: int = 2, T: int = 40) -> dict:
     }
 
 
-def train_step(overrides: dict, recompute: bool) -> tuple[float, dict, dict, int]:
+def train_step(overrides: dict, recompute: bool, loss: str = "kl") -> tuple[float, dict, dict, int]:
     """One micro-batch's loss and backward through the recipe's Unroll -> (loss, metrics,
     gradients, tensors saved for backward by the forward)."""
     cfg = load_config(
@@ -51,6 +51,7 @@ def train_step(overrides: dict, recompute: bool) -> tuple[float, dict, dict, int
             "data.shard_dirs=[x]",
             f"model.ttt_steps={STEPS}",
             f"train.recompute_ttt_steps={recompute}",
+            f"train.loss={loss}",
         ],
         False,
     )
@@ -64,15 +65,17 @@ def train_step(overrides: dict, recompute: bool) -> tuple[float, dict, dict, int
     return float(loss.detach()), metrics, grads, len(saved)
 
 
+@pytest.mark.parametrize("objective", ["kl", "lk-lambda"])
 @pytest.mark.parametrize("shape", ["gqa", "mla"])
-def test_recompute_equals_the_plain_unroll(shape, monkeypatch):
+def test_recompute_equals_the_plain_unroll(shape, objective, monkeypatch):
     """~1 s: loss, every metric and every parameter gradient of one micro-batch with each TTT
     step recomputed equal the plain unroll's bit for bit (fp32, CPU, flash kernel: the same
-    operations on the same inputs), while the forward saves fewer tensors for backward."""
+    operations on the same inputs), while the forward saves fewer tensors for backward; for
+    today's KL and for an LK loss (train.loss)."""
     monkeypatch.setattr(DraftAttention, "ttt_impl", "flash")
     overrides = MLA if shape == "mla" else {}
-    loss, metrics, grads, saved = train_step(overrides, recompute=False)
-    loss_r, metrics_r, grads_r, saved_r = train_step(overrides, recompute=True)
+    loss, metrics, grads, saved = train_step(overrides, False, objective)
+    loss_r, metrics_r, grads_r, saved_r = train_step(overrides, True, objective)
     assert loss_r == loss and metrics_r == metrics
     assert grads_r.keys() == grads.keys() and len(grads) > 10
     for name, grad in grads.items():

@@ -60,10 +60,13 @@ def test_two_processes_and_accumulation_equal_one_big_batch(
     """One process with batch 4, one with batch 2 x 2 accumulated and 2 torchrun processes with
     batch 2 each train the same steps (loss, grad norm, acc_0, lr to rel 1e-5) and export the same
     weights: what keeps data parallelism or gradient accumulation from changing a step unnoticed.
-    Costs ~25 s (its call: three trainer runs; measured on 2 xdist workers)."""
+    Trained with an LK loss (train.loss=lk-lambda, whose KL share is exactly today's objective
+    and whose per-position weight depends on the position alone): every objective of
+    eagle3/losses/ is summed over valid positions and divided by the step's all-reduced counts
+    the same way. Costs ~25 s (its call: three trainer runs; measured on 2 xdist workers)."""
     # fp32 exports: the final weights compared below are the trained ones, not their bf16
     # roundings (float noise of the gradient sums can flip a bf16 rounding either way)
-    data = {**helpers.offline(shard_dir), "train.export_dtype": "fp32"}
+    data = {**helpers.offline(shard_dir), "train.export_dtype": "fp32", "train.loss": "lk-lambda"}
     one, accum, two = tmp_path / "one", tmp_path / "accum", tmp_path / "two"
     helpers.run_cli(helpers.common_args(tiny_llama_dir, one, **data, **{"data.batch_size": 4}))
     helpers.run_cli(
@@ -84,7 +87,7 @@ def test_two_processes_and_accumulation_equal_one_big_batch(
         helpers.common_args(tiny_llama_dir, two, **data, **{"data.batch_size": 2}),
         launcher=torchrun,
     )
-    for key in ("loss", "grad_norm", "acc_0", "lr"):
+    for key in ("loss", "grad_norm", "acc_0", "alpha_0", "lr"):
         assert helpers.losses(accum, key) == pytest.approx(helpers.losses(one, key), rel=1e-5)
         assert helpers.losses(two, key) == pytest.approx(helpers.losses(one, key), rel=1e-5)
     final = [load_file(str(d / "final" / "model.safetensors")) for d in (one, two)]

@@ -1,0 +1,123 @@
+"""The training objective at equal data (train.loss: kl against the LK losses), paired.
+
+    python experiments/bench_loss.py --shards runs/quickstart/shards --gsm8k PATH/gsm8k/test.jsonl
+        [--work runs/bench-loss] [--losses kl,lk-lambda] [--seeds 0,1] [--epochs 2]
+        [--prompts 20] [--temperatures 0,1]
+
+Every arm trains configs/train/smollm2-q4-cpu.yaml on the same shards (the embedded target's
+own answers, e.g. the quickstart's: `bash scripts/quickstart.sh` writes runs/quickstart/shards;
+several --shards dirs for more data), for the same epochs (so the same tokens and steps), one
+arm per loss and seed: only train.loss and train.seed differ. Each arm's final drafter is then
+measured by real speculative decoding against the same 4-bit target, in-house (its tau equals
+vLLM's at T = 0, tests/eagle3/test_evaluate_engine.py; at T = 1 with proper rejection sampling,
+which vLLM 0.32 does not do for drafts), chains of 4 (the depth trained), --prompts prompts of
+HumanEval, MT-bench and GSM8K, 64 new tokens a turn.
+
+The table compares each loss with kl, seed by seed, over the same prompts: tau(loss) - tau(kl)
+with the 95% interval of that difference bootstrapped over the prompts drawn together
+(eagle3.evaluation.statistics.paired_tau_difference), so the prompts' own difficulty, which
+moves both drafters alike, is not counted as a difference. Every stage is skipped when its
+output exists: a killed run is rerun with the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from train_arms import REPO, markdown_table, train_arm
+
+from eagle3.evaluation.statistics import paired_tau_difference
+
+TARGET = "smollm2-135m-q4"
+CONFIG = "configs/train/smollm2-q4-cpu.yaml"
+BASE = "kl"
+
+
+def arm_name(loss: str, seed: int) -> str:
+    return f"{loss}-seed{seed}"
+
+
+def evaluate(work: Path, arms: list[str], benches: str, args, temperature: float) -> Path:
+    """Every arm's final drafter in one in-house evaluation at `temperature` -> its JSON."""
+    out = work / f"eval-t{temperature:g}.json"
+    if out.is_file():
+        return out
+    drafts = [a for arm in arms for a in ("--draft", str(work / arm / "final"))]
+    cmd = [sys.executable, "-m", "eagle3.evaluate", "--target", TARGET, "--device", "cpu",
+           *drafts, "--bench", benches, "--limit", str(args.prompts), "--max-new-tokens", "64",
+           "--steps", "4", "--temperature", f"{temperature:g}", "--context-buckets", "0",
+           "--json", str(out)]  # fmt: skip
+    log = work / f"eval-t{temperature:g}.log"
+    print(f"$ {' '.join(cmd)}  (log: {log})", flush=True)
+    with open(log, "a") as f:
+        if subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode:
+            sys.exit(f"bench_loss: evaluation failed, see {log}")
+    return out
+
+
+def paired_table(
+    report: dict, losses: list[str], seeds: list[int]
+) -> tuple[list[str], list[list[str]]]:
+    """Rows: each loss (kl's own tau, the others' paired difference from kl) and seed;
+    columns: the benchmarks, "tau" or "+d [lo, hi]"."""
+    rows = {(r["drafter"], r["bench"]): r for r in report["results"]}
+    benches = sorted({bench for _, bench in rows}, key=["humaneval", "mt_bench", "gsm8k"].index)
+    table = []
+    for loss in losses:
+        for seed in seeds:
+            cells = [loss, str(seed)]
+            for bench in benches:
+                mine = rows[(f"{arm_name(loss, seed)}/final", bench)]
+                if loss == BASE:
+                    cells.append(f"{mine['tau']:.3f}")
+                    continue
+                base = rows[(f"{arm_name(BASE, seed)}/final", bench)]
+                diff, ci = paired_tau_difference(base["per_prompt"], mine["per_prompt"])
+                cells.append(f"{diff:+.3f}" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else ""))
+            table.append(cells)
+    return ["loss", "seed", *benches], table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shards", nargs="+", required=True, help="datagen.capture output dirs")
+    ap.add_argument("--work", default="runs/bench-loss")
+    ap.add_argument("--losses", default="kl,lk-lambda", help="train.loss values; kl first")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--epochs", type=int, default=2, help="train.epochs of every arm")
+    ap.add_argument("--prompts", type=int, default=20, help="prompts a benchmark")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--gsm8k", help="GSM8K's test.jsonl (no embedded copy): without it, no GSM8K")
+    args = ap.parse_args()
+    losses = args.losses.split(",")
+    if losses[0] != BASE:
+        sys.exit(f"bench_loss: --losses must start with {BASE}, the arm the others are paired with")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    work = (REPO / args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    shards = ",".join(str(Path(s).resolve()) for s in args.shards)
+    seconds = {}
+    for loss in losses:
+        for seed in seeds:
+            overrides = [f"data.shard_dirs=[{shards}]", f"train.epochs={args.epochs}",
+                         f"train.loss={loss}", f"train.seed={seed}"]  # fmt: skip
+            arm = arm_name(loss, seed)
+            seconds[arm] = train_arm(work / arm, CONFIG, overrides, "bench_loss")
+    arms = [arm_name(loss, seed) for loss in losses for seed in seeds]
+    benches = "humaneval,mt_bench" + (f",gsm8k={args.gsm8k}" if args.gsm8k else "")
+    for temperature in (float(t) for t in args.temperatures.split(",")):
+        report = json.loads(evaluate(work, arms, benches, args, temperature).read_text())
+        print(f"\nT = {temperature:g}: kl's tau, and each loss's paired difference from kl")
+        print(markdown_table(*paired_table(report, losses, seeds)))
+    base = [seconds[arm_name(BASE, s)] for s in seeds]
+    for loss in losses[1:]:
+        ratio = sum(seconds[arm_name(loss, s)] for s in seeds) / sum(base)
+        print(f"training time {loss} / {BASE}: {ratio:.2f}x (same steps and tokens)")
+
+
+if __name__ == "__main__":
+    main()
