@@ -560,6 +560,8 @@ def make_published_mla_draft(
     from eagle3.vocab import build_draft_vocab
 
     text = AutoConfig.from_pretrained(target_dir).get_text_config()
+    if not 0 < draft_vocab_size < text.vocab_size:  # vLLM refuses a d2t beside a full lm_head
+        raise ValueError(f"draft_vocab_size must be in 1..{text.vocab_size - 1} (a reduced vocab)")
     aux = engine_default_aux_ids(text.num_hidden_layers)
     cfg = DraftConfig.from_target_config(text, draft_vocab_size, aux, attention="mla")
     generator = torch.Generator().manual_seed(seed)
