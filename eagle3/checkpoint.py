@@ -497,10 +497,10 @@ def load_draft(
     (eagle3.published; `target_layers` as for load_config).
 
     `embed_weight` is the target's embedding matrix [V, H] (`Target.embed_weight` or
-    `eagle3.target.load_embeddings`); without it the embeddings stay randomly initialised,
-    which is only good for inspecting the weights. A file's own embed_tokens.weight that
-    differs from it is kept instead, frozen (config.own_embeddings), as vLLM serves it, and
-    save_draft exports it; one equal to it is the target's. `dtype` casts the float weights
+    `eagle3.target.load_embeddings`). A file's own embed_tokens.weight that differs from it
+    (or any, without it) is kept instead, frozen (config.own_embeddings), as vLLM serves it,
+    and save_draft exports it; one equal to it is the target's. Without either the embeddings
+    stay randomly initialised, which is only good for inspecting the weights. `dtype` casts the float weights
     (None: the checkpoint's `torch_dtype`; exports are bf16 by default, so pass torch.float32 to
     train on); the target's embeddings are copied after the cast, unrounded.
     Missing, unexpected or mis-shaped tensors raise Eagle3Error naming the tensor.
