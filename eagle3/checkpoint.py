@@ -41,7 +41,12 @@ config.json
 model.safetensors
     Exactly fc.weight, midlayer.* (norms, q/k/v/o_proj, gate/up/down_proj), norm.weight,
     lm_head.weight [draft_vocab, H], d2t (int64 [draft_vocab]: target id = draft id + d2t)
-    and t2d (bool [target vocab]). No embed_tokens: the drafter uses the target's embeddings.
+    and t2d (bool [target vocab]). No embed_tokens: the drafter uses the target's embeddings,
+    except a drafter that has its own (DraftConfig.own_embeddings: a published file's that
+    differ from the target's), whose embed_tokens.weight [vocab, H] is written: vLLM 0.32
+    serves a draft's own embed_tokens unless they equal the target's
+    (vllm/v1/spec_decode/llm_base_proposer.py, `_maybe_share_embeddings`), so the export serves
+    the function that was measured and trained.
     A draft over the whole target vocab (draft_vocab_size = vocab_size) has no d2t and t2d:
     vLLM 0.32 fails to load a d2t beside a full-size lm_head.
 
@@ -102,7 +107,8 @@ MLA_ARCHITECTURES = (MLA_ARCHITECTURE, "Eagle3DeepseekV2ForCausalLM")
 EAGLE31_SWITCHES = SWITCHES
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-EMBED_KEY = "embed_tokens.weight"  # part of Eagle3Draft, never saved
+EMBED_KEY = "embed_tokens.weight"  # part of Eagle3Draft, saved only when its own
+EMBED_CHUNK = 4096  # rows compared at a time with the target's (a Kimi matrix is 4.7 GB in fp32)
 # DraftConfig fields only a P-EAGLE export writes (an EAGLE-3 config.json stays as it was)
 # DraftConfig fields some method's config.json carries (P-EAGLE's); the others' skip them
 METHOD_FIELDS = {name for method in REGISTRY.values() for name in method.config_fields}
@@ -201,7 +207,7 @@ def checkpoint_config(
 def _gqa_layer(cfg: DraftConfig) -> dict[str, Any]:
     """A Llama config of one decoder layer (the module docstring), or of P-EAGLE's num_layers
     (with method, parallel_depth and mask_token_id, which vLLM's parallel drafting reads)."""
-    skip = {"aux_layer_ids", "attention", *MLA_FIELDS}
+    skip = {"aux_layer_ids", "attention", "own_embeddings", *MLA_FIELDS}
     skip |= METHOD_FIELDS - set(method_of(cfg).config_fields)
     return {
         "architectures": [ARCHITECTURE],
@@ -222,6 +228,7 @@ def _mla_layer(cfg: DraftConfig) -> dict[str, Any]:
     head_dim: vLLM sizes MLA heads from the qk/v head dims and caches kv_lora_rank + rope.
     """
     skip = {"aux_layer_ids", "attention", "head_dim", "rope_scaling", "q_lora_rank"}
+    skip.add("own_embeddings")  # read from the tensors (load_draft), not from config.json
     skip |= METHOD_FIELDS  # no method with fields of its own has an MLA draft
     return {
         "architectures": [MLA_ARCHITECTURE],
@@ -243,7 +250,8 @@ def save_draft(
     extra_config: dict[str, Any] | None = None,
     dtype: torch.dtype | str | None = DEFAULT_EXPORT_DTYPE,
 ) -> Path:
-    """Write config.json + model.safetensors (no embeddings) to out_dir -> out_dir.
+    """Write config.json + model.safetensors to out_dir -> out_dir: no embeddings, unless the
+    drafter has its own (config.own_embeddings), which are written as vLLM will serve them.
 
     Float weights are written in `dtype` (default bfloat16, what engines serve; None keeps the
     model's dtype, e.g. for an exact fp32 round trip); d2t (int64) and t2d (bool) keep theirs.
@@ -258,7 +266,7 @@ def save_draft(
         .to("cpu")
         .contiguous()
         for key, value in model.state_dict().items()
-        if key != EMBED_KEY
+        if key != EMBED_KEY or model.config.own_embeddings
     }
     if model.config.draft_vocab_size == model.config.vocab_size:
         # the whole target vocab in order: vLLM refuses a d2t beside a full-size lm_head
@@ -317,6 +325,7 @@ def load_config(
         "aux_layer_ids": aux,
         "attention": attention,
         "method": _method(path, raw),
+        "own_embeddings": False,  # load_draft decides, from the tensors and the target
     }
     if attention == "mla":
         values["q_lora_rank"] = raw.get("q_lora_rank") or 0
@@ -433,14 +442,47 @@ def _check_method_tensors(weights: Path, cfg: DraftConfig, state: dict) -> None:
 
 
 def _same_embeddings(file_embed: torch.Tensor, target_embed: torch.Tensor) -> bool:
-    """Equal up to a bf16 rounding of either (exports are bf16), on up to 4096 spread rows: a
-    Kimi-size matrix compared whole would cost several GB more on every rank."""
+    """Equal up to a bf16 rounding of either (exports are bf16; vLLM compares the two as served,
+    in one dtype, with torch.equal), every row, EMBED_CHUNK rows at a time: a Kimi-size matrix
+    compared whole would cost several GB more on every rank."""
     if file_embed.shape != target_embed.shape:
-        return False  # set_embeddings names the shapes
-    rows = torch.linspace(0, file_embed.shape[0] - 1, min(file_embed.shape[0], 4096)).long()
-    a = file_embed[rows].float().cpu()
-    b = target_embed.detach()[rows.to(target_embed.device)].float().cpu()
-    return torch.allclose(a, b, rtol=1e-2, atol=1e-3)
+        return False
+    target = target_embed.detach()
+    for start in range(0, file_embed.shape[0], EMBED_CHUNK):
+        a = file_embed[start : start + EMBED_CHUNK].float().cpu()
+        b = target[start : start + EMBED_CHUNK].float().cpu()
+        if not torch.allclose(a, b, rtol=1e-2, atol=1e-3):
+            return False
+    return True
+
+
+def _own_embeddings(
+    weights: Path, cfg: DraftConfig, file_embed: torch.Tensor | None, target: torch.Tensor | None
+) -> bool:
+    """Whether the drafter keeps the file's embed_tokens as its own, as vLLM 0.32 decides
+    (llm_base_proposer.py, `_maybe_share_embeddings`): a draft with embed_tokens keeps them
+    unless they equal the target's. Without a target to compare with, a file's are kept (a
+    re-export carries them; vLLM shares them again if they are the target's). Embeddings that
+    cannot be reconciled with the config or the target are refused in one line."""
+    if file_embed is None:
+        return False
+    want = (cfg.vocab_size, cfg.hidden_size)
+    if tuple(file_embed.shape) != want:
+        raise Eagle3Error(
+            f"{weights}: embed_tokens.weight has shape {tuple(file_embed.shape)} but config.json "
+            f"implies {want} (vocab_size x hidden_size); re-export the checkpoint"
+        )
+    if target is None:
+        return True
+    if tuple(target.shape) != want:
+        raise Eagle3Error(
+            f"{weights}: target embeddings have shape {tuple(target.shape)}, the drafter's own "
+            f"embed_tokens {want}: the drafter was built for another target; use its own target"
+        )
+    own = not _same_embeddings(file_embed, target)
+    if own:  # what vLLM logs as "distinct embed_tokens weights"
+        log.info("%s: embed_tokens differ from the target's: the drafter keeps its own", weights)
+    return own
 
 
 def load_draft(
@@ -455,18 +497,23 @@ def load_draft(
     (eagle3.published; `target_layers` as for load_config).
 
     `embed_weight` is the target's embedding matrix [V, H] (`Target.embed_weight` or
-    `eagle3.target.load_embeddings`); without it the embeddings stay randomly initialised,
-    which is only good for inspecting the weights. `dtype` casts the float weights (None: the
-    checkpoint's `torch_dtype`; exports are bf16 by default, so pass torch.float32 to train on).
+    `eagle3.target.load_embeddings`). A file's own embed_tokens.weight that differs from it
+    (or any, without it) is kept instead, frozen (config.own_embeddings), as vLLM serves it,
+    and save_draft exports it; one equal to it is the target's. Without either the embeddings
+    stay randomly initialised, which is only good for inspecting the weights. `dtype` casts the float weights
+    (None: the checkpoint's `torch_dtype`; exports are bf16 by default, so pass torch.float32 to
+    train on); the target's embeddings are copied after the cast, unrounded.
     Missing, unexpected or mis-shaped tensors raise Eagle3Error naming the tensor.
     """
     cfg, raw = load_config(ckpt_dir, target_layers)
     weights = Path(ckpt_dir) / WEIGHTS_FILE
     file_dtype = getattr(torch, raw.get("torch_dtype") or "float32")
+    state = project_state(read_tensors(ckpt_dir), cfg.vocab_size, cfg.draft_vocab_size, weights)
+    file_embed = state.pop(EMBED_KEY, None)  # some exporters include it
+    own = _own_embeddings(weights, cfg, file_embed, embed_weight)
+    cfg = dataclasses.replace(cfg, own_embeddings=own)
     model = draft_for(cfg).to(file_dtype)
     expected = {k: v for k, v in model.state_dict().items() if k != EMBED_KEY}
-    state = project_state(read_tensors(ckpt_dir), cfg.vocab_size, cfg.draft_vocab_size, weights)
-    file_embed = state.pop(EMBED_KEY, None)  # some exporters include it; use it if no target given
     _check_fc_norm(weights, cfg, state)
     _check_method_tensors(weights, cfg, state)
     missing = sorted(expected.keys() - state.keys())
@@ -481,19 +528,11 @@ def load_draft(
                 f"{weights}: tensor {key!r} has shape {tuple(tensor.shape)} but config.json "
                 f"implies {tuple(expected[key].shape)}"
             )
+    if own:
+        state[EMBED_KEY] = file_embed
     model.load_state_dict(state, strict=False)
-    if embed_weight is None:
-        embed_weight = file_embed
-    elif file_embed is not None and not _same_embeddings(file_embed, embed_weight):
-        # vLLM serves a draft's own embed_tokens when they differ from the target's; our
-        # export never carries them, so the drafter runs (and serves) on the target's
-        log.warning(
-            "%s: embed_tokens.weight differs from the target's embeddings; the drafter uses "
-            "the target's (check that it was trained for this target)",
-            weights,
-        )
-    if embed_weight is not None:
-        model.set_embeddings(embed_weight)
     if dtype is not None:
         model = model.to(_export_dtype(dtype, model))  # float tensors only; d2t/t2d keep theirs
+    if embed_weight is not None and not own:
+        model.set_embeddings(embed_weight)
     return model.to(device) if device is not None else model

@@ -119,6 +119,11 @@ class DraftConfig:
     num_layers: int = 1
     parallel_depth: int = 0
     mask_token_id: int | None = None
+    # True: embed_tokens are the drafter's own, not the target's (a published file's that differ
+    # from the target's, which vLLM serves as they are): kept frozen, and exported as
+    # embed_tokens.weight. Never in config.json: eagle3.checkpoint.load_draft decides it from
+    # the tensors and the target.
+    own_embeddings: bool = False
 
     def __post_init__(self) -> None:
         self.rope_scaling = rope_scaling_for_engines(self.rope_scaling)
@@ -261,7 +266,8 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.config = cfg
         H = cfg.hidden_size
-        # Frozen copy of the target's token embeddings; never saved in the checkpoint.
+        # Frozen: a copy of the target's token embeddings (never saved in the checkpoint), or
+        # the drafter's own (cfg.own_embeddings: saved, as vLLM serves them)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(cfg.feature_size, H, bias=False)
@@ -286,6 +292,13 @@ class Eagle3Draft(nn.Module):
 
     # -- setup --------------------------------------------------------------------------
     def set_embeddings(self, weight: torch.Tensor) -> None:
+        """Install the target's embeddings (copied, frozen). A drafter with its own
+        (config.own_embeddings) refuses: it would decode another function than vLLM serves."""
+        if self.config.own_embeddings:
+            raise Eagle3Error(
+                "this drafter has its own embed_tokens (vLLM serves them, not the target's); "
+                "installing the target's would measure another drafter: keep its own"
+            )
         if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
             raise Eagle3Error(
                 f"target embeddings have shape {tuple(weight.shape)}, the draft expects "

@@ -14,8 +14,9 @@ Layouts accepted (read from the trainers' and vLLM 0.32's sources):
   `embed_tokens.weight` in the file; the whole target vocab with no `d2t`/`t2d`.
 - TorchSpec's MLA head (lightseekorg/kimi-k2.5-eagle3-mla): `Eagle3DeepseekV2ForCausalLM` (or
   V3), `model_type` "kimi_k2" (served by vLLM as the same function as "deepseek_v2", which our
-  re-export writes), `mla_use_nope`, and in `eagle_config` ModelOpt's layer switches beside the
-  aux ids; optionally a reduced vocab (`draft_vocab_size`, `d2t`, maybe no `t2d`).
+  re-export writes), `mla_use_nope` (either value: see below), and in `eagle_config` ModelOpt's
+  layer switches beside the aux ids; its own `embed_tokens`; optionally a reduced vocab
+  (`draft_vocab_size`, `d2t`, maybe no `t2d`).
 - vLLM-renamed tensors: `layers.0.*` for the one decoder layer (TorchSpec's `--vllm`,
   speculators) instead of `midlayer.*`.
 - speculators (vLLM's trainer): `architectures: ["Eagle3DraftModel"]`, the layer's Llama config
@@ -37,14 +38,26 @@ Aux layer ids, into the project's convention (output of decoder layer k = HF hid
   speculators' are the same layers), i.e. project ids [1, L//2 - 1, L - 4] of the target's L
   layers; the caller passes L (`target_layers`), else it is refused.
 
+Keys read as the trainer that wrote them and the engine that serves them read them:
+- `mla_use_nope` is inert in an EAGLE-3 MLA draft. TorchSpec writes it true
+  (configs/draft_models/kimi_k3_eagle3_mla.json), but its draft layer
+  (torchspec/models/draft/deepseek_eagle.py, `DeepSeekMLAAttention._apply_rope_and_assemble`)
+  applies DeepSeek's interleaved rope to the qk_rope dims whatever it says, and vLLM 0.32's
+  Eagle3DeepseekV2ForCausalLM (model_executor/models/deepseek_eagle3.py, on deepseek_v2.py's
+  DeepseekV2MLAAttention) never reads it (only the Kimi-Linear and K3 configs do,
+  transformers_utils/configs/kimi_linear.py, k3_dspark.py). eagle3.model's MLA layer applies
+  that same rope; the key is dropped.
+- `embed_tokens.weight` in the file: vLLM 0.32 keeps a draft's own embed_tokens unless they
+  equal the target's (v1/spec_decode/llm_base_proposer.py, `_maybe_share_embeddings`:
+  torch.equal, else "distinct embed_tokens weights. Keeping separate"), and so does
+  eagle3.checkpoint.load_draft (DraftConfig.own_embeddings: frozen, and exported), so the
+  drafter measured, fine-tuned and re-exported is the one vLLM serves from the same directory.
+  speculators' `embed_requires_grad` (its embeddings were trained) is inert for the same reason.
+
 Anything that would be read as other maths than eagle3.model computes is refused in one line
 naming the key: a layer switch of another value than our layer's (LAYER_SWITCHES),
-`mla_use_nope` true (an MLA layer without rotary), `norm_before_fc` (one norm over the
-concatenated aux states), biases, a layer config other than Llama's (speculators' Qwen3 layer
-normalises q and k), more than one layer, speculators' `embed_requires_grad` (trained
-embeddings). A file's own `embed_tokens.weight` is used only without a target; beside one that
-differs, eagle3.checkpoint.load_draft warns (the drafter runs, and our export serves, on the
-target's).
+`norm_before_fc` (one norm over the concatenated aux states), biases, a layer config other than
+Llama's (speculators' Qwen3 layer normalises q and k), more than one layer.
 """
 
 from __future__ import annotations
@@ -163,6 +176,7 @@ def project_config(
     aux = _project_aux_ids(path, out, shapes, target_layers)
     if out.get("model_type") == "kimi_k2":  # vLLM serves kimi_k2 and deepseek_v2 alike
         out["model_type"] = "deepseek_v2"
+    out.pop("mla_use_nope", None)  # inert in a draft layer (module docstring)
     if "kv_lora_rank" in out:  # the MLA head: its dense layer never reads the expert count
         out.setdefault("n_routed_experts", 1)
         out.setdefault("num_key_value_heads", out.get("num_attention_heads"))
@@ -223,7 +237,6 @@ def _refuse_other_maths(path: Path, raw: dict[str, Any]) -> None:
                 f"{key}: {str(ours).lower()}, so it would compute another function"
             )
     problems = {
-        "mla_use_nope": "an MLA layer without rotary on its keys; ours applies DeepSeek's rope",
         "norm_before_fc": "one RMSNorm over the concatenated aux states; ours has none "
         "(or EAGLE-3.1's fc_norm, one per state)",
         "attention_bias": "biased q/k/v/o projections; ours have none",
@@ -284,11 +297,6 @@ def _from_speculators(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
             out[key] = raw[key]
     for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
         out[key] = bool(raw.get(key, False))
-    if raw.get("embed_requires_grad"):  # vLLM would serve its own trained embed_tokens
-        raise Eagle3Error(
-            f"{path}: embed_requires_grad is true: its embeddings were trained, and this "
-            "project's drafter uses the target's, frozen; it cannot be loaded as trained"
-        )
     if out.get("target_hidden_size") is None:
         out.pop("target_hidden_size", None)  # speculators' fc is 3 x the layer's width
     return out
@@ -300,7 +308,7 @@ def project_state(
 ) -> dict[str, torch.Tensor]:
     """Tensors of any accepted layout -> our names: `layers.0.*` -> `midlayer.*` (when there is
     no midlayer), a full-vocab draft's missing d2t / t2d as the identity, a missing t2d rebuilt
-    from d2t. embed_tokens.weight is kept (eagle3.checkpoint.load_draft decides)."""
+    from d2t. embed_tokens.weight is kept (eagle3.checkpoint.load_draft decides whose)."""
     state = dict(state)
     if not any(k.startswith(OUR_LAYER) for k in state):
         state = {

@@ -88,13 +88,15 @@ def export_draft(
     dtype: str,
 ) -> None:
     """SGLang-format draft, weights in `dtype` (train.export_dtype), from the (possibly ZeRO-3
-    sharded) training model."""
+    sharded) training model; the drafter's own embeddings with it (draft_cfg.own_embeddings:
+    frozen, so the start's)."""
     state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards onto the main process
     if accelerator.is_main_process:
         with torch.device("meta"):
             draft = draft_for(draft_cfg)
         state = {k.removeprefix("draft."): v for k, v in state.items()}
-        state.pop("embed_tokens.weight")  # never exported (the target's); stays on meta
+        if not draft_cfg.own_embeddings:  # the target's: never exported, stays on meta
+            state.pop("embed_tokens.weight")
         draft.load_state_dict(
             {k: v.detach().cpu() for k, v in state.items()}, strict=False, assign=True
         )

@@ -48,7 +48,9 @@ def build_draft(model: ModelConfig, facts: dict, vocab: DraftVocab, data: TrainD
 def _build_draft(
     model: ModelConfig, facts: dict, vocab: DraftVocab, data: TrainData
 ) -> Eagle3Draft:
-    """A fresh drafter on the target's frozen embeddings, or the one of model.init_from."""
+    """A fresh drafter on the target's frozen embeddings, or the one of model.init_from: on the
+    target's too, or on its own where its file's differ from them (a published drafter's, which
+    vLLM serves: kept frozen and exported, eagle3.checkpoint.load_draft)."""
     draft_cfg = draft_config(model, facts["hf_config"], vocab.size, data.aux_layer_ids)
     if model.init_from is None:
         draft = draft_for(draft_cfg)  # of the method's class (eagle3/methods/)

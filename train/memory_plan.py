@@ -9,8 +9,8 @@ counts (from its DraftConfig, counted on torch's meta device), the run's lengths
 ZeRO stage and buckets, and the card. `check_fits` turns a plan over the card into one line that
 names what would fit. What each term assumes:
 
-- weights: every parameter of the draft (the frozen target embeddings included) in the weight
-  dtype: bf16 under DeepSpeed's bf16 (it casts the module), fp32 otherwise (autocast).
+- weights: every parameter of the draft (the frozen embeddings included: the target's copy, or
+  a published drafter's own in its place, the same size) in the weight dtype: bf16 under DeepSpeed's bf16 (it casts the module), fp32 otherwise (autocast).
 - anchor start: with train.anchor_l2, the starting weights of the trainable parameters in the
   weight dtype (train/anchor.py); its term and gradient are made in chunks (no fp32 copy).
 - master + Adam: fp32 master weights, Adam's m and v (12 B a trainable parameter), sharded over

@@ -158,11 +158,16 @@ def load_drafter(spec: str, target, cfg: DecodeConfig):
     from eagle3.methods import method_of
 
     check_drafter(spec, target)
-    draft = load_draft(spec, target_layers=target.num_layers)  # a published layout too
     dtype = target.model.dtype if target.device.type == "cuda" else torch.float32
-    draft = draft.to(device=target.device, dtype=dtype)
-    # after the cast: a bf16 export would otherwise round the target's fp32 embeddings
-    draft.set_embeddings(target.embed_weight.detach())
+    # a published layout too; the target's embeddings, or the drafter's own where they differ
+    # (what vLLM serves from the same directory), copied after the cast: unrounded
+    draft = load_draft(
+        spec,
+        embed_weight=target.embed_weight.detach(),
+        device=target.device,
+        dtype=dtype,
+        target_layers=target.num_layers,
+    )
     return method_of(draft.config).drafter(draft, cfg, name=drafter_name(spec))
 
 

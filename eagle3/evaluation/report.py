@@ -7,7 +7,8 @@ benchmark with several turns adds `per_turn`, the same measures over each turn a
 1, 2, ...). Rows "x/final [tree]" are a checkpoint drafting a dynamic tree (the report's
 `config` holds its shape) beside its chain row "x/final". Rows "[vllm]" / "[vllm xN]" are the
 serving engine's: tau and alpha_i are one window of vLLM's counters over all requests, tau's
-interval is bootstrapped over prompts from each response's own per-step counts (the same steps),
+interval is bootstrapped over prompts from each response's own per-step counts (the same steps,
+which also give its `per_prompt`: tau, accepted and steps in the in-house rows' prompt order),
 the speedup has none (one timed pass; `ci_note` says so), and an `engine` block holds the raw
 counters. The table adds a
 "plain" row per benchmark (the target alone, the in-house speedups' denominator).
@@ -136,6 +137,13 @@ def engine_row_name(drafter: str, concurrency: int) -> str:
     return f"{drafter} [vllm]" if concurrency == 1 else f"{drafter} [vllm x{concurrency}]"
 
 
+def engine_prompt(stats: AcceptanceStats) -> dict[str, Any]:
+    """One prompt's counts in an engine row (every turn, from its responses' per-step counts),
+    in the in-house rows' prompt order and keys: tau, accepted, steps."""
+    tau = (stats.accepted_total + stats.steps) / stats.steps if stats.steps else 0.0
+    return {"tau": tau, "accepted": stats.accepted_total, "steps": stats.steps}
+
+
 def engine_row(result: EngineResult, k: int, edges: list[int] | None = None) -> dict[str, Any]:
     """A serving-engine row: drafter "x/final [vllm]" (one request at a time) or
     "x/final [vllm xN]" (N at a time). Its tau and alpha_i are the counters' window; tau's
@@ -163,7 +171,7 @@ def engine_row(result: EngineResult, k: int, edges: list[int] | None = None) -> 
         "verify_steps": run_.window.num_drafts,
         "spec_seconds": run_.seconds,
         "plain_seconds": base.seconds,
-        "per_prompt": None,
+        "per_prompt": None if prompt_stats is None else [engine_prompt(s) for s in prompt_stats],
         "by_context": None if prompt_stats is None else by_context(prompt_stats, edges, k),
         "engine": {
             "name": "vllm",

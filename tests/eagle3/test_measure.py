@@ -80,9 +80,13 @@ def test_engine_rows_by_context_count_the_same_steps_as_the_counters(concurrency
     weighted = sum(b["tau"] * b["steps"] for b in buckets) / 12
     assert weighted == pytest.approx(row["tau"])
     assert row["engine"]["per_step_unaccounted_tokens"] == 0
+    # per prompt, in prompt order, as the in-house rows give them: prompt 0's two turns together
+    assert [(p["accepted"], p["steps"]) for p in row["per_prompt"]] == [(2 + 3, 6), (1, 3), (1, 3)]
+    assert row["per_prompt"][0]["tau"] == pytest.approx((5 + 6) / 6)
     # a server that returns no per-step counts: no buckets, the counters' row unchanged
     run.requests[0] = None
     assert engine_row(result, 3, [0, 512])["by_context"] is None
+    assert engine_row(result, 3, [0, 512])["per_prompt"] is None
 
 
 def test_engine_rows_tau_interval_comes_from_the_per_request_counts():

