@@ -40,7 +40,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 
 from datagen.openrouter import fake_server
 from eagle3.engine.server import free_port
@@ -276,6 +278,12 @@ def node(tmp_path_factory, checkout_engine):
     maker = _load(REPO / "scripts" / "make_tiny_kimi.py")
     model = root / "models" / "Kimi-K2.5"
     maker.make_tiny_kimi(root / "int4", seed=5, dequantized=model)
+    # what the node's $KIMI_DRAFTER holds: a drafter as TorchSpec publishes one (kimi_k2,
+    # mla_use_nope, layers.0.*, vLLM-convention aux ids, reduced vocab with d2t and no t2d,
+    # its own embed_tokens), random, for the miniature
+    published = maker.make_published_mla_draft(
+        root / "models" / "kimi-k2.5-eagle3-mla", model, seed=5
+    )
     server = fake_server.FakeServerThread(
         fake_server.FakeConfig(completion_tokens=(24, 48), api_key="sk-fake")
     )
@@ -293,7 +301,7 @@ def node(tmp_path_factory, checkout_engine):
         mixes[name] = root / config
         mixes[name].write_text(yaml.safe_dump(mix))
     env = shell_env(node_environment(root, model, url, mixes))
-    yield {"root": root, "model": model, "env": env, "fake": server}
+    yield {"root": root, "model": model, "env": env, "fake": server, "published": published}
     server.stop()
 
 
@@ -377,10 +385,11 @@ def test_kimi_runbook_finetune_variant_runs_as_typed(node, generic):
     """After the runbook and the generic block (~1 min): step 3 from a published drafter, as
     typed: the plan, then a 2-process ZeRO-2 fine-tune anchored to the start, replaying the
     generic shards and validating the held-out conversations and the generic held-out side.
-    The start ($KIMI_DRAFTER) is the drafter the runbook's step 3 wrote (the published MLA
-    layout's miniature is tests/eagle3/test_published_drafters.py's)."""
-    root = node["root"]
-    start, out = root / "runs" / "kimi-k2.5-eagle3" / "final", root / "runs" / "kimi-k2.5-finetune"
+    The start ($KIMI_DRAFTER) is a miniature in TorchSpec's published MLA layout exactly (the
+    `node` fixture), its own embeddings included: they stay frozen, bit for bit, and the
+    export carries them, so vLLM serves what was trained."""
+    root, start = node["root"], node["published"]
+    out = root / "runs" / "kimi-k2.5-finetune"
     env = {**node["env"], "KIMI_DRAFTER": str(start), "EAGLE3_TRAIN_OVERRIDES": (
         "train.max_steps=2 train.eval_every=1 data.max_length=512 data.num_workers=0 "
         "data.val_fraction=0.25 optim.grad_accum=1 wandb.mode=disabled train.progress=false")}  # fmt: skip
@@ -393,6 +402,9 @@ def test_kimi_runbook_finetune_variant_runs_as_typed(node, generic):
     assert set(best["sets"]) == {"heldout", "replay"}
     replay = json.loads((out / "provenance.json").read_text())["replay"]
     assert replay["fraction"] > 0 and replay["dirs"] == [str(generic)]
+    published, export = (load_file(str(d / "model.safetensors")) for d in (start, out / "final"))
+    assert torch.equal(export["embed_tokens.weight"], published["embed_tokens.weight"])
+    assert torch.equal(export["d2t"], published["d2t"])  # the start's draft vocab kept
 
 
 @pytest.mark.slow
