@@ -33,6 +33,9 @@ def run_help(module: str, monkeypatch, capsys) -> tuple[argparse.ArgumentParser,
         real(self, file)
 
     monkeypatch.setattr(argparse.ArgumentParser, "print_help", keep)
+    # no wrapping: argparse breaks long words at hyphens, so a default path inside a checkout
+    # named like ci-run would print as "ci- run" and match nothing
+    monkeypatch.setenv("COLUMNS", "1000")
     with pytest.raises(SystemExit) as exit:
         importlib.import_module(module).main(["--help"])
     assert exit.value.code == 0 and len(printed) == 1
