@@ -11,6 +11,8 @@ mappings, each checked the same way.
 from __future__ import annotations
 
 import dataclasses
+import os
+import shlex
 import types
 import typing
 from collections.abc import Callable
@@ -103,6 +105,16 @@ def _fill(obj: Any, raw: Any, prefix: str, problems: list[str]) -> None:
             problems.append(f"{dotted}: expected {_type_name(hints[key])}, got {value!r}")
             continue
         setattr(obj, key, coerced)
+
+
+def environment_words(name: str, what: str) -> list[str]:
+    """The words of environment variable `name`, split as a shell would (none when unset), or
+    one ConfigError naming it when its quoting does not parse; `what` says what the words are."""
+    text = os.environ.get(name, "")
+    try:
+        return shlex.split(text)
+    except ValueError as err:
+        raise ConfigError(f"{name}={text!r}: {err} ({what}, quoted as in a shell)") from err
 
 
 def parse_overrides(overrides: list[str], problems: list[str]) -> dict[str, Any]:

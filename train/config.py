@@ -15,8 +15,6 @@ recipes with it).
 from __future__ import annotations
 
 import dataclasses
-import os
-import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,10 +22,10 @@ from typing import Any
 
 import yaml
 
-from eagle3.config import load_typed
+from eagle3.config import environment_words, load_typed
 from eagle3.data.windows import MODES as WINDOW_MODES
 from eagle3.engine.server import ENGINES
-from eagle3.errors import ConfigError, Eagle3Error
+from eagle3.errors import Eagle3Error
 from eagle3.losses import DEFAULT_LOSS, LK_ETA, LOSSES
 from eagle3.methods import METHODS, method_named
 from eagle3.model import ATTENTIONS, FEATURES, MLA_FIELDS
@@ -595,18 +593,6 @@ def load_config(
     return load_typed(
         Config,
         path,
-        [*environment_overrides(), *overrides],
+        [*environment_words(OVERRIDES_ENV, "key=value pairs"), *overrides],
         check=lambda cfg, problems: _check_values(cfg, problems, check_paths),
     )
-
-
-def environment_overrides() -> list[str]:
-    """The `key=value` overrides in $EAGLE3_TRAIN_OVERRIDES (none when unset), or one
-    ConfigError when its quoting does not parse."""
-    text = os.environ.get(OVERRIDES_ENV, "")
-    try:
-        return shlex.split(text)
-    except ValueError as err:
-        raise ConfigError(
-            f"{OVERRIDES_ENV}={text!r}: {err} (key=value pairs, quoted as in a shell)"
-        ) from err

@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import re
-import shlex
 import signal
 import socket
 import subprocess
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.compute import cpu_has_amx
+from eagle3.config import environment_words
 from eagle3.engine.capture import PLUGIN_DIR
 from eagle3.engine.choice import (
     ServingChoice,
@@ -219,7 +219,8 @@ class VLLMServer(EngineClient):
             args.append("--enforce-eager")
         if speculative_config is not None:
             args += ["--speculative-config", json.dumps(speculative_config)]
-        self.args = args + [str(a) for a in extra_args] + environment_engine_args()
+        self.args = args + [str(a) for a in extra_args]
+        self.args += environment_words(ENGINE_ARGS_ENV, "vLLM server arguments")
         self.log_path = Path(log_path) if log_path else None
         self.kvcache_space_gib = kvcache_space_gib
         self.omp_threads = omp_threads
@@ -427,15 +428,6 @@ def add_engine_args(p) -> None:
         "registry entry's engine_startup_timeout_s, an hour for kimi-k2.5, else "
         f"{DEFAULT_STARTUP_TIMEOUT_S:.0f})",
     )
-
-
-def environment_engine_args() -> list[str]:
-    """The vLLM server arguments in $EAGLE3_ENGINE_ARGS (none when unset), or Eagle3Error."""
-    text = os.environ.get(ENGINE_ARGS_ENV, "")
-    try:
-        return shlex.split(text)
-    except ValueError as err:
-        raise Eagle3Error(f"{ENGINE_ARGS_ENV}={text!r}: {err} (quote as in a shell)") from err
 
 
 def positive_seconds(text: str) -> float:
