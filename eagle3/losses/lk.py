@@ -65,5 +65,5 @@ class LKLambda(Objective):
         = q (lambda mass + (1 - lambda) s) - lambda p - (1 - lambda) q g, in q's memory."""
         lam = self.weight(alpha)
         gq, s = overlap(q, p)
-        q.mul_((lam * mass + (1 - lam) * s) / lam).sub_(p).mul_(lam)
+        q.mul_(lam * mass + (1 - lam) * s).addcmul_(p, lam, value=-1)  # no division by lambda
         return q.sub_(gq.mul_(1 - lam))
