@@ -10,6 +10,9 @@ Loss = sum_k w^k * L_k, each L_k a mean over its valid positions of the recipe's
 (train.loss, eagle3/losses/: the soft cross-entropy CE_k by default, or an LK loss).
 Packed rows (train/packing.py) pass `segment_ids` (B, T): then step k at position t also needs
 x_{t+k+2} in t's own record; a prediction across a record boundary never counts.
+Rollout shards (datagen.rollout) mark each verification root x_{s+1} with 1 + the draft depths
+its verification judged from entry s; `rollout_weight` adds that much weight to those (entry,
+step) pairs, the states the drafter's own decoding reached (judged_depths).
 Sequence-parallel shards (train/sequence_parallel.py) pass `queries`: the shard's positions,
 the first `queries` of its tensors, which run on past them by the TTT depth + 1 (the labels
 and loss mask its last positions read from the next shard's positions).
@@ -41,6 +44,12 @@ def step_targets(
     if segment_ids is not None:
         masked = masked & (segment_ids[:, k + 2 : k + 2 + n] == segment_ids[:, :n])
     return masked
+
+
+def judged_depths(loss_mask: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, n) long: the draft depths a rollout's verification judged from entry t < n (its
+    root x_{t+1} carries 1 + that many in the loss mask, datagen.rollout), 0 where none."""
+    return (loss_mask[:, 1 : 1 + n] - 1).clamp(min=0)
 
 
 def step_labels(
@@ -161,6 +170,7 @@ def ttt_loss(
     segment_ids: torch.Tensor | None = None,
     queries: int | None = None,
     objective: Objective = KL,
+    rollout_weight: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted sum of per-step losses (`objective`'s, eagle3/losses/) -> (loss, metrics).
 
@@ -172,8 +182,10 @@ def ttt_loss(
     batches and ranks. `denominators`
     replaces the local valid-position counts (e.g. counts all-reduced over data-parallel
     ranks, divided by world size) so N ranks reproduce one rank with an N-times batch.
-    `segment_ids`: packed rows, `queries`: a sequence-parallel shard (step_targets). After backward, `step_logits` hold their
-    gradients (eagle3/losses/chunks.py).
+    `segment_ids`: packed rows, `queries`: a sequence-parallel shard (step_targets).
+    `rollout_weight`: the extra weight of the (entry, step) pairs a rollout's verification
+    judged (module docstring); the denominators stay the position counts. After backward,
+    `step_logits` hold their gradients (eagle3/losses/chunks.py).
     """
     total = probs.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
@@ -181,7 +193,7 @@ def ttt_loss(
     for k, logits in enumerate(step_logits):
         loss_k, step_metrics = step_loss(
             k, logits, probs, in_vocab, loss_mask, step_weight, denominators, segment_ids,
-            queries, target_top, objective,
+            queries, target_top, objective, rollout_weight,
         )  # fmt: skip
         metrics.update(step_metrics)
         if loss_k is not None:
@@ -201,6 +213,7 @@ def step_loss(
     queries: int | None,
     target_top: torch.Tensor,
     objective: Objective = KL,
+    rollout_weight: float = 0.0,
 ) -> tuple[torch.Tensor | None, dict[str, float]]:
     """TTT step k's share of ttt_loss -> (step_weight^k * L_k, or None when step k has no
     position; its metrics). target_top: probs.argmax(-1). Called by ttt_loss for each step, and
@@ -214,7 +227,11 @@ def step_loss(
     ce, alpha, top = position_loss(logits, probs[:, rows], objective)  # (B, n) each
     count = int(valid.sum())
     denom = denominators[k] if denominators is not None else max(count, 1)
-    loss_k = (ce * valid).sum() / max(denom, 1e-8)
+    weight = valid
+    if rollout_weight:  # the pairs a rollout judged count 1 + rollout_weight times
+        judged = judged_depths(loss_mask, n) > k
+        weight = valid * (1.0 + rollout_weight * judged)
+    loss_k = (ce * weight).sum() / max(denom, 1e-8)
     correct = int(((top == target_top[:, rows]) & valid).sum())
     metrics = {
         f"loss_{k}": float((ce.detach() * valid).sum()) / max(count, 1),

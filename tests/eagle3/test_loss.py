@@ -67,6 +67,44 @@ def test_step_weights_and_denominators():
     assert half.item() == pytest.approx(loss.item() / 2, rel=1e-5)
 
 
+def test_rollout_weight_weighs_the_pairs_a_rollouts_verification_judged():
+    """A root x_{t+1} marked 1 + d (datagen.rollout) adds rollout_weight to entry t's steps
+    k < d, nothing else: the plain loss where no root is marked or the weight is 0, and the
+    reference sum per (entry, step) otherwise; metrics and counts are the plain ones."""
+    torch.manual_seed(0)
+    B, T, V, K = 2, 10, 5, 3
+    probs = torch.softmax(torch.randn(B, T, V), -1)
+    logits = [torch.randn(B, T, V, requires_grad=True) for _ in range(K)]
+    iv = torch.rand(B, T) > 0.1
+    plain = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1, 1, 1, 0]])
+    marked = plain.clone()
+    marked[0, 2], marked[0, 5], marked[1, 4] = 1 + 2, 1 + 3, 1 + 1  # entries 1, 4 and 3
+    base, m0 = ttt_loss(logits, probs, iv, plain, step_weight=0.8)
+    unweighted, m1 = ttt_loss(logits, probs, iv, marked, step_weight=0.8)
+    assert unweighted.item() == pytest.approx(base.item(), rel=1e-6) and m0 == m1
+    weighted, m2 = ttt_loss(logits, probs, iv, marked, step_weight=0.8, rollout_weight=2.0)
+    assert m2 == m0
+    judged = {(0, 1): 2, (0, 4): 3, (1, 3): 1}  # (row, entry) -> depths judged
+    want = 0.0
+    for k, lg in enumerate(logits):
+        n = T - k - 2
+        valid = plain[:, k + 2 : k + 2 + n].bool() & iv[:, k + 1 : k + 1 + n]
+        ce = -(probs[:, k + 1 : k + 1 + n] * torch.log_softmax(lg[:, :n].float(), -1)).sum(-1)
+        w = torch.ones(B, n)
+        for (b, t), d in judged.items():
+            if t < n and k < d:
+                w[b, t] += 2.0
+        want = want + 0.8**k * (ce * w * valid).sum() / valid.sum()
+    assert weighted.item() == pytest.approx(want.item(), rel=1e-5)
+    weighted.backward()
+    grads = [lg.grad.clone() for lg in logits]
+    for lg in logits:
+        lg.grad = None
+    want.backward()  # the reference's autograd: the same gradients
+    for got, lg in zip(grads, logits, strict=True):
+        torch.testing.assert_close(got, lg.grad, rtol=1e-4, atol=1e-7)
+
+
 def test_simulated_acceptance():
     assert simulated_acceptance([1.0, 1.0]) == 3.0
     assert simulated_acceptance([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)

@@ -42,7 +42,7 @@ def test_the_arms_share_the_targeted_shards_and_epochs_and_differ_by_one_setting
     args = argparse.Namespace(start_epochs=2, epochs=4, lr_ratio=4.0, anchor=0.01, replay=0.25)
     arms = {arm: arm_overrides(arm, tmp_path, args) for arm in ARMS}
     assert f"data.shard_dirs=[{tmp_path / 'shards-generic'}]" in arms["start"]
-    for arm in ARMS[1:]:
+    for arm in ARMS[1:5]:
         assert arms[arm][:2] == [
             f"data.shard_dirs=[{tmp_path / 'shards-domain'}]",
             "train.epochs=4",
@@ -57,6 +57,13 @@ def test_the_arms_share_the_targeted_shards_and_epochs_and_differ_by_one_setting
         f"data.replay_shard_dirs=[{tmp_path / 'shards-generic'}]",
         "data.replay_fraction=0.25",
     }
+    # the new arms: replay with one change each (the loss, the rollout's shards) or both
+    assert set(arms["replay-lk"]) ^ set(arms["replay"]) == {"train.loss=lk-lambda"}
+    domain, rollout = (
+        f"data.shard_dirs=[{tmp_path / d}]" for d in ("shards-domain", "rollout-start")
+    )
+    assert set(arms["onpolicy"]) ^ set(arms["replay"]) == {domain, rollout}
+    assert set(arms["onpolicy-lk"]) ^ set(arms["onpolicy"]) == {"train.loss=lk-lambda"}
 
 
 def test_tau_table_reads_each_arms_batched_vllm_row(tmp_path):
@@ -74,9 +81,32 @@ def test_tau_table_reads_each_arms_batched_vllm_row(tmp_path):
         row(f"{tmp_path}/start/final [vllm]", "humaneval", 9.0),  # another pass: not read
         row(f"{tmp_path}/anchor/final [vllm x{ENGINE_BATCH}]", "gsm8k", 1.25),
     ]
-    head, rows = tau_table({"results": results}, tmp_path)
+    head, rows = tau_table({"results": results}, ARMS)
     assert head == ["arm", *[f"τ {b}" for b in BENCHES]]
     cells = {r[0]: dict(zip(BENCHES, r[1:])) for r in rows}
     assert [r[0] for r in rows] == ARMS
     assert cells["start"] == {"humaneval": "1.50 [1.40, 1.60]", "mt_bench": "-", "gsm8k": "-"}
     assert cells["anchor"]["gsm8k"] == "1.25 [1.15, 1.35]" and cells["scratch"]["gsm8k"] == "-"
+
+
+def test_paired_table_is_each_arms_difference_from_the_base_over_the_same_prompts(tmp_path):
+    """~0.1 s: Δτ of an arm's batched vLLM row from the base arm's, over the same prompts
+    (the point difference of the pooled ratios), with an interval; "-" without both rows."""
+    from bench_finetune import BENCHES, ENGINE_BATCH, paired_table
+
+    def row(arm: str, bench: str, accepted: list[int]) -> dict:
+        per = [{"id": f"q{i}", "accepted": a, "steps": 10} for i, a in enumerate(accepted)]
+        return {"drafter": f"{tmp_path}/{arm}/final [vllm x{ENGINE_BATCH}]", "bench": bench,
+                "per_prompt": per}  # fmt: skip
+
+    results = [
+        row("start", "humaneval", [2, 4, 6, 8]),
+        row("onpolicy", "humaneval", [4, 6, 8, 10]),  # +2 accepted of 10 steps on each prompt
+        row("onpolicy", "gsm8k", [1, 1, 1, 1]),  # no start row there
+    ]
+    head, rows = paired_table({"results": results}, ["start", "onpolicy"], "start")
+    assert head == ["arm", *[f"Δτ {b}" for b in BENCHES]]
+    assert len(rows) == 1 and rows[0][0] == "onpolicy"
+    cells = dict(zip(BENCHES, rows[0][1:]))
+    assert cells["humaneval"].startswith("+0.200 [+0.200, +0.200]")  # the same gain everywhere
+    assert cells["gsm8k"] == "-" and cells["mt_bench"] == "-"

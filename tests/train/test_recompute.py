@@ -24,13 +24,17 @@ MLA = dict(
 
 def micro_batch(B: int = 2, T: int = 40) -> dict:
     """A labelled micro-batch as train_drafter's labelled() hands the loss: packed rows of 3
-    and 2 records, random soft labels."""
+    and 2 records, random soft labels, a rollout's marks (datagen.rollout) on some labels
+    (train.rollout_weight weighs them)."""
     g = torch.Generator().manual_seed(1)
     sizes = [[15, 15, 10], [25, 15]]
+    mask = (torch.rand(B, T, generator=g) < 0.7).long()
+    roots = mask.bool() & (torch.rand(B, T, generator=g) < 0.3)
+    mask[roots] += torch.randint(1, 4, (int(roots.sum()),), generator=g)
     return {
         "input_ids": torch.randint(0, 50, (B, T), generator=g),
         "aux": torch.randn(B, T, 96, generator=g),
-        "loss_mask": (torch.rand(B, T, generator=g) < 0.7).long(),
+        "loss_mask": mask,
         "probs": torch.randn(B, T, 40, generator=g).softmax(-1),
         "in_vocab": torch.rand(B, T, generator=g) < 0.9,
         "segment_ids": torch.stack(
@@ -71,7 +75,7 @@ def test_recompute_equals_the_plain_unroll(shape, objective, monkeypatch):
     """~1 s: loss, every metric and every parameter gradient of one micro-batch with each TTT
     step recomputed equal the plain unroll's bit for bit (fp32, CPU, flash kernel: the same
     operations on the same inputs), while the forward saves fewer tensors for backward; for
-    today's KL and for an LK loss (train.loss)."""
+    today's KL and for an LK loss (train.loss), rollout marks weighed (train.rollout_weight)."""
     monkeypatch.setattr(DraftAttention, "ttt_impl", "flash")
     overrides = MLA if shape == "mla" else {}
     loss, metrics, grads, saved = train_step(overrides, False, objective)

@@ -16,7 +16,9 @@ Directory layout (``format_version`` 1)::
 Tensors in a shard (N = tokens in the shard, H = target hidden size)::
 
     input_ids   int32  [N]
-    loss_mask   uint8  [N]      1 on tokens the target generated (eagle3.data.chat)
+    loss_mask   uint8  [N]      1 on tokens the target generated (eagle3.data.chat); in a
+                                rollout's capture (datagen.rollout) a verification root holds
+                                1 + the draft depths verification judged from there
     aux_hidden  dtype  [N, 3H]  outputs of the 3 aux decoder layers, concatenated in order
     last_hidden dtype  [N, H]   final hidden state after the last norm (lm_head input)
     aux_scale   fp32   [N, 3]   when aux_hidden is fp8: one scale per token and aux layer

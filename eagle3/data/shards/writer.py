@@ -192,7 +192,7 @@ class ShardWriter:
                     "dataset": datasets[i] if datasets else None,
                     "offset": self._tokens,
                     "length": t,
-                    "num_loss_tokens": int(mask.sum()),
+                    "num_loss_tokens": int((mask > 0).sum()),  # rollout marks exceed 1
                 }
             )
             self._rows.append(row)

@@ -1,0 +1,133 @@
+"""`python -m datagen.rollout` (on-policy rounds) on a tiny random chat target and drafter: the
+rejection log folded into the loss mask is the decoder's own, the shards read like any
+capture's, and a killed round resumes with only the missing prompts (~25 s in all)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from datagen.rollout import judged_mask, main
+from eagle3.checkpoint import save_draft
+from eagle3.data.shards import ShardDataset, read_index
+from eagle3.decoding.decode_config import DecodeConfig
+from eagle3.decoding.decoder import SpeculativeDecoder
+from eagle3.evaluation.measure import load_drafter
+from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.target import load_target
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _tiny_chat():
+    spec = importlib.util.spec_from_file_location("tiny_chat", REPO / "tests" / "tiny_chat.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def chat_target(tiny_llama_dir, tmp_path_factory):
+    tc = _tiny_chat()
+    out = tmp_path_factory.mktemp("chat_target")
+    return tc.chat_model_dir(tiny_llama_dir, out, tc.chatml_tokenizer(256))
+
+
+@pytest.fixture(scope="module")
+def drafter(chat_target, tmp_path_factory):
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(chat_target)
+    torch.manual_seed(0)
+    cfg = DraftConfig.from_target_config(hf, 200, [1, 3, 4])
+    out = tmp_path_factory.mktemp("draft") / "final"
+    return save_draft(Eagle3Draft(cfg), out, extra_config={"target": "tiny-llama"})
+
+
+def prompts_file(path: Path, n: int) -> Path:
+    words = "hello what is two plus three tell me a joke about code".split()
+    rows = [{"id": f"p{i}", "prompt": " ".join(words[i % 5 : i % 5 + 4 + i % 3])} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_judged_mask_marks_each_root_with_the_depths_verification_judged():
+    # prompt of 3, 7 generated; roots at 3 (1 accepted of 3), 5 (all 3), 9 (0 of 3)
+    steps = [(4, 1, 3), (6, 3, 3), (10, 0, 3)]
+    mask = judged_mask(3, 7, steps)
+    assert mask == [0, 0, 0, 1 + 2, 1, 1 + 3, 1, 1, 1, 1 + 1]
+    assert judged_mask(2, 2, []) == [0, 0, 1, 1]
+
+
+def test_rollout_shards_carry_the_decoders_own_rejection_log(chat_target, drafter, tmp_path):
+    """The shards' ids are the prompt's and the decoder's tokens (no re-tokenization), every
+    root is marked with min(accepted + 1, offered), and rollouts.jsonl says the same."""
+    prompts = prompts_file(tmp_path / "p.jsonl", 3)
+    out = tmp_path / "round"
+    argv = ["--target", str(chat_target), "--draft", str(drafter), "--prompts", str(prompts),
+            "--out", str(out), "--steps", "3", "--max-new-tokens", "12", "--dtype", "fp16"]  # fmt: skip
+    assert main(argv) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["complete"] and meta["num_records"] == 3
+    rows = {r["id"]: r for r in map(json.loads, (out / "rollouts.jsonl").read_text().splitlines())}
+    ds = ShardDataset(out)
+    target = load_target(chat_target, device="cpu")
+    cfg = DecodeConfig(mode="chain", steps=3, max_new_tokens=12)
+    decoder = SpeculativeDecoder(target, load_drafter(str(drafter), target, cfg), cfg)
+    for i in range(len(ds)):
+        item = ds[i]
+        row = rows[item["id"]]
+        mask = item["loss_mask"].tolist()
+        prompt_len = mask.index(next(v for v in mask if v))
+        gen = decoder.generate(item["input_ids"][:prompt_len].tolist())
+        assert item["input_ids"][prompt_len:].tolist() == gen.tokens
+        assert [list(s) for s in gen.stats.step_log] == row["log"]
+        for context, accepted, offered in row["log"]:
+            assert mask[context - 1] == 1 + min(accepted + 1, offered)
+        marked = [v for v in mask if v > 1]
+        assert len(marked) == row["steps"] == gen.stats.steps
+        assert sum(1 for v in mask if v) == row["generated"]  # every generated token a label
+
+
+def test_a_killed_rollout_resumes_with_only_the_missing_prompts(chat_target, drafter, tmp_path):
+    """kill -9 once the first records are in a shard: the rerun decodes only the others, and
+    no id is written twice (one record a shard: --shard-mb tiny)."""
+    prompts = prompts_file(tmp_path / "p.jsonl", 24)
+    out = tmp_path / "round"
+    cmd = [sys.executable, "-m", "datagen.rollout", "--target", str(chat_target), "--draft",
+           str(drafter), "--prompts", str(prompts), "--out", str(out), "--steps", "2",
+           "--max-new-tokens", "24", "--shard-mb", "0.0001", "--temperature", "1"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    index = out / "index-000.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if index.is_file() and len(index.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the round finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    first = {e["id"] for e in read_index(out)}
+    assert 2 <= len(first) < 24
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rollout: 24 prompts" in done.stdout
+    ids = [e["id"] for e in read_index(out)]
+    assert sorted(ids) == sorted(f"p{i}" for i in range(24)) and len(set(ids)) == 24
+    logged = [json.loads(line)["id"] for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert sorted(logged) == sorted(ids)
