@@ -4,6 +4,7 @@ positions its verification judged become training data for the next round.
     python -m datagen.rollout --target smollm2-135m-q4 --draft runs/x/train/best \\
         --prompts runs/x/prompts.jsonl --out runs/x/rollout-1 [--temperature 0] [--steps 4] \\
         [--max-new-tokens 192] [--limit N] [--exclude-benchmarks mt_bench,humaneval]
+        [--engine vllm [--tensor-parallel-size 8] [--engine-batch 64]] [--capture-url URL ...]
     python train/train_drafter.py --config ... model.init_from=runs/x/train/best \\
         'data.shard_dirs=[runs/x/shards,runs/x/rollout-1]'
 
@@ -13,10 +14,18 @@ the depths up to its first rejection are ever read; the TTT loss weighs every po
 every depth alike. A rollout records which (draft start, depth) pairs the drafter's own
 decoding reached, and training weighs them `train.rollout_weight` more (eagle3.loss).
 
-What is decoded: each prompt's first user turn, by the in-house speculative decoder
-(eagle3.decoding) at the serving temperature: exact speculative sampling at T > 0, the
-target's argmax at T = 0, so the sequence is the target's own (target-assisted rollout: a
-drafter alone cannot write a whole answer). The drafter drafts chains of --steps.
+Two phases, each resumable:
+
+1. **decode**: each prompt's first user turn, at the serving temperature, chains of --steps,
+   by the in-house speculative decoder (eagle3.decoding; exact speculative sampling at T > 0,
+   the target's argmax at T = 0) or, with --engine vllm, by a managed vLLM server with the
+   drafter loaded (what the node serves; each response carries its verification steps' counts
+   and its token ids, --engine-batch requests in flight). Either way the sequence is the
+   target's own (target-assisted rollout: a drafter alone cannot write a whole answer). Each
+   finished prompt is one line of `rollouts.jsonl`: its token ids, its verification steps
+   [context, accepted, offered] (the rejection log) and its seconds.
+2. **capture**: the target's hidden states over each decoded sequence, in-process, or through
+   capture servers (--capture-url: `python -m datagen.capture --target T --serve` on a node).
 
 What is written (--out, a hidden-state capture as datagen.capture writes it, so training reads
 it like any other): one record per prompt, its exact token ids (no re-tokenization), the
@@ -25,12 +34,11 @@ mask with the rejection log folded in: 0 on the prompt, 1 on generated tokens, a
 verification root x_L (the token the target chose before drafting resumed) 1 + d, d the draft
 depths verification judged from there (the accepted ones and the first rejected one, or all
 --steps when all were accepted). The target's distribution at every judged position comes from
-the stored last hidden state, as for every capture. `rollouts.jsonl` keeps each prompt's
-verification steps [root, accepted, offered] and seconds; the closing line says what the round
-cost (decode and capture seconds, tokens) and the drafter's τ on these prompts.
+the stored last hidden state, as for every capture. The closing line says what the round cost
+(decode and capture seconds, tokens) and the drafter's τ on these prompts.
 
-A kill loses at most the records not yet in a shard (--shard-mb apart); rerun the same command
-and it decodes only the prompts that are missing.
+A kill loses at most the prompts being decoded and the records not yet in a shard (--shard-mb
+apart); rerun the same command and it does only what is missing.
 """
 
 from __future__ import annotations
@@ -38,8 +46,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -51,14 +61,17 @@ from datagen.render import Item, Rendering
 from eagle3.cli import HelpFormatter, run_main
 from eagle3.data.chat import RenderError, check_renderable, prompt_ids
 from eagle3.data.decontaminate import add_exclude_args, exclude_contaminated
-from eagle3.data.prompts import dedupe, load_prompts, split_prompts
+from eagle3.data.prompts import Prompt, dedupe, load_prompts, split_prompts
 from eagle3.data.shards import ShardWriter, read_index, repair
 from eagle3.decoding.decode_config import DecodeConfig
 from eagle3.decoding.decoder import SpeculativeDecoder
+from eagle3.engine.served_target import describe_served_target
+from eagle3.engine.server import EngineSettings, add_engine_args, check_servable, managed_engine
+from eagle3.engine.sizing import target_context
 from eagle3.errors import Eagle3Error
-from eagle3.evaluation.measure import load_drafter
+from eagle3.evaluation.measure import PER_STEP_ARGS, load_drafter, request_steps
 from eagle3.progress import Progress
-from eagle3.target import load_target, resolve
+from eagle3.target import describe_target, eos_token_ids, load_target, resolve
 
 log = logging.getLogger("datagen.rollout")
 LOG = "rollouts.jsonl"
@@ -102,15 +115,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="T > 0: each prompt's sampling seed")
     p.add_argument("--dtype", default="bf16", help="shard storage (datagen.capture --dtype)")
     p.add_argument("--shard-mb", type=float, default=16.0, help="records kept in memory at most")
-    p.add_argument("--device", default=None, help="default: cuda when there is one, else cpu")
+    p.add_argument("--device", default=None, help="in-process: default cuda when there is one")
     p.add_argument("--threads", type=int, help="torch threads (CPU)")
+    add_engine_args(p)
+    p.add_argument("--engine-batch", type=int, default=16, help="--engine: requests in flight")
+    p.add_argument(
+        "--capture-url",
+        nargs="+",
+        default=[],
+        help="capture servers (datagen.capture --serve) for the capture phase, else in-process",
+    )
     args = p.parse_args(argv)
-    if args.steps < 1 or args.max_new_tokens < 1:
-        p.error("--steps and --max-new-tokens must be >= 1")
+    if args.steps < 1 or args.max_new_tokens < 1 or args.engine_batch < 1:
+        p.error("--steps, --max-new-tokens and --engine-batch must be >= 1")
     return args
 
 
-def select(args: argparse.Namespace) -> list:
+def select(args: argparse.Namespace) -> list[Prompt]:
     """The prompts to decode: each source's, deduplicated, split and decontaminated as
     datagen.local selects them, cut to their first user turn."""
     prompts = dedupe(p for source in args.prompts for p in load_prompts(source, limit=args.limit))
@@ -120,35 +141,36 @@ def select(args: argparse.Namespace) -> list:
     return exclude_contaminated([first_user_turns(p, 1) for p in prompts], args.exclude_benchmarks)
 
 
-def kept_log(out: Path, done: set[str]) -> list[dict]:
-    """rollouts.jsonl's lines of records that reached a shard (a killed run's others are
-    decoded again), the file rewritten to them."""
+def read_log(out: Path) -> dict[str, dict]:
+    """rollouts.jsonl's decoded prompts by id (a line cut by a kill is dropped, and the file
+    rewritten without it, so the next line starts clean)."""
     path = out / LOG
-    rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a kill mid-line
-                continue
-            if row.get("id") in done:
-                rows.append(row)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows: dict[str, dict] = {}
+    if not path.is_file():
+        return rows
+    text = path.read_text()
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a kill mid-line
+            continue
+        rows[row["id"]] = row
+    if not text.endswith("\n") and text:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows.values()))
     return rows
 
 
-def round_line(rows: list[dict], out: Path) -> str:
+def round_line(rows: list[dict], out: Path, capture_s: float) -> str:
     """The round's closing line: what it cost and how the drafter did on its prompts."""
-    steps = sum(r["steps"] for r in rows)
-    accepted = sum(r["accepted"] for r in rows)
-    generated = sum(r["generated"] for r in rows)
+    steps = sum(len(r["log"]) for r in rows)
+    accepted = sum(a for r in rows for _, a, _ in r["log"])
+    generated = sum(len(r["tokens"]) for r in rows)
     tau = (accepted + steps) / steps if steps else 0.0
     decode = sum(r["decode_s"] for r in rows)
-    capture = sum(r["capture_s"] for r in rows)
     return (
         f"rollout: {len(rows)} prompts, {generated:,} generated tokens, {steps:,} verification "
         f"steps, τ {tau:.3f} (the drafter on these prompts); decode {decode:.0f} s, capture "
-        f"{capture:.0f} s -> {out}"
+        f"{capture_s:.0f} s (this run) -> {out}"
     )
 
 
@@ -156,81 +178,156 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
-    check_resumable(out, {"dtype": args.dtype})
-    prompts = select(args)
-    model = resolve(args.target)
-    target = load_target(model, device=args.device)
-    check_renderable(target.tokenizer, None, args.target)
-    cfg = DecodeConfig(
-        mode="chain",
-        steps=args.steps,
-        temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens,
-    )
-    drafter = load_drafter(args.draft, target, cfg)
-    if drafter is None or isinstance(drafter, str):
-        raise Eagle3Error(f"--draft {args.draft}: a rollout needs a trained drafter's directory")
-    # the longest record a rollout writes (training fits longer ones to data.max_length)
-    rendering = Rendering(args.max_prompt_tokens + args.max_new_tokens, long_records="cut")
-    meta = capture_meta(target, args.dtype, rendering, model)
-    meta["rollout"] = {"draft": str(Path(args.draft).resolve()), "steps": args.steps,
-                       "temperature": args.temperature}  # fmt: skip
-    for problem in repair(out):
-        log.warning("%s is %s: dropped, its records are decoded again",
-                    problem.shard, problem.problem)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
+    check_resumable(out, {"dtype": args.dtype})
+    model = resolve(args.target)
+    prompts = select(args)
+    decoded = read_log(out)
     done = {e["id"] for e in read_index(out)}
-    rows = kept_log(out, done)
-    todo = [p for p in prompts if p.id not in done]
-    decoder = SpeculativeDecoder(target, drafter, cfg)
-    progress = Progress("rollout", len(prompts), "prompts", already=len(prompts) - len(todo))
-    writer = ShardWriter(out, meta, args.dtype, int(args.shard_mb * 2**20))
-    try:
-        with writer, open(out / LOG, "a") as log_file:
-            for prompt in todo:
-                row = decode_one(decoder, target, prompt, args, writer)
-                if row is not None:
-                    log_file.write(json.dumps(row) + "\n")
-                    log_file.flush()
-                    rows.append(row)
-                progress.update()
-    finally:
-        progress.close()
-    print(round_line(rows, out), flush=True)
+    todo = [p for p in prompts if p.id not in decoded and p.id not in done]
+    target = None
+    if not args.engine or not args.capture_url:  # the phases that run in this process
+        target = load_target(model, device=args.device)
+        check_renderable(target.tokenizer, None, args.target)
+    cfg = DecodeConfig(mode="chain", steps=args.steps, temperature=args.temperature,
+                       max_new_tokens=args.max_new_tokens)  # fmt: skip
+    progress = Progress(
+        "rollout: decode", len(prompts), "prompts", already=len(prompts) - len(todo)
+    )
+    with open(out / LOG, "a") as log_file:
+
+        def keep(row: dict) -> None:  # one whole line, on disk before the next prompt
+            log_file.write(json.dumps(row) + "\n")
+            log_file.flush()
+            os.fsync(log_file.fileno())
+            decoded[row["id"]] = row
+            progress.update()
+
+        try:
+            if args.engine:
+                decode_served(args, model, todo, keep)
+            else:
+                decode_in_process(args, target, cfg, todo, keep)
+        finally:
+            progress.close()
+    order = [p.id for p in prompts if p.id in decoded]
+    t0 = time.monotonic()
+    capture_phase(args, model, target, [decoded[i] for i in order if i not in done], out)
+    print(round_line([decoded[i] for i in order], out, time.monotonic() - t0), flush=True)
     return 0
 
 
-def decode_one(decoder, target, prompt, args, writer: ShardWriter) -> dict | None:
-    """Decode one prompt with the drafter, capture the sequence, hand it to the writer ->
-    its rollouts.jsonl line (None: the prompt cannot be rendered or is too long)."""
+def decode_in_process(args, target, cfg: DecodeConfig, todo: list[Prompt], keep) -> None:
+    """Each prompt through the in-house speculative decoder with the drafter."""
+    drafter = load_drafter(args.draft, target, cfg)
+    if drafter is None or isinstance(drafter, str):
+        raise Eagle3Error(f"--draft {args.draft}: a rollout needs a trained drafter's directory")
+    decoder = SpeculativeDecoder(target, drafter, cfg)
+    for prompt in todo:
+        ids = prompt_tokens(target.tokenizer, prompt, args)
+        if ids is None:
+            continue
+        # each prompt its own seed: a resumed round samples what an unbroken one would have
+        seed = zlib.crc32(f"{args.seed}:{prompt.id}".encode())
+        generator = torch.Generator().manual_seed(seed) if args.temperature > 0 else None
+        t0 = time.monotonic()
+        gen = decoder.generate(ids, generator)
+        steps = [list(s) for s in gen.stats.step_log]
+        keep(log_row(prompt, ids, gen.tokens, steps, time.monotonic() - t0))
+
+
+def decode_served(args, model, todo: list[Prompt], keep) -> None:
+    """Each prompt through a managed vLLM server with the drafter loaded: its token ids and
+    its verification steps' counts come back in each response (eagle3.evaluation.measure)."""
+    check_servable(model.hf_dir, args.draft)
+    files = describe_target(model)
+    eos = sorted(eos_token_ids(files))
+    asked = [(p, ids) for p in todo if (ids := prompt_tokens(files.tokenizer, p, args))]
+    context = min(args.max_prompt_tokens + args.max_new_tokens, target_context(model))
+    server = managed_engine(
+        EngineSettings.from_args(args),
+        model,
+        served_model_name=model.name,
+        drafter=args.draft,
+        num_speculative_tokens=args.steps,
+        max_model_len=context,
+        extra_args=PER_STEP_ARGS,
+    )
+
+    def one(item: tuple[Prompt, list[int]]) -> dict:
+        prompt, ids = item
+        t0 = time.monotonic()
+        reply = server.complete(
+            ids,
+            max_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            stop_token_ids=eos,
+            return_token_ids=True,
+            seed=zlib.crc32(f"{args.seed}:{prompt.id}".encode()),
+        )
+        tokens = list(reply["choices"][0].get("token_ids") or [])
+        stats, _ = request_steps(reply, len(ids))
+        if stats is None:
+            raise Eagle3Error(
+                "the vLLM server returned no per-step counts: it needs "
+                f"{' '.join(PER_STEP_ARGS)} (vLLM >= 0.32)"
+            )
+        return log_row(
+            prompt, ids, tokens, [list(s) for s in stats.step_log], time.monotonic() - t0
+        )
+
+    with server, ThreadPoolExecutor(max_workers=args.engine_batch) as pool:
+        log.info("vLLM server with %s up in %.0f s (log %s)", args.draft, server.startup_seconds,
+                 server.log_path)  # fmt: skip
+        for row in pool.map(one, asked):
+            keep(row)
+
+
+def prompt_tokens(tokenizer, prompt: Prompt, args) -> list[int] | None:
+    """A prompt's token ids with the generation prompt (None, warned: unusable or too long)."""
     try:
-        ids = prompt_ids(target.tokenizer, prompt.messages)
+        ids = prompt_ids(tokenizer, prompt.messages)
     except RenderError as err:
         log.warning("%s: skipped (%s)", prompt.id, err)
         return None
     if len(ids) > args.max_prompt_tokens:
         log.warning("%s: skipped, %d prompt tokens > --max-prompt-tokens", prompt.id, len(ids))
         return None
-    # each prompt its own seed: a resumed round samples what an unbroken one would have
-    generator = torch.Generator().manual_seed(zlib.crc32(f"{args.seed}:{prompt.id}".encode()))
-    t0 = time.monotonic()
-    gen = decoder.generate(ids, generator if args.temperature > 0 else None)
-    decoded = time.monotonic() - t0
-    steps = gen.stats.step_log
-    mask = judged_mask(len(ids), len(gen.tokens), steps)
-    item = Item(prompt.id, prompt.dataset, ids + gen.tokens, mask)
-    t0 = time.monotonic()
-    capture_items(target, [item], writer, batch_tokens=len(item.input_ids))
-    return {
-        "id": prompt.id,
-        "dataset": prompt.dataset,
-        "generated": len(gen.tokens),
-        "steps": gen.stats.steps,
-        "accepted": gen.stats.accepted_total,
-        "log": [list(s) for s in steps],
-        "decode_s": round(decoded, 3),
-        "capture_s": round(time.monotonic() - t0, 3),
-    }
+    return ids
+
+
+def log_row(prompt: Prompt, ids: list[int], tokens: list[int], steps: list, seconds: float) -> dict:
+    """One decoded prompt as rollouts.jsonl keeps it."""
+    return {"id": prompt.id, "dataset": prompt.dataset, "prompt_ids": ids, "tokens": tokens,
+            "log": steps, "decode_s": round(seconds, 3)}  # fmt: skip
+
+
+def capture_phase(args, model, target, rows: list[dict], out: Path) -> None:
+    """The target's hidden states over every decoded sequence not in a shard yet, into --out
+    (the rejection log folded into each loss mask), then the directory finalized."""
+    if args.capture_url:
+        target = describe_served_target(model).attach(*args.capture_url)
+    # the longest record a rollout writes (training fits longer ones to data.max_length)
+    rendering = Rendering(args.max_prompt_tokens + args.max_new_tokens, long_records="cut")
+    meta = capture_meta(target, args.dtype, rendering, model)
+    for problem in repair(out):
+        log.warning("%s is %s: dropped, its records are captured again",
+                    problem.shard, problem.problem)  # fmt: skip
+    done = {e["id"] for e in read_index(out)}
+    items = [
+        Item(r["id"], r["dataset"], r["prompt_ids"] + r["tokens"],
+             judged_mask(len(r["prompt_ids"]), len(r["tokens"]), r["log"]))
+        for r in rows if r["id"] not in done
+    ]  # fmt: skip
+    progress = Progress("rollout: capture", len(items), "sequences")
+    try:
+        with ShardWriter(out, meta, args.dtype, int(args.shard_mb * 2**20)) as writer:
+            for item in items:  # one at a time: each is on its way to disk when the next runs
+                capture_items(target, [item], writer, batch_tokens=len(item.input_ids))
+                progress.update()
+    finally:
+        progress.close()
+        target.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -97,13 +97,17 @@ def test_rollout_shards_carry_the_decoders_own_rejection_log(chat_target, drafte
         for context, accepted, offered in row["log"]:
             assert mask[context - 1] == 1 + min(accepted + 1, offered)
         marked = [v for v in mask if v > 1]
-        assert len(marked) == row["steps"] == gen.stats.steps
-        assert sum(1 for v in mask if v) == row["generated"]  # every generated token a label
+        assert len(marked) == len(row["log"]) == gen.stats.steps
+        assert (
+            row["tokens"] == gen.tokens
+            and row["prompt_ids"] == item["input_ids"][:prompt_len].tolist()
+        )
+        assert sum(1 for v in mask if v) == len(gen.tokens)  # every generated token a label
 
 
 def test_a_killed_rollout_resumes_with_only_the_missing_prompts(chat_target, drafter, tmp_path):
-    """kill -9 once the first records are in a shard: the rerun decodes only the others, and
-    no id is written twice (one record a shard: --shard-mb tiny)."""
+    """kill -9 while it decodes (2 prompts decoded): the rerun decodes only the others, and
+    captures every one once."""
     prompts = prompts_file(tmp_path / "p.jsonl", 24)
     out = tmp_path / "round"
     cmd = [sys.executable, "-m", "datagen.rollout", "--target", str(chat_target), "--draft",
@@ -113,21 +117,22 @@ def test_a_killed_rollout_resumes_with_only_the_missing_prompts(chat_target, dra
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
-    index = out / "index-000.jsonl"
+    decoded = out / "rollouts.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        if index.is_file() and len(index.read_text().splitlines()) >= 2:
+        if decoded.is_file() and len(decoded.read_text().splitlines()) >= 2:
             break
         time.sleep(0.02)
     assert proc.poll() is None, "the round finished before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    first = {e["id"] for e in read_index(out)}
-    assert 2 <= len(first) < 24
+    first = [json.loads(line)["id"] for line in decoded.read_text().splitlines()[:-1]]
+    assert 1 <= len(first) < 24 and not read_index(out)  # killed while decoding
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rollout: 24 prompts" in done.stdout
     ids = [e["id"] for e in read_index(out)]
     assert sorted(ids) == sorted(f"p{i}" for i in range(24)) and len(set(ids)) == 24
-    logged = [json.loads(line)["id"] for line in (out / "rollouts.jsonl").read_text().splitlines()]
-    assert sorted(logged) == sorted(ids)
+    rows = [json.loads(line) for line in decoded.read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == sorted(ids)
+    assert [r["id"] for r in rows][: len(first)] == first  # decoded once: not again
