@@ -17,7 +17,7 @@ from train.config import Config
 from train.metrics import MetricsLog
 from train.sequence_parallel import DataLayout, sequence_parallel, shard_batch
 from train.soft_labels import Labeller
-from train.train_data import TrainData
+from train.sources import TrainData
 
 
 @dataclass

@@ -42,7 +42,7 @@ rank of the node sends its sequences to (train/online_target.py): no rank loads 
 and the engine captures the next step while the ranks train on this one.
 
 Beside the recipe in train/, in the order setup uses them: config.py (the YAML), distributed.py
-(the Accelerator), checkpointing.py (resume, save, export, the best score), train_data.py
+(the Accelerator), checkpointing.py (resume, save, export, the best score), sources.py
 (what a run trains on: the target, and datasets.py's shards or records), vocab.py (the draft
 vocab), packing.py, draft.py (the drafter), memory_checks.py (the memory plan at start and
 --plan; memory_plan.py models it), soft_label_cache.py, optim.py (AdamW and its schedule),
@@ -92,7 +92,7 @@ from train.sequence_parallel import (
 )
 from train.soft_label_cache import make_label_cache
 from train.soft_labels import Labeller
-from train.train_data import (
+from train.sources import (
     TrainData,
     count_steps,
     fit_length,
