@@ -14,9 +14,9 @@ from eagle3.methods import Unroll
 from train.anchor import Anchor
 from train.checkpointing import Checkpoints
 from train.config import Config
+from train.labeller import Labeller
 from train.metrics import MetricsLog
 from train.sequence_parallel import DataLayout, sequence_parallel, shard_batch
-from train.soft_labels import Labeller
 from train.sources import TrainData
 
 

@@ -45,11 +45,11 @@ Beside the recipe in train/, in the order setup uses them: config.py (the YAML),
 (the Accelerator), checkpointing.py (resume, save, export, the best score), sources.py
 (what a run trains on: the target, and datasets.py's shards or records), vocab.py (the draft
 vocab), packing.py, draft.py (the drafter), memory_checks.py (the memory plan at start and
---plan; memory_plan.py models it), soft_label_cache.py, optim.py (AdamW and its schedule),
-batching.py (sequences into step batches and micro-batches), online_target.py (the served
-target), run.py (what setup builds); then in the loop soft_labels.py (a micro-batch on the
-device with its soft labels), metrics.py (sums and logs) and validation.py (the held-out sets,
-best/).
+--plan; memory_plan.py models it), label_cache.py (soft labels kept across epochs), optim.py
+(AdamW and its schedule), batching.py (sequences into step batches and micro-batches),
+online_target.py (the served target), run.py (what setup builds); then in the loop labeller.py
+(a micro-batch on the device with its soft labels), metrics.py (sums and logs) and
+validation.py (the held-out sets, best/).
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ from train.checkpointing import Checkpoints, export_extra, find_resume, load_che
 from train.config import Config, TrainConfig, load_config
 from train.distributed import configure_deepspeed, distribution, make_accelerator, peer_lost
 from train.draft import build_draft
+from train.label_cache import make_label_cache
+from train.labeller import Labeller
 from train.memory_checks import check_memory, is_out_of_memory, out_of_memory, print_plan
 from train.memory_plan import ATTENTION_PATHS
 from train.metrics import MetricsLog, MetricSums, peak_memory_gb
@@ -90,8 +92,6 @@ from train.sequence_parallel import (
     data_layout,
     make_group,
 )
-from train.soft_label_cache import make_label_cache
-from train.soft_labels import Labeller
 from train.sources import (
     TrainData,
     count_steps,
