@@ -42,7 +42,7 @@ rank of the node sends its sequences to (train/online_target.py): no rank loads 
 and the engine captures the next step while the ranks train on this one.
 
 Beside the recipe in train/, in the order setup uses them: config.py (the YAML), distributed.py
-(the Accelerator), checkpointing.py (resume, save, export, the best score), sources.py
+(the Accelerator), run_dir.py (checkpoints, resume, export, best/ and final/), sources.py
 (what a run trains on: the target, and datasets.py's shards or records), vocab.py (the draft
 vocab), packing.py, draft.py (the drafter), memory_checks.py (the memory plan at start and
 --plan; memory_plan.py models it), label_cache.py (soft labels kept across epochs), optim.py
@@ -73,7 +73,6 @@ from eagle3.target import target_facts
 from eagle3.vocab import DraftVocab
 from train.anchor import Anchor
 from train.batching import step_batches
-from train.checkpointing import Checkpoints, export_extra, find_resume, load_checkpoint
 from train.config import Config, TrainConfig, load_config
 from train.distributed import configure_deepspeed, distribution, make_accelerator, peer_lost
 from train.draft import build_draft
@@ -85,6 +84,7 @@ from train.metrics import MetricsLog, MetricSums, peak_memory_gb
 from train.online_target import captured_ahead, report_engines, start_served
 from train.optim import make_optimizer
 from train.run import Run
+from train.run_dir import Checkpoints, export_extra, find_resume, load_checkpoint
 from train.sequence_parallel import (
     DataLayout,
     check_deepspeed_config,
