@@ -43,7 +43,7 @@ and the engine captures the next step while the ranks train on this one.
 
 Beside the recipe in train/, in the order setup uses them: config.py (the YAML), distributed.py
 (the Accelerator), run_dir.py (checkpoints, resume, export, best/ and final/), sources.py
-(what a run trains on: the target, and datasets.py's shards or records), vocab.py (the draft
+(what a run trains on: the target, and datasets.py's shards or records), run_vocab.py (the draft
 vocab), packing.py, draft.py (the drafter), memory_checks.py (the memory plan at start and
 --plan; memory_plan.py models it), label_cache.py (soft labels kept across epochs), optim.py
 (AdamW and its schedule), batching.py (sequences into step batches and micro-batches),
@@ -85,6 +85,7 @@ from train.online_target import captured_ahead, report_engines, start_served
 from train.optim import make_optimizer
 from train.run import Run
 from train.run_dir import Checkpoints, export_extra, find_resume, load_checkpoint
+from train.run_vocab import setup_vocab
 from train.sequence_parallel import (
     DataLayout,
     check_deepspeed_config,
@@ -102,7 +103,6 @@ from train.sources import (
     training_target,
 )
 from train.validation import validation_sets, validation_step
-from train.vocab import setup_vocab
 
 
 # -- setup: everything the loop needs, checked before any training work ------------------------
