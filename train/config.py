@@ -24,7 +24,7 @@ import yaml
 
 from eagle3.config import environment_words, load_typed
 from eagle3.data.windows import MODES as WINDOW_MODES
-from eagle3.engine.server import ENGINES
+from eagle3.engine.kinds import ENGINES
 from eagle3.errors import Eagle3Error
 from eagle3.losses import DEFAULT_LOSS, LK_ETA, LOSSES
 from eagle3.methods import METHODS, method_named
