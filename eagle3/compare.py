@@ -1,9 +1,9 @@
 """`python -m eagle3.compare`: the command users type; the application is eagle3.evaluation
-(compare: this command)."""
+(side_by_side: this command)."""
 
 import sys
 
-from eagle3.evaluation.compare import main
+from eagle3.evaluation.side_by_side import main
 
 __all__ = ["main"]
 

@@ -1,9 +1,9 @@
 """`python -m eagle3.evaluate`: the command users type; the application is eagle3.evaluation
-(evaluate: this command's parser and run)."""
+(run: this command's parser and run)."""
 
 import sys
 
-from eagle3.evaluation.evaluate import build_parser, main
+from eagle3.evaluation.run import build_parser, main
 
 __all__ = ["build_parser", "main"]
 

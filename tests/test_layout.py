@@ -1,10 +1,12 @@
 """The layout's rules, read from the source (no imports run; ~0.5 s for all): imports point down,
 no module-level import cycle, no private name crosses a module boundary, loading a checkpoint
-pulls in no decoding loop, and the draft method is compared by name only in its registry."""
+pulls in no decoding loop, the draft method is compared by name only in its registry, and the
+README's layout map names every module and nothing that is gone."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -139,3 +141,40 @@ def test_the_method_is_compared_by_name_only_in_its_registry(modules):
             if names and any("method" in ast.unparse(s) for s in sides):
                 found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "method names compared outside the registry: " + "; ".join(found)
+
+
+def readme_map() -> tuple[set[str], set[str]]:
+    """The README layout table's last column: (files named, folders named without a file list).
+    A path starts at a top-level folder; a bare name is in the folder named last before it."""
+    table = (REPO / "README.md").read_text().split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    files, whole = set(), set()
+    for row in (line for line in table.splitlines() if line.startswith("| ")):
+        folder, listed = "", False
+        for token in re.findall(r"`([^`]+)`", row.split("|")[-2]):
+            if token.split("/")[0] in {*PRODUCT, "configs", "scripts", "benchmarks",
+                                       "experiments", "docs", "results", "tests"}:  # fmt: skip
+                if folder and not listed:
+                    whole.add(folder)
+                folder, listed = token.rpartition("/")[0] + "/", not token.endswith("/")
+                files.add(token)
+            else:
+                (whole if token.endswith("/") else files).add(folder + token)
+                listed = True
+        if folder and not listed:
+            whole.add(folder)
+    return files, whole
+
+
+def test_the_readme_layout_map_names_every_module():
+    files, whole = readme_map()
+    unnamed = [
+        str(p.relative_to(REPO))
+        for package in PRODUCT
+        for p in sorted((REPO / package).rglob("*.py"))
+        if p.name not in ("__init__.py", "__main__.py")
+        and str(p.relative_to(REPO)) not in files
+        and not any(str(p.relative_to(REPO)).startswith(w) for w in whole)
+    ]
+    absent = [f for f in sorted(files) if "*" not in f and "$" not in f and not (REPO / f).exists()]
+    assert not unnamed, "modules the README's layout map does not name: " + ", ".join(unnamed)
+    assert not absent, "the README's layout map names what is not there: " + ", ".join(absent)

@@ -24,7 +24,7 @@ import yaml
 
 from eagle3.config import environment_words, load_typed
 from eagle3.data.windows import MODES as WINDOW_MODES
-from eagle3.engine.server import ENGINES
+from eagle3.engine.kinds import ENGINES
 from eagle3.errors import Eagle3Error
 from eagle3.losses import DEFAULT_LOSS, LK_ETA, LOSSES
 from eagle3.methods import METHODS, method_named
@@ -107,7 +107,7 @@ class DataConfig:
     )
     num_workers: int = 0  # DataLoader workers (offline shard reads)
     # Offline, more than one epoch: keep each record's soft labels after its first pass, up to
-    # this many GB on the labels' device (train/soft_label_cache.py); 0 recomputes them every epoch
+    # this many GB on the labels' device (train/label_cache.py); 0 recomputes them every epoch
     label_cache_gb: float = 1.0
     # Held-out validation, by conversation: a record goes to validation iff hash(val_seed, id)
     # < val_fraction, so every version of one conversation (regenerated, off-policy, in several

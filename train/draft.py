@@ -13,7 +13,7 @@ from eagle3.methods import draft_for, method_named
 from eagle3.model import MLA_FIELDS, DraftConfig, Eagle3Draft
 from eagle3.vocab import DraftVocab, carry_rows
 from train.config import ModelConfig
-from train.train_data import TrainData
+from train.sources import TrainData
 
 
 def draft_config(

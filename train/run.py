@@ -12,12 +12,12 @@ from torch import nn
 
 from eagle3.methods import Unroll
 from train.anchor import Anchor
-from train.checkpointing import Checkpoints
 from train.config import Config
+from train.labeller import Labeller
 from train.metrics import MetricsLog
+from train.run_dir import Checkpoints
 from train.sequence_parallel import DataLayout, sequence_parallel, shard_batch
-from train.soft_labels import Labeller
-from train.train_data import TrainData
+from train.sources import TrainData
 
 
 @dataclass

@@ -42,14 +42,14 @@ rank of the node sends its sequences to (train/online_target.py): no rank loads 
 and the engine captures the next step while the ranks train on this one.
 
 Beside the recipe in train/, in the order setup uses them: config.py (the YAML), distributed.py
-(the Accelerator), checkpointing.py (resume, save, export, the best score), train_data.py
-(what a run trains on: the target, and datasets.py's shards or records), vocab.py (the draft
+(the Accelerator), run_dir.py (checkpoints, resume, export, best/ and final/), sources.py
+(what a run trains on: the target, and datasets.py's shards or records), run_vocab.py (the draft
 vocab), packing.py, draft.py (the drafter), memory_checks.py (the memory plan at start and
---plan; memory_plan.py models it), soft_label_cache.py, optim.py (AdamW and its schedule),
-batching.py (sequences into step batches and micro-batches), online_target.py (the served
-target), run.py (what setup builds); then in the loop soft_labels.py (a micro-batch on the
-device with its soft labels), metrics.py (sums and logs) and validation.py (the held-out sets,
-best/).
+--plan; memory_plan.py models it), label_cache.py (soft labels kept across epochs), optim.py
+(AdamW and its schedule), batching.py (sequences into step batches and micro-batches),
+online_target.py (the served target), run.py (what setup builds); then in the loop labeller.py
+(a micro-batch on the device with its soft labels), metrics.py (sums and logs) and
+validation.py (the held-out sets, best/).
 """
 
 from __future__ import annotations
@@ -73,16 +73,19 @@ from eagle3.target import target_facts
 from eagle3.vocab import DraftVocab
 from train.anchor import Anchor
 from train.batching import step_batches
-from train.checkpointing import Checkpoints, export_extra, find_resume, load_checkpoint
 from train.config import Config, TrainConfig, load_config
 from train.distributed import configure_deepspeed, distribution, make_accelerator, peer_lost
 from train.draft import build_draft
+from train.label_cache import make_label_cache
+from train.labeller import Labeller
 from train.memory_checks import check_memory, is_out_of_memory, out_of_memory, print_plan
 from train.memory_plan import ATTENTION_PATHS
 from train.metrics import MetricsLog, MetricSums, peak_memory_gb
 from train.online_target import captured_ahead, report_engines, start_served
 from train.optim import make_optimizer
 from train.run import Run
+from train.run_dir import Checkpoints, export_extra, find_resume, load_checkpoint
+from train.run_vocab import setup_vocab
 from train.sequence_parallel import (
     DataLayout,
     check_deepspeed_config,
@@ -90,9 +93,7 @@ from train.sequence_parallel import (
     data_layout,
     make_group,
 )
-from train.soft_label_cache import make_label_cache
-from train.soft_labels import Labeller
-from train.train_data import (
+from train.sources import (
     TrainData,
     count_steps,
     fit_length,
@@ -102,7 +103,6 @@ from train.train_data import (
     training_target,
 )
 from train.validation import validation_sets, validation_step
-from train.vocab import setup_vocab
 
 
 # -- setup: everything the loop needs, checked before any training work ------------------------

@@ -50,11 +50,11 @@ from eagle3.engine.choice import (
     uses_mla,
 )
 from eagle3.engine.client import EngineClient
+from eagle3.engine.kinds import ENGINES
 from eagle3.engine.venv import engine_is_cpu_build, engine_python
 from eagle3.errors import Eagle3Error, RemoteError
 from eagle3.target import ResolvedTarget, resolve
 
-ENGINES = ("vllm",)  # what --engine and target.engine.kind accept
 # How long a managed engine may take to answer GET /health, unless the target's registry entry
 # says otherwise (`startup_timeout_for`): vLLM on a small target is healthy in 1-3 minutes,
 # compile and graph capture included.

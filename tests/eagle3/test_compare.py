@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from eagle3.evaluation.compare import collect, format_table, main
+from eagle3.evaluation.side_by_side import collect, format_table, main
 
 
 def row(drafter, bench, tau, speedup, alpha):

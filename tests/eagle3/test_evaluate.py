@@ -15,8 +15,8 @@ import torch
 from eagle3.checkpoint import save_draft
 from eagle3.data.decontaminate import parse_benches
 from eagle3.errors import Eagle3Error
-from eagle3.evaluation.evaluate import main
 from eagle3.evaluation.measure import drafter_name
+from eagle3.evaluation.run import main
 from eagle3.model import DraftConfig, Eagle3Draft
 
 REPO = Path(__file__).resolve().parents[2]
@@ -225,7 +225,7 @@ def test_drafter_on_non_default_aux_layers_is_evaluated_on_its_own_layers(
 def test_wandb_offline_logs_to_the_training_run_and_compare_reads_it(
     chat_target_dir, prompts_file, tmp_path, monkeypatch, capsys
 ):
-    from eagle3.evaluation.compare import main as compare_main
+    from eagle3.evaluation.side_by_side import main as compare_main
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -304,14 +304,14 @@ def test_engine_only_loads_no_weight_and_tells_the_engine_its_context(
     """--engine-only (a 1T target): the tokenizer, config and generation config, never the
     weights; the drafter is checked against the config; every server gets --max-model-len
     from the prompts and the new tokens. (~1 s: the engine is a stand-in recording its calls.)"""
-    import eagle3.evaluation.evaluate as evaluate
     import eagle3.evaluation.measure as measure
+    import eagle3.evaluation.run as evaluation_run
 
     def no_weights(*args, **kwargs):
         raise AssertionError("--engine-only loaded the target's weights")
 
-    monkeypatch.setattr(evaluate, "load_target", no_weights)
-    monkeypatch.setattr(evaluate, "load_drafter", no_weights)
+    monkeypatch.setattr(evaluation_run, "load_target", no_weights)
+    monkeypatch.setattr(evaluation_run, "load_drafter", no_weights)
     import eagle3.engine.server as server
 
     monkeypatch.setattr(server, "check_servable", lambda *a: None)
@@ -334,7 +334,7 @@ def test_engine_only_loads_no_weight_and_tells_the_engine_its_context(
     argv = ["--target", str(chat_target_dir), "--draft", str(ckpt), "--bench", str(prompts_file),
             "--engine", "vllm", "--engine-only", "--max-new-tokens", "20"]  # fmt: skip
     with pytest.raises(RuntimeError, match="recorded"):
-        evaluate.run(evaluate.build_parser().parse_args(argv))
+        evaluation_run.run(evaluation_run.build_parser().parse_args(argv))
     ((engine, model, kwargs),) = started
     assert engine == server.EngineSettings(kind="vllm")  # the flags, read once by the CLI
     assert model.hf_dir == str(chat_target_dir) and kwargs["served_model_name"] == model.name
@@ -350,9 +350,9 @@ def test_engine_only_loads_no_weight_and_tells_the_engine_its_context(
 def test_a_target_that_cannot_fit_is_refused_before_loading(
     chat_target_dir, prompts_file, monkeypatch, capsys
 ):
-    import eagle3.evaluation.evaluate as evaluate
+    import eagle3.evaluation.run as evaluation_run
 
-    monkeypatch.setattr(evaluate, "device_memory_bytes", lambda device: 1000)
+    monkeypatch.setattr(evaluation_run, "device_memory_bytes", lambda device: 1000)
     argv = ["--target", str(chat_target_dir), "--draft", "prompt-lookup",
             "--bench", str(prompts_file), "--device", "cpu"]  # fmt: skip
     assert main(argv) == 2

@@ -10,8 +10,8 @@ import re
 import pytest
 
 from eagle3.engine.server import EngineSettings
-from eagle3.evaluation.evaluate import build_parser, main
 from eagle3.evaluation.measure import ENGINE_PASSES
+from eagle3.evaluation.run import build_parser, main
 
 TAU_RTOL = 0.03
 STEPS = 4  # chain draft tokens = vLLM num_speculative_tokens

@@ -285,7 +285,7 @@ def test_published_layout_lands_in_the_right_parameters(tmp_path, layout):
     want_d2t = torch.zeros(V, dtype=torch.long) if full else reduced_vocab()[0]
     assert torch.equal(draft.d2t, want_d2t)
     assert torch.equal(draft.t2d, vocab_from_d2t(want_d2t, V).t2d)
-    assert torch.equal(vocab_offsets(ckpt), want_d2t)  # what train.vocab reads for init_from
+    assert torch.equal(vocab_offsets(ckpt), want_d2t)  # what train.run_vocab reads for init_from
     if "llama" in layout:  # TorchSpec's own rope, read from its config
         assert cfg.rope_theta == 50000.0 and cfg.rope_scaling["rope_type"] == "yarn"
         assert cfg.rope_scaling["factor"] == 64.0

@@ -1,5 +1,5 @@
 """data.replay_shard_dirs / data.replay_fraction: a share of generic data drawn into training,
-its held-out side kept out by conversation (train/datasets.py, train/train_data.py)."""
+its held-out side kept out by conversation (train/datasets.py, train/sources.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from eagle3.errors import ConfigError
 from train.config import load_config
 from train.datasets import replay_tokens, take_replay
-from train.train_data import add_replay
+from train.sources import add_replay
 
 
 class Part:

@@ -41,7 +41,7 @@ def write(out: Path, n: int, seed: int, dtype: str = "bf16") -> Path:
 
 
 def dataset(tmp_path: Path, layout: str, dtype: str = "bf16"):
-    """The training dataset as train/train_data.py builds it: two capture dirs (one a subset,
+    """The training dataset as train/sources.py builds it: two capture dirs (one a subset,
     as the validation split leaves it), Windows at max_length 24, packed rows of 50."""
     hidden = torch.bfloat16 if dtype == "fp8-aux" else torch.float32
     a = ShardDataset(write(tmp_path / "a", 9, 1, dtype), dtype=hidden)

@@ -97,7 +97,7 @@ def test_evaluate_defaults_to_trainings_split_settings():
     """~0.5 s (imports). `eagle3.evaluate --val-fraction / --val-seed` default to training's
     data.val_fraction / data.val_seed: a run left at its defaults is measured on its own
     validation conversations."""
-    from eagle3.evaluation.evaluate import build_parser
+    from eagle3.evaluation.run import build_parser
     from train.config import DataConfig
 
     args = build_parser().parse_args(["--target", "t", "--draft", "none"])

@@ -1,4 +1,4 @@
-"""train/train_data.py: what a run trains on; too little data for one step is one line saying
+"""train/sources.py: what a run trains on; too little data for one step is one line saying
 what to lower."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from eagle3.errors import Eagle3Error
 from train.config import load_config
-from train.train_data import count_steps
+from train.sources import count_steps
 
 
 def config(*overrides):
@@ -34,7 +34,7 @@ def test_a_registry_target_is_read_where_its_shards_were_captured(tmp_path):
     directory of another model is not taken for it. (~0.1 s, files only.)"""
     import json
 
-    from train.train_data import training_target
+    from train.sources import training_target
 
     local, shards = tmp_path / "Kimi-K2.5", tmp_path / "shards"
     local.mkdir()

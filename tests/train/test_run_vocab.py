@@ -1,4 +1,4 @@
-"""train/vocab.py: the run's draft vocab is built once, saved with the run, and reused."""
+"""train/run_vocab.py: the run's draft vocab is built once, saved with the run, and reused."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.errors import Eagle3Error
 from eagle3.vocab import build_draft_vocab
-from train.vocab import VOCAB_FILE, read_vocab
+from train.run_vocab import VOCAB_FILE, read_vocab
 
 
 def test_read_vocab_takes_a_run_dir_its_file_or_an_export(tmp_path):

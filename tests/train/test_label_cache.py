@@ -1,4 +1,4 @@
-"""train/soft_label_cache.py: soft labels kept across epochs, and a run with them equals one without."""
+"""train/label_cache.py: soft labels kept across epochs, and a run with them equals one without."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from train.config import load_config
-from train.soft_label_cache import LabelCache, make_label_cache
+from train.label_cache import LabelCache, make_label_cache
 
 
 def batch(seed: int, B: int = 2, T: int = 6, Vd: int = 5):

@@ -3,7 +3,7 @@
 `Labeller` moves it to the device, takes its hidden states (stored in the shards, captured
 ahead by a served target, or captured now by the in-process one) and attaches the soft labels:
 the target's next-token distribution over the draft vocab, computed from the last hidden state
-and the lm_head in chunks, or read from the label cache (train/soft_label_cache.py: the same
+and the lm_head in chunks, or read from the label cache (train/label_cache.py: the same
 records of an earlier epoch).
 """
 
@@ -15,7 +15,7 @@ import torch
 
 from eagle3.loss import label_rows, target_probs
 from eagle3.target import TargetModel
-from train.soft_label_cache import LabelCache
+from train.label_cache import LabelCache
 
 
 @dataclass

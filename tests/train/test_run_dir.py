@@ -1,4 +1,4 @@
-"""train/checkpointing.py: resume discovery, the best score read once, and a killed run that
+"""train/run_dir.py: resume discovery, the best score read once, and a killed run that
 resumes exactly where an uninterrupted one goes (checkpoint rotation kept every export)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 import pytest
 
 from eagle3.errors import ConfigError
-from train.checkpointing import Checkpoints, find_resume, read_best
 from train.config import load_config
+from train.run_dir import Checkpoints, find_resume, read_best
 
 
 def config(tmp_path, resume_from: str | None = None):

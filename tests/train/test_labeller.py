@@ -1,4 +1,4 @@
-"""train/soft_labels.py: a micro-batch on the device with its soft labels (computed, or from
+"""train/labeller.py: a micro-batch on the device with its soft labels (computed, or from
 the label cache on a record's later pass)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from eagle3.loss import label_rows, target_probs
-from train.soft_label_cache import LabelCache
-from train.soft_labels import Labeller
+from train.label_cache import LabelCache
+from train.labeller import Labeller
 
 V, H, VD, B, T = 12, 4, 5, 2, 6
 
