@@ -114,7 +114,7 @@ def target_probs(
     Every chunk is padded to chunk_size rows, so each matmul has one shape and a row's labels
     are the same bits whatever batch it came in (BLAS picks other kernels for other shapes:
     on MKL a 7-row product differs from a 512-row one in the last bit). That keeps a resumed
-    run and the label cache (train/soft_label_cache.py) exact.
+    run and the label cache (train/label_cache.py) exact.
 
     with_probs=False: in_vocab alone (probs None), the same bits, no (B, T, Vd) tensor: what the
     trainer needs of every micro-batch of a step before the first one's forward.

@@ -46,7 +46,7 @@ names what would fit. What each term assumes:
 - loss: train.loss's chunk temporaries beyond the soft cross-entropy's (whose own are inside
   the measured activation and headroom terms): the LK losses' bool comparison of one chunk
   of positions (eagle3/losses/chunks.py), 64 MiB on CUDA; nothing for kl.
-- soft-label cache (train/soft_label_cache.py): data.label_cache_gb on the device when an
+- soft-label cache (train/label_cache.py): data.label_cache_gb on the device when an
   offline run reads its records more than once (counted whenever it may: offline, > 0).
 
 Sizes print in GiB (2^30 bytes), the unit torch reports a card's `total_memory` in and the one
