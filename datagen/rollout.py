@@ -24,8 +24,10 @@ Two phases, each resumable:
    target's own (target-assisted rollout: a drafter alone cannot write a whole answer). Each
    finished prompt is one line of `rollouts.jsonl`: its token ids, its verification steps
    [context, accepted, offered] (the rejection log) and its seconds.
-2. **capture**: the target's hidden states over each decoded sequence, in-process, or through
-   capture servers (--capture-url: `python -m datagen.capture --target T --serve` on a node).
+2. **capture**: the target's hidden states over each decoded sequence: in-process, or with
+   --engine through a managed capture engine started once the decode's server has stopped
+   (the node's GPUs hold one engine at a time), or through running capture servers
+   (--capture-url: `python -m datagen.capture --target T --serve` on each node).
 
 What is written (--out, a hidden-state capture as datagen.capture writes it, so training reads
 it like any other): one record per prompt, its exact token ids (no re-tokenization), the
@@ -62,6 +64,7 @@ from eagle3.cli import HelpFormatter, run_main
 from eagle3.data.chat import RenderError, check_renderable, prompt_ids
 from eagle3.data.decontaminate import add_exclude_args, exclude_contaminated
 from eagle3.data.prompts import Prompt, dedupe, load_prompts, split_prompts
+from eagle3.data.records import RESERVED
 from eagle3.data.shards import ShardWriter, read_index, repair
 from eagle3.decoding.decode_config import DecodeConfig
 from eagle3.decoding.decoder import SpeculativeDecoder
@@ -101,7 +104,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--target", required=True, help="registry name, HF directory or GGUF")
     p.add_argument("--draft", required=True, help="the drafter's checkpoint directory")
-    p.add_argument("--prompts", nargs="+", required=True, help="sources, as datagen.local")
+    p.add_argument(
+        "--prompts",
+        nargs="+",
+        required=True,
+        help="sources, as datagen.local, or result directories (their prompts, ids kept)",
+    )
     p.add_argument("--out", required=True, help="the round's capture directory (resumable)")
     p.add_argument("--limit", type=int, help="at most this many prompts per source")
     p.add_argument("--split", choices=["all", "train", "eval"], default="all")
@@ -120,6 +128,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_engine_args(p)
     p.add_argument("--engine-batch", type=int, default=16, help="--engine: requests in flight")
     p.add_argument(
+        "--batch-tokens", type=int, default=8192, help="capture: padded tokens a forward"
+    )
+    p.add_argument(
+        "--capture-in-process",
+        action="store_true",
+        help="with --engine: capture in this process (a small target), not in a managed engine",
+    )
+    p.add_argument(
         "--capture-url",
         nargs="+",
         default=[],
@@ -131,10 +147,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def sources(names: list[str]) -> list[str]:
+    """--prompts with each result directory (datagen.openrouter's or datagen.local's --out)
+    read as its datasets' files: a round asks what was paid for again, under the same ids (so
+    the validation split by conversation puts both versions on the same side)."""
+    out = []
+    for name in names:
+        path = Path(name)
+        if path.is_dir():  # <dataset>.jsonl each (failed, ledger and audit are not prompts)
+            out += [str(p) for p in sorted(path.glob("*.jsonl")) if p.stem not in RESERVED]
+        else:
+            out.append(name)
+    return out
+
+
 def select(args: argparse.Namespace) -> list[Prompt]:
     """The prompts to decode: each source's, deduplicated, split and decontaminated as
     datagen.local selects them, cut to their first user turn."""
-    prompts = dedupe(p for source in args.prompts for p in load_prompts(source, limit=args.limit))
+    prompts = dedupe(
+        p for source in sources(args.prompts) for p in load_prompts(source, limit=args.limit)
+    )
     if args.split != "all":
         train, evals = split_prompts(prompts, args.eval_fraction, seed=args.split_seed)
         prompts = train if args.split == "train" else evals
@@ -186,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     done = {e["id"] for e in read_index(out)}
     todo = [p for p in prompts if p.id not in decoded and p.id not in done]
     target = None
-    if not args.engine or not args.capture_url:  # the phases that run in this process
+    if not args.engine:  # both phases in this process (--engine: both through engines)
         target = load_target(model, device=args.device)
         check_renderable(target.tokenizer, None, args.target)
     cfg = DecodeConfig(mode="chain", steps=args.steps, temperature=args.temperature,
@@ -305,26 +337,38 @@ def log_row(prompt: Prompt, ids: list[int], tokens: list[int], steps: list, seco
 def capture_phase(args, model, target, rows: list[dict], out: Path) -> None:
     """The target's hidden states over every decoded sequence not in a shard yet, into --out
     (the rejection log folded into each loss mask), then the directory finalized."""
-    if args.capture_url:
-        target = describe_served_target(model).attach(*args.capture_url)
     # the longest record a rollout writes (training fits longer ones to data.max_length)
     rendering = Rendering(args.max_prompt_tokens + args.max_new_tokens, long_records="cut")
-    meta = capture_meta(target, args.dtype, rendering, model)
-    for problem in repair(out):
+    for problem in repair(out):  # damaged shards dropped: their records are captured again
         log.warning("%s is %s: dropped, its records are captured again",
                     problem.shard, problem.problem)  # fmt: skip
     done = {e["id"] for e in read_index(out)}
+    rows = [r for r in rows if r["id"] not in done]
+    if target is None and args.capture_in_process:
+        target = load_target(model, device=args.device)
+    if args.capture_url:
+        target = describe_served_target(model).attach(*args.capture_url)
+    elif target is None and rows:  # --engine: a managed capture engine, as datagen.capture's
+        engine = EngineSettings.from_args(args)
+        target = describe_served_target(model).start(
+            rendering.max_length,
+            tensor_parallel_size=engine.tensor_parallel_size,
+            extra_args=list(engine.extra_args),
+            log_path=engine.log_path,
+            startup_timeout=engine.startup_timeout_s,
+        )
+    elif target is None:  # nothing left to capture: the directory is finalized as it is
+        target = describe_served_target(model)
+    meta = capture_meta(target, args.dtype, rendering, model)
     items = [
         Item(r["id"], r["dataset"], r["prompt_ids"] + r["tokens"],
              judged_mask(len(r["prompt_ids"]), len(r["tokens"]), r["log"]))
-        for r in rows if r["id"] not in done
+        for r in rows
     ]  # fmt: skip
     progress = Progress("rollout: capture", len(items), "sequences")
     try:
         with ShardWriter(out, meta, args.dtype, int(args.shard_mb * 2**20)) as writer:
-            for item in items:  # one at a time: each is on its way to disk when the next runs
-                capture_items(target, [item], writer, batch_tokens=len(item.input_ids))
-                progress.update()
+            capture_items(target, items, writer, args.batch_tokens, lambda n, _: progress.update(n))
     finally:
         progress.close()
         target.stop()

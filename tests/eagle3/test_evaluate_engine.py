@@ -110,7 +110,7 @@ def test_a_rollout_through_vllm_is_the_in_house_rollout(engine, embedded_drafter
               str(bench), "--steps", str(STEPS), "--max-new-tokens", "48", "--dtype", "fp16"]  # fmt: skip
     served, house = tmp_path / "served", tmp_path / "house"
     assert rollout([*common, "--out", str(served), "--engine", "vllm",
-                    "--engine-arg=--enforce-eager", "--engine-batch", "6"]) == 0  # fmt: skip
+                    "--engine-arg=--enforce-eager", "--engine-batch", "6", "--capture-in-process"]) == 0  # fmt: skip
     assert rollout([*common, "--out", str(house), "--device", "cpu"]) == 0
 
     def rows(out):
