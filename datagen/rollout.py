@@ -212,8 +212,13 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     check_resumable(out, {"dtype": args.dtype})
+    if not (Path(args.draft) / "config.json").is_file():
+        raise Eagle3Error(f"--draft {args.draft}: a rollout needs a drafter's checkpoint directory")
     model = resolve(args.target)
     prompts = select(args)
+    for problem in repair(out):  # damaged shards dropped: their records are captured again
+        log.warning("%s is %s: dropped, its records are captured again",
+                    problem.shard, problem.problem)  # fmt: skip
     decoded = read_log(out)
     done = {e["id"] for e in read_index(out)}
     todo = [p for p in prompts if p.id not in decoded and p.id not in done]
@@ -244,16 +249,16 @@ def run(args: argparse.Namespace) -> int:
             progress.close()
     order = [p.id for p in prompts if p.id in decoded]
     t0 = time.monotonic()
-    capture_phase(args, model, target, [decoded[i] for i in order if i not in done], out)
+    capture_phase(args, model, target, [decoded[i] for i in order], out)
     print(round_line([decoded[i] for i in order], out, time.monotonic() - t0), flush=True)
     return 0
 
 
 def decode_in_process(args, target, cfg: DecodeConfig, todo: list[Prompt], keep) -> None:
     """Each prompt through the in-house speculative decoder with the drafter."""
+    if not todo:
+        return
     drafter = load_drafter(args.draft, target, cfg)
-    if drafter is None or isinstance(drafter, str):
-        raise Eagle3Error(f"--draft {args.draft}: a rollout needs a trained drafter's directory")
     decoder = SpeculativeDecoder(target, drafter, cfg)
     for prompt in todo:
         ids = prompt_tokens(target.tokenizer, prompt, args)
@@ -275,6 +280,8 @@ def decode_served(args, model, todo: list[Prompt], keep) -> None:
     files = describe_target(model)
     eos = sorted(eos_token_ids(files))
     asked = [(p, ids) for p in todo if (ids := prompt_tokens(files.tokenizer, p, args))]
+    if not asked:  # all decoded already: no engine to start
+        return
     context = min(args.max_prompt_tokens + args.max_new_tokens, target_context(model))
     server = managed_engine(
         EngineSettings.from_args(args),
@@ -339,9 +346,6 @@ def capture_phase(args, model, target, rows: list[dict], out: Path) -> None:
     (the rejection log folded into each loss mask), then the directory finalized."""
     # the longest record a rollout writes (training fits longer ones to data.max_length)
     rendering = Rendering(args.max_prompt_tokens + args.max_new_tokens, long_records="cut")
-    for problem in repair(out):  # damaged shards dropped: their records are captured again
-        log.warning("%s is %s: dropped, its records are captured again",
-                    problem.shard, problem.problem)  # fmt: skip
     done = {e["id"] for e in read_index(out)}
     rows = [r for r in rows if r["id"] not in done]
     if target is None and args.capture_in_process:

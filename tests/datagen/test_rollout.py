@@ -136,3 +136,13 @@ def test_a_killed_rollout_resumes_with_only_the_missing_prompts(chat_target, dra
     rows = [json.loads(line) for line in decoded.read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == sorted(ids)
     assert [r["id"] for r in rows][: len(first)] == first  # decoded once: not again
+
+
+def test_a_rollout_without_a_drafter_directory_is_one_line(tmp_path, capsys):
+    """~0.1 s: --draft that is no checkpoint is refused before any model loads."""
+    prompts = prompts_file(tmp_path / "p.jsonl", 1)
+    argv = ["--target", "smollm2-135m-q4", "--draft", str(tmp_path / "nope"), "--prompts",
+            str(prompts), "--out", str(tmp_path / "round")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--draft" in err[0] and "checkpoint directory" in err[0]
