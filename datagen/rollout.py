@@ -36,8 +36,8 @@ mask with the rejection log folded in: 0 on the prompt, 1 on generated tokens, a
 verification root x_L (the token the target chose before drafting resumed) 1 + d, d the draft
 depths verification judged from there (the accepted ones and the first rejected one, or all
 --steps when all were accepted). The target's distribution at every judged position comes from
-the stored last hidden state, as for every capture. The closing line says what the round cost
-(decode and capture seconds, tokens) and the drafter's τ on these prompts.
+the stored last hidden state, as for every capture. The closing line and `rollout.json` say
+what the round cost (decode and capture seconds, tokens) and the drafter's τ on these prompts.
 
 A kill loses at most the prompts being decoded and the records not yet in a shard (--shard-mb
 apart); rerun the same command and it does only what is missing.
@@ -78,6 +78,7 @@ from eagle3.target import describe_target, eos_token_ids, load_target, resolve
 
 log = logging.getLogger("datagen.rollout")
 LOG = "rollouts.jsonl"
+SUMMARY = "rollout.json"  # the round's cost and the drafter's τ on its prompts (train.rounds)
 MAX_MARK = 255  # the loss mask is stored as uint8
 
 
@@ -192,17 +193,32 @@ def read_log(out: Path) -> dict[str, dict]:
     return rows
 
 
-def round_line(rows: list[dict], out: Path, capture_s: float) -> str:
-    """The round's closing line: what it cost and how the drafter did on its prompts."""
+def round_summary(rows: list[dict], out: Path, capture_s: float) -> dict:
+    """What the round cost and how the drafter did on its prompts, written to rollout.json
+    (capture seconds summed over the launches that captured: a resumed round's too)."""
     steps = sum(len(r["log"]) for r in rows)
     accepted = sum(a for r in rows for _, a, _ in r["log"])
-    generated = sum(len(r["tokens"]) for r in rows)
-    tau = (accepted + steps) / steps if steps else 0.0
-    decode = sum(r["decode_s"] for r in rows)
+    path = out / SUMMARY
+    before = json.loads(path.read_text())["capture_s"] if path.is_file() else 0.0
+    summary = {
+        "prompts": len(rows),
+        "generated": sum(len(r["tokens"]) for r in rows),
+        "steps": steps,
+        "tau": round((accepted + steps) / steps if steps else 0.0, 4),
+        "decode_s": round(sum(r["decode_s"] for r in rows), 1),
+        "capture_s": round(before + capture_s, 1),
+    }
+    path.write_text(json.dumps(summary))
+    return summary
+
+
+def round_line(summary: dict, out: Path) -> str:
+    """The round's closing line."""
     return (
-        f"rollout: {len(rows)} prompts, {generated:,} generated tokens, {steps:,} verification "
-        f"steps, τ {tau:.3f} (the drafter on these prompts); decode {decode:.0f} s, capture "
-        f"{capture_s:.0f} s (this run) -> {out}"
+        f"rollout: {summary['prompts']} prompts, {summary['generated']:,} generated tokens, "
+        f"{summary['steps']:,} verification steps, τ {summary['tau']:.3f} (the drafter on "
+        f"these prompts); decode {summary['decode_s']:.0f} s, capture "
+        f"{summary['capture_s']:.0f} s -> {out}"
     )
 
 
@@ -250,7 +266,8 @@ def run(args: argparse.Namespace) -> int:
     order = [p.id for p in prompts if p.id in decoded]
     t0 = time.monotonic()
     capture_phase(args, model, target, [decoded[i] for i in order], out)
-    print(round_line([decoded[i] for i in order], out, time.monotonic() - t0), flush=True)
+    summary = round_summary([decoded[i] for i in order], out, time.monotonic() - t0)
+    print(round_line(summary, out), flush=True)
     return 0
 
 
