@@ -25,3 +25,4 @@ def brief_matmul_peak(monkeypatch):
         return real(device, dtype, seconds=0.05)
 
     monkeypatch.setattr(compute, "matmul_peak", brief)
+    return brief  # for a script that imported matmul_peak by name
