@@ -118,3 +118,15 @@ def test_gpu_check_unknown_check_is_one_line_exit_2(capsys):
     assert gpu_check.main(["--device", "cpu", "--checks", "memry"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: unknown check(s) memry")
+
+
+def test_gpu_check_lengths_flag_sets_both_memory_sweeps(tmp_path):
+    """<1 s: results/README.md's reruns (`--checks memory_recompute --lengths ...` and
+    `--checks memory --lengths ...`) at tiny lengths: each sweep measures exactly the lengths
+    given, recompute planned with fewer activations."""
+    report = run_tiny(tmp_path, "--checks", "memory,memory_recompute", "--lengths", "32,96")
+    plain, recomputed = report["memory"]["lengths"], report["memory_recompute"]["lengths"]
+    assert set(plain) == set(recomputed) == {"32", "96"}
+    for T in ("32", "96"):
+        assert plain[T]["seconds"] > 0 and recomputed[T]["seconds"] > 0
+        assert recomputed[T]["plan_gb"]["activations"] < plain[T]["plan_gb"]["activations"]
