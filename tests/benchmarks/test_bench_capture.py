@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from bench_capture import main
 
 
+@pytest.mark.slow
 def test_capture_benchmark_times_three_paths_and_prints_the_ratios(
     capsys, one_thread, brief_matmul_peak
 ):

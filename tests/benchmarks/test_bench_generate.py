@@ -7,8 +7,10 @@ from __future__ import annotations
 import re
 
 import bench_generate
+import pytest
 
 
+@pytest.mark.slow
 def test_generate_benchmark_times_both_generators(capsys, one_thread, brief_matmul_peak):
     """~6 s (the embedded target's load): `bench_generate.py --threads 2 --prompts 64
     --max-new-tokens 256` at 2 prompts of 4 tokens: the baseline (transformers' generate) and

@@ -7,8 +7,10 @@ from __future__ import annotations
 import re
 
 import bench_kill_resume
+import pytest
 
 
+@pytest.mark.slow
 def test_kill_resume_benchmark_kills_resumes_and_compares_spend_with_the_bill(capsys):
     """~5 s, mostly waiting (the kill after 2.5 s, the fake's latency after the resume):
     `bench_kill_resume.py` at 20 prompts, 4 in flight: the resume finishes every prompt and

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from bench_fp8_labels import MODES, compare, stored_states
 
@@ -39,6 +40,7 @@ def test_fp8_aux_keeps_every_label_and_shares_fp8s_aux_error(tmp_path):
     assert r["fp8"]["kl_max"] > 0 and r["fp8"]["rel_err_last"] > 5 * r["bf16"]["rel_err_last"]
 
 
+@pytest.mark.slow
 def test_the_documented_command_measures_every_mode_on_the_embedded_target(capsys, one_thread):
     """~7 s (mostly the embedded target's load): `bench_fp8_labels.py --target smollm2-135m-q4` at 2
     MT-bench prompts of 4 new tokens: its own answers captured through every mode's shard
