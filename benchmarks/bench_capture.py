@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m-q4")
     p.add_argument("--records", type=int, default=32)
@@ -49,32 +49,30 @@ def main() -> None:
 
     add_engine_args(p)
     p.add_argument("--engine-concurrency", type=int, default=16)
-    args = p.parse_args()
+    return p.parse_args(argv)
 
-    from datagen.capture import batches, capture_items, pad
+
+def stand_in_records(tok, source: str, count: int, max_length: int) -> list:
+    """Real prompts with a stand-in answer (the prompt's text, repeated): records of about
+    `max_length` tokens, like long chat conversations."""
     from datagen.render import Item
-    from eagle3.compute import describe_peak, matmul_peak, peak_share, weight_flops_per_token
     from eagle3.data.chat import render_conversation
     from eagle3.data.prompts import load_prompts
-    from eagle3.data.shards import ShardWriter, bytes_per_token, target_meta
-    from eagle3.target import load_target
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target = load_target(args.target, device=args.device)
-    tok = target.tokenizer
-    # real prompts with a stand-in answer (the prompt's text, repeated): records of about
-    # --max-length tokens, like long chat conversations
     items = []
-    for prompt in load_prompts(args.source, limit=args.records):
+    for prompt in load_prompts(source, limit=count):
         text = prompt.messages[-1]["content"] + "\n"
-        answer = text * (1 + 6 * args.max_length // len(text))
+        answer = text * (1 + 6 * max_length // len(text))
         messages = [*prompt.messages, {"role": "assistant", "content": answer}]
-        r = render_conversation(tok, messages, max_length=args.max_length)
+        r = render_conversation(tok, messages, max_length=max_length)
         items.append(Item(prompt.id, "sharegpt", r.input_ids, r.loss_mask))
-    tokens = sum(len(it.input_ids) for it in items)
-    padded = [pad(b, tok.pad_token_id or 0) for b in batches(items, args.batch_tokens)]
-    meta = {**target_meta(target), "max_length": args.max_length}
+    return items
+
+
+def median_times(target, items, padded, meta: dict, args) -> dict[str, float]:
+    """Median seconds of the three paths over `args.repeats` interleaved rounds."""
+    from datagen.capture import capture_items
+    from eagle3.data.shards import ShardWriter
 
     @torch.no_grad()
     def full_forward():
@@ -102,7 +100,6 @@ def main() -> None:
             writer.close()
 
     paths = {"model(...)": full_forward, "decoder(...)": decoder_forward, "capture": capture}
-    peak = matmul_peak(target.device)
     full_forward()  # warm-up
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(args.repeats):
@@ -110,7 +107,26 @@ def main() -> None:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    med = {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from datagen.capture import batches, pad
+    from eagle3.compute import describe_peak, matmul_peak, peak_share, weight_flops_per_token
+    from eagle3.data.shards import bytes_per_token, target_meta
+    from eagle3.target import load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target, device=args.device)
+    tok = target.tokenizer
+    items = stand_in_records(tok, args.source, args.records, args.max_length)
+    tokens = sum(len(it.input_ids) for it in items)
+    padded = [pad(b, tok.pad_token_id or 0) for b in batches(items, args.batch_tokens)]
+    meta = {**target_meta(target), "max_length": args.max_length}
+    peak = matmul_peak(target.device)
+    med = median_times(target, items, padded, meta, args)
     peak = max(peak, matmul_peak(target.device))  # before and after: neighbours come and go
     print(
         f"target {target.name} on {target.device}, {torch.get_num_threads()} threads: "

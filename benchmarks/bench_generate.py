@@ -23,7 +23,7 @@ import time
 import torch
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m-q4")
     p.add_argument("--prompts", type=int, default=64, help="number of prompts (first user turns)")
@@ -37,7 +37,7 @@ def main() -> None:
     p.add_argument(
         "--baseline", action=argparse.BooleanOptionalAction, default=True, help="time generate too"
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     from datagen.generate import Generator
     from eagle3.compute import describe_peak, matmul_peak, peak_share, weight_flops_per_token

@@ -357,7 +357,7 @@ def packing_bench(args) -> dict:
     return {"shards": str(args.packing), "windows": arms, "medians": medians, "ratio": ratio}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smollm2 at 2k and 16k; old at 2k only")
     p.add_argument("--json", type=Path, help="write every number to this file")
@@ -381,7 +381,7 @@ def main() -> None:
     p.add_argument("--padded-batch", type=int, default=4, help="records per padded step")
     p.add_argument("--repeats", type=int, default=2, help="--packing: runs per arm")
     p.add_argument("--point", help=argparse.SUPPRESS)  # internal: one point, in a subprocess
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be at least 1, got {args.steps}")
     if args.point:

@@ -156,13 +156,13 @@ def report(name: str, n: int, concurrency: int, latency: float, wall: float, cpu
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--concurrency", type=int, default=2000)
     ap.add_argument("--latency", type=float, default=0.2, help="seconds per request at the server")
     ap.add_argument("--compare-httpx", action="store_true", help="also time bare client loops")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     proc, url = start_server(args.latency)
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -56,14 +56,14 @@ def hash_file(path: Path, update) -> None:
             update(view[:n])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=576, help="target hidden size (SmolLM2: 576)")
     p.add_argument("--mb", type=float, default=100, help="shard size")
     p.add_argument("--tokens", type=int, default=1000, help="tokens per record")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", help="where to write (default: a temp dir)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench_checksum-") as work:
         bench(args, Path(work))
 

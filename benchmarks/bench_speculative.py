@@ -49,7 +49,7 @@ class OracleDrafter:
         return DraftTree(tokens=found, parents=list(range(-1, len(found) - 1)))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     from eagle3.data.chat import next_turns, prompt_ids
     from eagle3.data.prompts import load_prompts
     from eagle3.errors import Eagle3Error
@@ -67,7 +67,7 @@ def main() -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = decode_config(args)

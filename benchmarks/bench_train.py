@@ -14,7 +14,12 @@ before each step through /proc/self/clear_refs; CUDA: max_memory_allocated).
 
     python benchmarks/bench_train.py --config configs/train/kimi-k2.5-offline.yaml --recompute \
         --seq-len 1024 --steps 2 --target-shape hidden=1024,vocab=32000,heads=64,kv_heads=64,head_dim=192,intermediate=2048 \
-        model.draft.intermediate_size=2048 model.draft_vocab_size=8000
+        model.draft.intermediate_size=2048 model.draft_vocab_size=8000 \
+        model.draft.mla.q_lora_rank=1536 model.draft.mla.kv_lora_rank=512 \
+        model.draft.mla.qk_nope_head_dim=128 model.draft.mla.qk_rope_head_dim=64 model.draft.mla.v_head_dim=128
+
+(--target-shape carries no MLA dims: an MLA recipe such as Kimi's takes them as model.draft.mla.*
+overrides, here Kimi's own.)
 
 MFU = analytic training FLOPs per token x tokens/s / measured matmul peak of this device in
 this run (best of square matmuls in the training dtype). Analytic FLOPs count, per token,
@@ -130,7 +135,7 @@ def peak_above_start(device: torch.device, step) -> float:
     return (_rss("VmHWM") - base) / 2**30
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="a training recipe (configs/train/*.yaml)")
     p.add_argument("--seq-len", type=int, default=None, help="default: the recipe's max_length")
@@ -149,18 +154,14 @@ def main() -> None:
         "run: the step-time ratio and both peaks",
     )
     p.add_argument("overrides", nargs="*", help="recipe overrides, e.g. model.ttt_steps=3")
-    args = p.parse_args()
-    cfg = load_config(args.config, args.overrides, check_paths=False)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    T = args.seq_len or cfg.data.max_length
-    B = args.batch_size or cfg.data.batch_size
-    K = cfg.model.ttt_steps
+    return p.parse_args(argv)
 
-    if args.target_shape is not None:
-        facts = shape_facts(args.target_shape)
-    else:  # a registry target's plan_shape (Kimi: no download), else its config.json
-        facts = facts_of(target_shape(cfg.target.name))
+
+def random_draft(
+    cfg, facts: dict, device: torch.device
+) -> tuple[DraftConfig, TTTModel, torch.Tensor]:
+    """The recipe's draft at the target's shape, seeded random weights and a random vocab map
+    of model.draft_vocab_size target tokens -> (its config, the TTT model on `device`, t2d)."""
     aux_ids = cfg.target.aux_layer_ids or facts["aux_layer_ids"] or [1, 2, 3]
     vocab_size = facts["vocab_size"]
     dv = min(cfg.model.draft_vocab_size, vocab_size)
@@ -176,30 +177,41 @@ def main() -> None:
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[torch.randperm(vocab_size)[:dv]] = True
     draft.set_vocab(t2d.nonzero().squeeze(-1) - torch.arange(dv), t2d)
-    model = TTTModel(draft, K, recompute=cfg.train.recompute_ttt_steps).to(device)
-    params = [q for q in model.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
-    Ht = facts["hidden_size"]
-    lm_head = (torch.randn(vocab_size, Ht, device=device) * Ht**-0.5).to(dtype)
-    t2d = t2d.to(device)
+    model = TTTModel(draft, cfg.model.ttt_steps, recompute=cfg.train.recompute_ttt_steps)
+    return draft_cfg, model.to(device), t2d
 
-    def batch():
-        ids = torch.randint(0, vocab_size, (B, T), device=device)
+
+class TrainStep:
+    """The recipe's step on a random batch of B x T: soft labels from a random target lm_head
+    (their seconds summed in `label_time`), the TTT loss, backward, clip, AdamW."""
+
+    def __init__(self, model: TTTModel, cfg, facts: dict, t2d, B: int, T: int, device, dtype):
+        self.model, self.cfg, self.B, self.T = model, cfg, B, T
+        self.device, self.dtype = device, dtype
+        self.params = [q for q in model.parameters() if q.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95))
+        self.vocab_size, Ht = facts["vocab_size"], facts["hidden_size"]
+        self.Ht = Ht
+        self.lm_head = (torch.randn(self.vocab_size, Ht, device=device) * Ht**-0.5).to(dtype)
+        self.t2d = t2d.to(device)
+        self.label_time = 0.0
+
+    def batch(self):
+        B, T, Ht, device, dtype = self.B, self.T, self.Ht, self.device, self.dtype
+        ids = torch.randint(0, self.vocab_size, (B, T), device=device)
         aux = torch.randn(B, T, 3 * Ht, device=device, dtype=dtype)
         last = torch.randn(B, T, Ht, device=device, dtype=dtype)
         return ids, aux, last, torch.ones(B, T, dtype=torch.long, device=device)
 
-    label_time = 0.0
-
-    def step():
-        nonlocal label_time
-        ids, aux, last, mask = batch()
+    def __call__(self) -> None:
+        model, cfg, device = self.model, self.cfg, self.device
+        ids, aux, last, mask = self.batch()
         sync(device)
         t0 = time.perf_counter()
-        probs, in_vocab = target_probs(last, lm_head, t2d, cfg.data.lm_head_chunk)
+        probs, in_vocab = target_probs(last, self.lm_head, self.t2d, cfg.data.lm_head_chunk)
         in_vocab[:] = True  # random labels: count every position
         sync(device)
-        label_time += time.perf_counter() - t0
+        self.label_time += time.perf_counter() - t0
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             if model.recompute:  # each step's loss inside the step (eagle3/methods/eagle3.py)
                 mb = {"input_ids": ids, "aux": aux, "segment_ids": None, "position_ids": None,
@@ -210,10 +222,26 @@ def main() -> None:
                 logits = model(ids, aux)
                 loss, _ = ttt_loss(logits, probs, in_vocab, mask, cfg.model.step_weight)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides, check_paths=False)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    T = args.seq_len or cfg.data.max_length
+    B = args.batch_size or cfg.data.batch_size
+    K = cfg.model.ttt_steps
+
+    if args.target_shape is not None:
+        facts = shape_facts(args.target_shape)
+    else:  # a registry target's plan_shape (Kimi: no download), else its config.json
+        facts = facts_of(target_shape(cfg.target.name))
+    draft_cfg, model, t2d = random_draft(cfg, facts, device)
+    step = TrainStep(model, cfg, facts, t2d, B, T, device, dtype)
     if args.recompute:
         compare_recompute(model, step, device, args.steps, B, T, K)
         return
@@ -222,7 +250,7 @@ def main() -> None:
         step()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    label_time = 0.0
+    step.label_time = 0.0
     sync(device)
     start = time.perf_counter()
     for _ in range(args.steps):
@@ -237,7 +265,7 @@ def main() -> None:
     print(
         f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else f'{threads} threads'}), "
         f"{str(dtype).removeprefix('torch.')}; draft H={draft_cfg.hidden_size} I={draft_cfg.intermediate_size} "
-        f"Vd={dv} target V={vocab_size}; batch {B} x {T} tokens, ttt_steps {K}"
+        f"Vd={draft_cfg.draft_vocab_size} target V={facts['vocab_size']}; batch {B} x {T} tokens, ttt_steps {K}"
     )
     print(f"tokens/s          {tokens_per_s:,.0f}")
     print(f"peak memory       {mem:.2f} GiB")
@@ -246,7 +274,7 @@ def main() -> None:
     print(f"{describe_peak(peak, dtype)} (measured, same run)")
     print(f"MFU               {100 * achieved / peak:.1f}%")
     print(
-        f"label_share       {100 * label_time / elapsed:.1f}% of step time (target lm_head soft labels)"
+        f"label_share       {100 * step.label_time / elapsed:.1f}% of step time (target lm_head soft labels)"
     )
 
 

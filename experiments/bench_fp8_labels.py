@@ -164,12 +164,12 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", action="append", help="repeatable (default: the embedded)")
     parser.add_argument("--prompts", type=int, default=40, help="MT-bench first turns")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     for name in args.target or ["smollm2-135m-q4"]:
         print(report(measure(name, args.prompts, args.max_new_tokens)), flush=True)

@@ -69,7 +69,7 @@ def kimi_config(kind: str) -> DraftConfig:
     return draft_shape(f"kimi-k2.5-{kind}")
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", default=None, help="working directory (default: a temporary one)")
     p.add_argument("--train-prompts", type=int, default=64)
@@ -77,8 +77,13 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=80, help="training steps of each draft")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--json", default=None)
-    args = p.parse_args()
-    work = Path(args.work or tempfile.mkdtemp(prefix="bench_mla_"))
+    return p.parse_args(argv)
+
+
+def train_both(work: Path, args: argparse.Namespace) -> Path:
+    """The miniature, its answers, one bf16 capture, then each draft trained by the Kimi
+    recipe (every stage skipped where its output is already in `work`) -> the de-quantised
+    miniature the engines serve."""
     mini, plain = work / "kimi-mini", work / "kimi-mini-bf16"
     if not (plain / "config.json").is_file():
         run("scripts/make_tiny_kimi.py", str(mini), "--seed", "3", "--dequantized", str(plain))
@@ -102,6 +107,11 @@ def main() -> int:
                 "wandb.mode=disabled", "model.ttt_steps=3", "data.max_length=1000",
                 "model.draft.intermediate_size=null",  # the miniature's (Kimi's: 18432)
                 f"model.draft.attention={kind}")  # fmt: skip
+    return plain
+
+
+def evaluate_both(work: Path, plain: Path, args: argparse.Namespace) -> list[dict]:
+    """Both drafts decoded in-house, the MLA draft in vLLM-CPU -> every result row."""
     report, served = work / "eval.json", work / "eval-vllm.json"
     decode = ["--bench", "mt_bench", "--limit", str(args.limit), "--max-new-tokens",
               str(args.max_new_tokens), "--steps", "3", "--temperature", "0"]  # fmt: skip
@@ -117,31 +127,33 @@ def main() -> int:
         *decode, "--json", str(served), "--engine", "vllm", "--engine-only",
         "--engine-arg=--enforce-eager", "--engine-batch", "1",
         "--engine-log", str(work / "vllm.log"))  # fmt: skip
-    rows = [*json.loads(report.read_text())["results"], *json.loads(served.read_text())["results"]]
-    out = []
-    for kind in KIND:
-        cfg, _ = load_config(work / kind / "final")
-        name = f"{kind}/final"
-        house = next(r for r in rows if r["drafter"] == name and not r.get("turn"))
-        engine = [r for r in rows if r["drafter"] == f"{name} [vllm]" and not r.get("turn")]
-        steps, seconds = (
-            (engine[0]["verify_steps"], engine[0]["spec_seconds"]) if engine else (0, 0)
-        )
-        out.append({
-            "draft": kind,
-            "params_miniature": params(cfg),
-            "params_kimi": params(kimi_config(kind)),
-            "kv_bytes_per_token_miniature": kv_bytes_per_token(cfg),
-            "kv_bytes_per_token_kimi": kv_bytes_per_token(kimi_config(kind)),
-            "tau_in_house": house["tau"],
-            "tau_in_house_ci95": house.get("tau_ci95"),
-            "tau_vllm": engine[0]["tau"] if engine else None,
-            "vllm_seconds_per_step": seconds / steps if seconds and steps else None,
-            "vllm_plain_seconds_per_token": (
-                engine[0]["plain_seconds"] / engine[0]["plain_tokens"] if engine else None
-            ),
-            "prompts": house.get("prompts"),
-        })  # fmt: skip
+    return [*json.loads(report.read_text())["results"], *json.loads(served.read_text())["results"]]
+
+
+def draft_row(kind: str, cfg: DraftConfig, rows: list[dict]) -> dict:
+    """One draft's sizes (miniature and Kimi) and its tau in-house and in vLLM, from `rows`."""
+    name = f"{kind}/final"
+    house = next(r for r in rows if r["drafter"] == name and not r.get("turn"))
+    engine = [r for r in rows if r["drafter"] == f"{name} [vllm]" and not r.get("turn")]
+    steps, seconds = (engine[0]["verify_steps"], engine[0]["spec_seconds"]) if engine else (0, 0)
+    return {
+        "draft": kind,
+        "params_miniature": params(cfg),
+        "params_kimi": params(kimi_config(kind)),
+        "kv_bytes_per_token_miniature": kv_bytes_per_token(cfg),
+        "kv_bytes_per_token_kimi": kv_bytes_per_token(kimi_config(kind)),
+        "tau_in_house": house["tau"],
+        "tau_in_house_ci95": house.get("tau_ci95"),
+        "tau_vllm": engine[0]["tau"] if engine else None,
+        "vllm_seconds_per_step": seconds / steps if seconds and steps else None,
+        "vllm_plain_seconds_per_token": (
+            engine[0]["plain_seconds"] / engine[0]["plain_tokens"] if engine else None
+        ),
+        "prompts": house.get("prompts"),
+    }
+
+
+def print_table(out: list[dict]) -> None:
     head = "| draft | params (mini) | params (Kimi) | KV B/token (mini / Kimi) | tau in-house [95% CI] | tau vLLM | vLLM s/step (plain s/token) |"
     print(head + "\n|" + "---|" * 7)
     for r in out:
@@ -157,6 +169,15 @@ def main() -> int:
                 else "| refused by vLLM-CPU (no common KV block size) | – |"
             )
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench_mla_"))
+    plain = train_both(work, args)
+    rows = evaluate_both(work, plain, args)
+    out = [draft_row(kind, load_config(work / kind / "final")[0], rows) for kind in KIND]
+    print_table(out)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": out, "work": str(work)}, indent=2))
     return 0

@@ -144,7 +144,7 @@ def bucket_tau(hit: torch.Tensor, valid: torch.Tensor, lo: int, hi: int) -> tupl
     return simulated_acceptance((h / v.clamp_min(1)).tolist()), int(v[0])
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--work", type=Path, default=Path("runs/bench-fp8-rope"), help="records, shards, runs"
@@ -162,28 +162,13 @@ def main() -> None:
     p.add_argument("--doc-tokens", type=int, default=8192, help="tokens per long text")
     p.add_argument("--skip", type=int, default=2000, help="ShareGPT conversations not used")
     p.add_argument("--chunk", type=int, default=1024, help="queries per attention chunk")
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    work = args.work
-    dirs = prepare(work, args)
-    runs = {
-        "new": train_command(dirs["bf16/train"], work / "runs" / "bf16", args),
-        "old": train_command(dirs["bf16/train"], work / "runs" / "bf16-rope10k", args, OLD_ROPE),
-    }
-    print(f"training: {train_all(runs, not args.serial, work / 'logs'):.0f} s wall", flush=True)
-    drafts = {name: load_final(final_dir(cmd).parent) for name, cmd in runs.items()}
-    for name, d in drafts.items():
-        print(f"{name}: rope_theta {d.config.rope_theta}, rope_scaling {d.config.rope_scaling}")
-    K = 4  # configs/train/smollm2-q4-cpu.yaml's model.ttt_steps
+    return p.parse_args(argv)
 
-    t0 = time.perf_counter()
-    target = load_target(TARGET, device="cpu")
+
+def score_texts(drafts: dict, target, docs: list, args, K: int, t0: float) -> tuple[dict, dict]:
+    """Each drafter's hits over each long text, teacher-forced against the target's argmax
+    -> (per text: [(tau, positions) per bucket] by drafter, pooled hit/valid by drafter)."""
     lm_head = target.lm_head_weight.float()
-    exclude = set()
-    for part in ("train", "val"):
-        for line in (work / f"records/{part}.jsonl").read_text().splitlines():
-            exclude.add(base_id(json.loads(line)["id"]))
-    docs = long_texts(target.tokenizer, args.docs, args.doc_tokens, exclude, args.skip)
     per_doc = {name: [] for name in drafts}  # per text: [(tau, n) per bucket]
     pooled = {name: {"hit": [], "valid": []} for name in drafts}
     for i, doc in enumerate(docs):
@@ -211,17 +196,17 @@ def main() -> None:
             f"{time.perf_counter() - t0:.0f} s; tau by bucket: {taus}",
             flush=True,
         )
+    return per_doc, pooled
 
-    print(
-        f"\n{TARGET} (rope_theta 100000, max_position_embeddings 8192): teacher-forced "
-        f"simulated tau (chain of {K}), {len(docs)} held-out texts of <= {args.doc_tokens} tokens, "
-        f"drafters trained on <= {args.max_length}-token sequences, {args.steps} steps"
-    )
+
+def print_buckets(per_doc: dict, pooled: dict) -> None:
+    """Per bucket: pooled tau old and new, positions, texts, and the per-text spread and
+    paired difference."""
     header = f"{'bucket':>10} {'tau old':>8} {'tau new':>8} {'positions':>10} {'texts':>6}"
     print(header + f" {'old per text':>14} {'new per text':>14} {'new-old per text':>26}")
     for b, (lo, hi) in enumerate(BUCKETS):
         taus = {}
-        for name in drafts:
+        for name in pooled:
             hit = torch.cat([h[:, lo:hi] for h in pooled[name]["hit"]], dim=1)
             valid = torch.cat([v[:, lo:hi] for v in pooled[name]["valid"]], dim=1)
             taus[name] = bucket_tau(hit, valid, 0, hit.shape[1])
@@ -240,6 +225,37 @@ def main() -> None:
             f"{len(pairs):6d} {min(old_t):6.2f}..{max(old_t):<6.2f} {min(new_t):6.2f}..{max(new_t):<6.2f}"
             f" {sum(diffs) / len(diffs):+7.3f} ({min(diffs):+.2f}..{max(diffs):+.2f})"
         )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    work = args.work
+    dirs = prepare(work, args)
+    runs = {
+        "new": train_command(dirs["bf16/train"], work / "runs" / "bf16", args),
+        "old": train_command(dirs["bf16/train"], work / "runs" / "bf16-rope10k", args, OLD_ROPE),
+    }
+    print(f"training: {train_all(runs, not args.serial, work / 'logs'):.0f} s wall", flush=True)
+    drafts = {name: load_final(final_dir(cmd).parent) for name, cmd in runs.items()}
+    for name, d in drafts.items():
+        print(f"{name}: rope_theta {d.config.rope_theta}, rope_scaling {d.config.rope_scaling}")
+    K = 4  # configs/train/smollm2-q4-cpu.yaml's model.ttt_steps
+
+    t0 = time.perf_counter()
+    target = load_target(TARGET, device="cpu")
+    exclude = set()
+    for part in ("train", "val"):
+        for line in (work / f"records/{part}.jsonl").read_text().splitlines():
+            exclude.add(base_id(json.loads(line)["id"]))
+    docs = long_texts(target.tokenizer, args.docs, args.doc_tokens, exclude, args.skip)
+    per_doc, pooled = score_texts(drafts, target, docs, args, K, t0)
+    print(
+        f"\n{TARGET} (rope_theta 100000, max_position_embeddings 8192): teacher-forced "
+        f"simulated tau (chain of {K}), {len(docs)} held-out texts of <= {args.doc_tokens} tokens, "
+        f"drafters trained on <= {args.max_length}-token sequences, {args.steps} steps"
+    )
+    print_buckets(per_doc, pooled)
     print(f"evaluation: {time.perf_counter() - t0:.0f} s")
 
 

@@ -415,22 +415,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                    help="extra vLLM server argument, e.g. --engine-arg=--enforce-eager")  # fmt: skip
     args = p.parse_args(argv)
+    apply_scale(p, args)
+    return args
+
+
+# the flags --scale sets, each overridden by its own flag when given
+SCALED = ("prompts", "turns", "offpolicy", "max_new_tokens", "epochs", "eval_limit", "eval_tokens")
+
+
+def apply_scale(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Each flag of SCALED not given takes --scale's value; a given one must be >= 1 (--offpolicy
+    >= 0: none), else a usage error. The validation split is the scale's."""
     scale = SCALES[args.scale]
-    for field in (
-        "prompts",
-        "turns",
-        "offpolicy",
-        "max_new_tokens",
-        "epochs",
-        "eval_limit",
-        "eval_tokens",
-    ):
+    for field in SCALED:
         if getattr(args, field) is None:
             setattr(args, field, getattr(scale, field))
         elif getattr(args, field) < (0 if field == "offpolicy" else 1):
             p.error(f"--{field.replace('_', '-')} must be >= {0 if field == 'offpolicy' else 1}")
     args.val_fraction = scale.val_fraction
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:

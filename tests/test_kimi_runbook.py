@@ -256,7 +256,7 @@ def node(tmp_path_factory, checkout_engine):
     # what the node's $KIMI_DRAFTER holds: a drafter as TorchSpec publishes one (kimi_k2,
     # mla_use_nope, layers.0.*, vLLM-convention aux ids, reduced vocab with d2t and no t2d,
     # its own embed_tokens), random, for the miniature
-    published = maker.make_published_mla_draft(
+    published = _load(REPO / "scripts" / "make_published_mla_draft.py").make_published_mla_draft(
         root / "models" / "kimi-k2.5-eagle3-mla", model, seed=5
     )
     server = fake_server.FakeServerThread(

@@ -2,7 +2,7 @@
 
 Serves ``/api/v1/chat/completions``, ``/api/v1/models/{author}/{slug}/endpoints``,
 ``/api/v1/key``, ``/api/v1/credits`` and ``/api/v1/generation?id=`` with: a provider table (the
-Kimi-K2.5 providers with their quantizations and prices), routing like ``sort: price`` under the
+Kimi-K2.5 providers with their quantizations and prices, :mod:`datagen.openrouter.fake_endpoints`), routing like ``sort: price`` under the
 request's ``provider`` rule, cost from the routed endpoint's prices, prompt caching (a
 multi-turn request's prefix, everything before its last user turn, is billed at the endpoint's
 ``input_cache_read`` price and reported as ``prompt_tokens_details.cached_tokens`` and
@@ -46,51 +46,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-PER_M = 1_000_000
+from datagen.openrouter.fake_endpoints import FORBIDDEN, KIMI_ENDPOINTS, PER_M
 
-
-def endpoint(provider, tag, quant, prompt, completion, cache=None, status=0, uptime=99.0):
-    """One listing entry; prices in USD per million tokens (stored as per-token strings).
-    ``cache``: the cache-read price (default a quarter of ``prompt``; False = none listed)."""
-    entry = {
-        "name": f"{provider} | moonshotai/kimi-k2.5",
-        "provider_name": provider,
-        "tag": tag,
-        "quantization": quant,
-        "context_length": 262144,
-        "max_completion_tokens": 65535,
-        "pricing": {
-            "prompt": f"{prompt / PER_M:.10f}",
-            "completion": f"{completion / PER_M:.10f}",
-            "request": "0",
-            "input_cache_read": f"{(cache if cache is not None else prompt / 4) / PER_M:.10f}",
-            "discount": 0,
-        },
-        "status": status,
-        "uptime_last_30m": uptime,
-        "supported_parameters": ["reasoning", "max_tokens", "temperature"],
-    }
-    if cache is False:
-        del entry["pricing"]["input_cache_read"]
-    return entry
-
-
-# The Kimi-K2.5 providers as seen Feb-Aug 2026. Fireworks and BaseTen are made the cheapest on
-# purpose: a client that fails to exclude them gets routed there, and the rule check catches it.
-KIMI_ENDPOINTS = [
-    endpoint("Chutes", "chutes", "int4", 0.45, 2.20, 0.225, uptime=97.2),
-    endpoint("DeepInfra", "deepinfra", "unknown", 0.50, 2.50, 0.10, uptime=99.0),
-    endpoint("SiliconFlow", "siliconflow", "int4", 0.55, 2.50, uptime=95.6),
-    endpoint("AtlasCloud", "atlas-cloud", "int4", 0.50, 2.60, uptime=98.0),
-    endpoint("Together", "together", None, 0.60, 2.80, uptime=99.5),
-    endpoint("Novita", "novita", "unknown", 0.60, 3.00, uptime=100.0),
-    endpoint("Parasail", "parasail", "int4", 0.55, 2.90, uptime=99.1),
-    endpoint("Moonshot AI", "moonshotai", "int4", 0.60, 3.00, 0.15, uptime=99.9),
-    endpoint("Venice", "venice", "unknown", 0.60, 3.00, uptime=96.0),
-    endpoint("Fireworks", "fireworks", "nvfp4", 0.40, 2.00, 0.15, uptime=99.5),
-    endpoint("BaseTen", "baseten", "fp4", 0.38, 1.90, status=-5, uptime=0.0),
-]
-FORBIDDEN = ("fireworks", "baseten")
 # no_cost: a good answer whose usage has no cost (billed; /generation knows the cost)
 FAULTS = (
     "429",
@@ -353,7 +310,31 @@ class FakeOpenRouter:
         if fault in ("truncated", "524_in_200", "no_choices"):
             return await self._malformed(fault, request, gen_id, headers)
 
-        lo, hi = cfg.completion_tokens
+        usage, finish = self._usage(route, prompt_tokens, cached, p_cache, max_tokens)
+        self._bill(gen_id, route, usage, finish)
+        if fault == "no_cost":
+            del usage["cost"]
+        body = {
+            "id": gen_id,
+            "provider": route["provider_name"],
+            "model": cfg.model + "-0127",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "choices": [self._choice(route, messages, usage, finish, fault)],
+            "usage": usage,
+        }
+        return web.Response(
+            body=json.dumps(body).encode(), content_type="application/json", headers=headers
+        )
+
+    def _usage(
+        self, route: dict, prompt_tokens: int, cached: int, p_cache: float, max_tokens: int
+    ) -> tuple[dict, str]:
+        """(the response's usage with its cost, the finish reason): a drawn completion length,
+        cut at ``max_tokens``; the cached prefix billed at ``p_cache``."""
+        p_in = float(route["pricing"]["prompt"])
+        p_out = float(route["pricing"]["completion"])
+        lo, hi = self.config.completion_tokens
         completion = self.rng.randint(lo, hi)
         finish = "stop"
         if completion >= max_tokens:
@@ -371,21 +352,7 @@ class FakeOpenRouter:
         }
         if cached:
             usage["cache_discount"] = discount
-        self._bill(gen_id, route, usage, finish)
-        if fault == "no_cost":
-            del usage["cost"]
-        body = {
-            "id": gen_id,
-            "provider": route["provider_name"],
-            "model": cfg.model + "-0127",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "choices": [self._choice(route, messages, usage, finish, fault)],
-            "usage": usage,
-        }
-        return web.Response(
-            body=json.dumps(body).encode(), content_type="application/json", headers=headers
-        )
+        return usage, finish
 
     def _route(self, provider: dict | None, max_tokens: int) -> dict | web.Response:
         """The endpoint a request goes to (the cheapest live one its provider rule reaches), or

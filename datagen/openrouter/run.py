@@ -66,10 +66,7 @@ async def run(
             raise ConfigError(
                 f"no endpoint of {cfg.model} passes the provider rule: run with --plan to see why"
             )
-        read_at = time.time()  # the snapshot holds what was billed before this
-        acct = await api.account()
-        if acct["key_status"] == 401:
-            raise ConfigError("OpenRouter rejected the API key (401): check OPENROUTER_API_KEY")
+        acct, read_at = await key_snapshot(api)
 
         settings = requester_settings(
             cfg,
@@ -99,11 +96,7 @@ async def run(
                 ", ".join(e.provider for e in allowed),
                 settings.provider,
             )
-            audit = None
-            if audit_every > 0 and any(todo):
-                audit = exclusions.make_audit(
-                    cfg.audit_target, audit_every, out_dir / AUDIT_LOG, cfg.audit_device_map
-                )
+            audit = provider_audit(cfg, audit_every, out_dir, todo)
             requester = Requester(settings, todo, store, ledger, audit, settler)
             outcome = await generate_while_settling(requester, settler)
             say(await settler.finish(outcome.stop == "interrupted"))
@@ -124,6 +117,26 @@ async def run(
     )
     print(line, flush=True)
     return EXIT_OK if remaining == 0 else EXIT_TEMPFAIL
+
+
+async def key_snapshot(api: OpenRouter) -> tuple[dict, float]:
+    """(the key's account: its usage and status, the time it was read): the usage holds what
+    was billed before that time. A rejected key is a ConfigError."""
+    read_at = time.time()
+    acct = await api.account()
+    if acct["key_status"] == 401:
+        raise ConfigError("OpenRouter rejected the API key (401): check OPENROUTER_API_KEY")
+    return acct, read_at
+
+
+def provider_audit(cfg: GenConfig, audit_every: int, out_dir: Path, todo: list):
+    """The audit of what the providers answer, every ``audit_every`` results; None when it is
+    off or nothing is left to generate (its target model is not loaded then)."""
+    if audit_every <= 0 or not any(todo):
+        return None
+    return exclusions.make_audit(
+        cfg.audit_target, audit_every, out_dir / AUDIT_LOG, cfg.audit_device_map
+    )
 
 
 async def generate_while_settling(requester: Requester, settler: Settler):

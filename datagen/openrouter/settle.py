@@ -3,7 +3,7 @@
 A request of an earlier run whose cost is unknown (a 200 without ``usage.cost``, a timeout, an
 orphan of a killed run) counts at its worst case in the ledger. Where its generation id is known
 it is settled at ``GET /generation``'s cost; the rest together from the growth of the key's
-usage counter (:func:`datagen.openrouter.ledger.decide_settlement`, whose docstring states the
+usage counter (:func:`datagen.openrouter.key_usage.decide_settlement`, whose docstring states the
 rule, this run's own spending included). :class:`Settler` tries on the start snapshot of the
 key's usage, then in the background while the run goes on: once the dead runs' last event is
 ``request_timeout_s + KEY_USAGE_LAG_S`` old, and again when the decision asks (a bound, read
@@ -27,14 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from datagen.openrouter.client import OpenRouter
-from datagen.openrouter.ledger import (
-    EPS_USD,
-    Ledger,
-    Settlement,
-    Window,
-    decide_settlement,
-    fits,
-)
+from datagen.openrouter.key_usage import Settlement, decide_settlement
+from datagen.openrouter.ledger import EPS_USD, Ledger, Window, fits
 from eagle3.progress import duration
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from bench_train import recipe_draft_config
 
 from eagle3.draft_shapes import target_shape
@@ -67,3 +68,37 @@ def test_a_registry_target_runs_without_a_target_shape():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "target V=49152" in proc.stdout and "MFU" in proc.stdout
+
+
+# the Kimi recipe's MLA dims for a tiny --target-shape (which carries none), as the docstring's
+# --recompute command gives Kimi's
+TINY_MLA = ["model.draft.mla.q_lora_rank=32", "model.draft.mla.kv_lora_rank=32",
+            "model.draft.mla.qk_nope_head_dim=16", "model.draft.mla.qk_rope_head_dim=8",
+            "model.draft.mla.v_head_dim=16"]  # fmt: skip
+
+
+@pytest.mark.parametrize("extra", [[], ["--recompute"]], ids=["plain", "recompute"])
+def test_the_kimi_recipe_times_its_mla_draft_at_a_tiny_target_shape(extra, capsys, monkeypatch):
+    """~3 s each: the docstring's two Kimi commands (`--config
+    configs/train/kimi-k2.5-offline.yaml --seq-len 2048 --batch-size 2`, and `--recompute`
+    with a --target-shape) at 16 tokens on a tiny target shape: the recipe's MLA draft trains
+    and prints its MFU, or both modes' ratio (that command once stopped: no MLA dims). In
+    process: the matmul peak measured for 0.05 s (its 2 s measure the machine, not the script)."""
+    import bench_train
+
+    real = bench_train.matmul_peak
+    monkeypatch.setattr(bench_train, "matmul_peak", lambda d, t: real(d, t, seconds=0.05))
+    bench_train.main(
+        [
+            "--config", str(REPO / "configs/train/kimi-k2.5-offline.yaml"), *extra,
+            "--seq-len", "16", "--batch-size", "2", "--steps", "1", "--device", "cpu",
+            "--target-shape", "hidden=64,vocab=512,heads=4,kv_heads=4,head_dim=24,intermediate=128",
+            "model.draft_vocab_size=256", "model.ttt_steps=2", *TINY_MLA,
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    if extra:
+        assert re.search(r"ratio\s+[\d.]+x the plain step's time", out), out
+    else:
+        assert "Vd=256 target V=512; batch 2 x 16 tokens, ttt_steps 2" in out
+        assert re.search(r"MFU\s+[\d.]+%", out), out

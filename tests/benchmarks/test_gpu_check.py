@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import gpu_check
+import gpu_check_memory
 import pytest
 import torch
 
@@ -54,14 +55,14 @@ def test_gpu_check_tiny_on_cpu_writes_its_json(tmp_path):
 def test_gpu_check_out_of_memory_at_one_length_and_the_next_still_runs(tmp_path, monkeypatch):
     """~3 s: an out-of-memory in the 128-token step is recorded at that length (with its
     peaks), and 192 is still measured."""
-    real = gpu_check.ttt_loss
+    real = gpu_check_memory.ttt_loss
 
     def loss(step_logits, *args, **kwargs):
         if step_logits[0].shape[1] == 128:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.35 GiB")
         return real(step_logits, *args, **kwargs)
 
-    monkeypatch.setattr(gpu_check, "ttt_loss", loss)
+    monkeypatch.setattr(gpu_check_memory, "ttt_loss", loss)
     lengths = run_tiny(tmp_path, "--checks", "memory")["memory"]["lengths"]
     assert lengths["128"]["out_of_memory"].startswith("CUDA out of memory")
     assert "peak_reserved_gb" in lengths["128"] and "seconds" not in lengths["128"]
@@ -75,14 +76,14 @@ class Killed(BaseException):
 def test_gpu_check_results_file_survives_a_crash_mid_way(tmp_path, monkeypatch):
     """~3 s: the process dies in the 192-token step; the JSON on disk holds the checks and
     the lengths measured before it."""
-    real = gpu_check.ttt_loss
+    real = gpu_check_memory.ttt_loss
 
     def loss(step_logits, *args, **kwargs):
         if step_logits[0].shape[1] == 192:
             raise Killed
         return real(step_logits, *args, **kwargs)
 
-    monkeypatch.setattr(gpu_check, "ttt_loss", loss)
+    monkeypatch.setattr(gpu_check_memory, "ttt_loss", loss)
     out = tmp_path / "gpu_check.json"
     with pytest.raises(Killed):
         gpu_check.main(["--device", "cpu", "--tiny", "--json", str(out), "--checks", CHECKS])
@@ -100,7 +101,7 @@ def test_gpu_check_deepspeed_like_mode_steps_fp32_masters_into_bf16_weights():
     into the module."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
-    trainer = gpu_check.DeepSpeedLike(model)
+    trainer = gpu_check_memory.DeepSpeedLike(model)
     start = [m.clone() for m in trainer.master]
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     model(x).float().sum().backward()
@@ -117,3 +118,15 @@ def test_gpu_check_unknown_check_is_one_line_exit_2(capsys):
     assert gpu_check.main(["--device", "cpu", "--checks", "memry"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: unknown check(s) memry")
+
+
+def test_gpu_check_lengths_flag_sets_both_memory_sweeps(tmp_path):
+    """<1 s: results/README.md's reruns (`--checks memory_recompute --lengths ...` and
+    `--checks memory --lengths ...`) at tiny lengths: each sweep measures exactly the lengths
+    given, recompute planned with fewer activations."""
+    report = run_tiny(tmp_path, "--checks", "memory,memory_recompute", "--lengths", "32,96")
+    plain, recomputed = report["memory"]["lengths"], report["memory_recompute"]["lengths"]
+    assert set(plain) == set(recomputed) == {"32", "96"}
+    for T in ("32", "96"):
+        assert plain[T]["seconds"] > 0 and recomputed[T]["seconds"] > 0
+        assert recomputed[T]["plan_gb"]["activations"] < plain[T]["plan_gb"]["activations"]

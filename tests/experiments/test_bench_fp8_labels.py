@@ -3,6 +3,9 @@ through the real shard writer and reader, and the numbers it reports are the one
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 from bench_fp8_labels import MODES, compare, stored_states
 
@@ -35,3 +38,18 @@ def test_fp8_aux_keeps_every_label_and_shares_fp8s_aux_error(tmp_path):
     assert r["fp8-aux"]["fc_rel_err"] == r["fp8"]["fc_rel_err"] > 0
     assert 0.99 < r["fp8-aux"]["fc_cos_min"] <= r["fp8-aux"]["fc_cos_mean"] < 1.0
     assert r["fp8"]["kl_max"] > 0 and r["fp8"]["rel_err_last"] > 5 * r["bf16"]["rel_err_last"]
+
+
+@pytest.mark.slow
+def test_the_documented_command_measures_every_mode_on_the_embedded_target(capsys, one_thread):
+    """~7 s (mostly the embedded target's load): `bench_fp8_labels.py --target smollm2-135m-q4` at 2
+    MT-bench prompts of 4 new tokens: its own answers captured through every mode's shard
+    writer and read back, one line per fp8 mode. The docstring's other target (MINI_DIR, the
+    Kimi miniature) takes the same path (tests/conftest.py's kimi_miniature costs ~30 s)."""
+    from bench_fp8_labels import main
+
+    main(["--target", "smollm2-135m-q4", "--prompts", "2", "--max-new-tokens", "4"])
+    out = capsys.readouterr().out
+    assert out.startswith("smollm2-135m-q4: ") and "bf16 vs fp32: top-1" in out
+    for mode in MODES[1:]:
+        assert re.search(rf"^  {mode}\s+top-1 vs bf16 [\d.]+%", out, re.M), (mode, out)

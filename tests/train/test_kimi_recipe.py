@@ -176,10 +176,10 @@ TORCHSPEC_MLA_KEYS = {
 }  # fmt: skip
 
 
-def tiny_kimi_maker():
-    """scripts/make_tiny_kimi.py as a module (a script, not a package)."""
-    path = REPO / "scripts" / "make_tiny_kimi.py"
-    spec = importlib.util.spec_from_file_location("make_tiny_kimi", path)
+def published_maker():
+    """scripts/make_published_mla_draft.py as a module (a script, not a package)."""
+    path = REPO / "scripts" / "make_published_mla_draft.py"
+    spec = importlib.util.spec_from_file_location("make_published_mla_draft", path)
     maker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(maker)
     return maker
@@ -190,7 +190,7 @@ def published(kimi) -> Path:
     """A random MLA drafter for the miniature in TorchSpec's published layout (kimi_k2,
     mla_use_nope true, layers.0.*, eagle_config ids in vLLM's convention, a 256-token vocab with
     d2t and no t2d, its own embed_tokens): make_published_mla_draft, ~0.2 s."""
-    return tiny_kimi_maker().make_published_mla_draft(
+    return published_maker().make_published_mla_draft(
         kimi["root"] / "published", kimi["mini"], seed=5, draft_vocab_size=256
     )
 
@@ -395,7 +395,7 @@ def test_mla_draft_served_by_vllm_accepts_what_the_in_house_decoder_accepts_eagl
     its fixtures' 74 s (the kimi fixture, then the three drafters at once)."""
     from eagle3.checkpoint import load_draft
 
-    layout = tiny_kimi_maker().write_published_mla(
+    layout = published_maker().write_published_mla(
         load_draft(mla_drafters["published"]), kimi["root"] / "published-layout", kimi["mini"]
     )
     bench = kimi["root"] / "prompts8.jsonl"

@@ -6,12 +6,11 @@ import time
 
 import pytest
 
+from datagen.openrouter.key_usage import Settlement, decide_settlement
 from datagen.openrouter.ledger import (
     KEY_USAGE_LAG_S,
     Ledger,
     Reservation,
-    Settlement,
-    decide_settlement,
     fits,
     upper_prompt_tokens,
     worst_case_usd,

@@ -5,12 +5,13 @@ import copy
 import pytest
 
 from datagen.openrouter import providers
+from datagen.openrouter.fake_endpoints import KIMI_ENDPOINTS, endpoint
 from datagen.openrouter.providers import DatasetDemand, Prices
 
 
 @pytest.fixture
-def endpoints(h):
-    payload = {"data": {"endpoints": copy.deepcopy(h.fake_module.KIMI_ENDPOINTS)}}
+def endpoints():
+    payload = {"data": {"endpoints": copy.deepcopy(KIMI_ENDPOINTS)}}
     return providers.parse_endpoints(payload)
 
 
@@ -68,8 +69,8 @@ def test_select_kimi(endpoints):
         ("int4", 0, 8192, False, "max output 8192 < max_tokens 16384"),
     ],
 )
-def test_select_rules(h, quant, status, max_out, included, reason):
-    e = h.fake_module.endpoint("P", "p", quant, 0.5, 2.5, status=status)
+def test_select_rules(quant, status, max_out, included, reason):
+    e = endpoint("P", "p", quant, 0.5, 2.5, status=status)
     e["max_completion_tokens"] = max_out
     (ep,) = providers.parse_endpoints({"data": {"endpoints": [e]}})
     providers.select([ep], "int4", [], 16384)
@@ -78,8 +79,8 @@ def test_select_rules(h, quant, status, max_out, included, reason):
         assert ep.excluded == [reason]
 
 
-def test_ignore_matches_endpoint_suffix(h):
-    e = h.fake_module.endpoint("DeepInfra", "deepinfra/turbo", "int4", 0.5, 2.5)
+def test_ignore_matches_endpoint_suffix():
+    e = endpoint("DeepInfra", "deepinfra/turbo", "int4", 0.5, 2.5)
     (ep,) = providers.parse_endpoints({"data": {"endpoints": [e]}})
     assert providers.select([ep], "int4", ["deepinfra"], 100) == []
 

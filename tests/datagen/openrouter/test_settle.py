@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from datagen.openrouter import key_usage
 from datagen.openrouter import ledger as ledger_module
 from datagen.openrouter.client import OpenRouter
 from datagen.openrouter.ledger import KEY_USAGE_LAG_S, Ledger
@@ -72,7 +73,9 @@ def dead_run(path, start_usage: float) -> Ledger:
 def resumed_after_a_dead_run(tmp_path, monkeypatch):
     """The resumed run after dead_run (start $10.00), the key's counter at $10.15 (the orphans
     were billed $0.10 upstream), read at once (no usage lag) -> (path, api, ledger, settler)."""
-    monkeypatch.setattr(ledger_module, "KEY_USAGE_LAG_S", 0.0)  # the counter holds all at once
+    # the counter holds all at once: for the ledger's windows and for the rule's wait
+    monkeypatch.setattr(ledger_module, "KEY_USAGE_LAG_S", 0.0)
+    monkeypatch.setattr(key_usage, "KEY_USAGE_LAG_S", 0.0)
     monkeypatch.setattr(Settler, "attempt", a_moment_later(Settler.attempt))
     path = tmp_path / "ledger.jsonl"
     dead_run(path, 10.0)
