@@ -187,7 +187,7 @@ MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80  # def line to last line, docstring included
 # Files and functions over the limits in files others were changing when the rule came in.
 # The lists only shrink: one cut below its limit must leave its list.
-LONG_FILES = {"train/config.py"}
+LONG_FILES: set[str] = set()
 LONG_FUNCTIONS = {"eagle3/evaluation/run.py:run", "datagen/local.py:parse_args"}
 
 

@@ -102,9 +102,7 @@ class DataConfig:
     packing: bool = False
     pack_length: int | None = None
     group_by_length: bool = True  # length-grouped batches keep padding < 10% of tokens
-    lm_head_chunk: int = (
-        512  # rows per target lm_head chunk (soft labels); bounds full-vocab memory
-    )
+    lm_head_chunk: int = 512  # rows per target lm_head chunk (soft labels): bounds memory
     num_workers: int = 0  # DataLoader workers (offline shard reads)
     # Offline, more than one epoch: keep each record's soft labels after its first pass, up to
     # this many GB on the labels' device (train/label_cache.py); 0 recomputes them every epoch
@@ -261,9 +259,8 @@ class TrainConfig:
     # lk-lambda (exp(-eta alpha) * KL + (1 - exp(-eta alpha)) * (1 - alpha), eta = loss_eta)
     loss: str = DEFAULT_LOSS
     loss_eta: float = LK_ETA  # lk-lambda's eta (the LK paper's best: 3); other losses ignore it
-    # On-policy rounds (datagen.rollout): in a rollout's shards, each (draft start, depth) pair
-    # the drafter's own verification judged weighs 1 + rollout_weight (eagle3.loss); ordinary
-    # shards carry no such pair. EAGLE-3 / EAGLE-3.1's TTT only
+    # On-policy rounds (datagen.rollout): a rollout's judged (draft start, depth) pairs weigh
+    # 1 + rollout_weight in EAGLE-3 / 3.1's TTT loss (eagle3.loss); ordinary shards have none
     rollout_weight: float = 1.0
 
 
