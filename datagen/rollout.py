@@ -323,6 +323,10 @@ def decode_served(args, model, todo: list[Prompt], keep) -> None:
         )
         tokens = list(reply["choices"][0].get("token_ids") or [])
         stats, _ = request_steps(reply, len(ids))
+        spec = (reply.get("metrics") or {}).get("speculative_decoding")
+        if stats is None and spec is not None and not spec.get("num_spec_steps"):
+            # no step drafted (the first token ended it): nothing judged, the answer kept
+            return log_row(prompt, ids, tokens, [], time.monotonic() - t0)
         if stats is None:
             raise Eagle3Error(
                 "the vLLM server returned no per-step counts: it needs "
