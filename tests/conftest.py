@@ -122,6 +122,39 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def chat_target_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny random Llama with a word-level ChatML tokenizer and template (tests/tiny_chat.py):
+    a target the chat-rendering stages (evaluation, rollouts) can ask."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).with_name("tiny_chat.py")
+    spec = importlib.util.spec_from_file_location("tiny_chat", path)
+    tiny_chat = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny_chat)
+    out = tmp_path_factory.mktemp("chat_target")
+    return tiny_chat.chat_model_dir(tiny_llama_dir, out, tiny_chat.chatml_tokenizer(256))
+
+
+@pytest.fixture(scope="session")
+def chat_drafter(chat_target_dir, tmp_path_factory):
+    """A random EAGLE-3 checkpoint for chat_target_dir (draft vocab 200, aux [1, 3, 4])."""
+    from transformers import AutoConfig
+
+    from eagle3.checkpoint import save_draft
+    from eagle3.model import DraftConfig, Eagle3Draft
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        cfg = DraftConfig.from_target_config(
+            AutoConfig.from_pretrained(chat_target_dir), 200, [1, 3, 4]
+        )
+        draft = Eagle3Draft(cfg)
+    out = tmp_path_factory.mktemp("chat_drafter") / "final"
+    return save_draft(draft, out, extra_config={"target": "tiny-llama"})
+
+
+@pytest.fixture(scope="session")
 def tiny_deepseek_dir(tmp_path_factory):
     """A saved random DeepseekV3ForCausalLM (hidden 64, 8 layers, 8 routed experts)."""
     return _save_tiny(tiny_deepseek_config(), tmp_path_factory.mktemp("tiny_deepseek"), seed=2)

@@ -4,7 +4,6 @@ capture's, and a killed round resumes with only the missing prompts (~25 s in al
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -14,46 +13,18 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from datagen.rollout import judged_mask, main
-from eagle3.checkpoint import save_draft
 from eagle3.data.shards import ShardDataset, read_index
 from eagle3.decoding.decode_config import DecodeConfig
 from eagle3.decoding.decoder import SpeculativeDecoder
 from eagle3.evaluation.measure import load_drafter
-from eagle3.model import DraftConfig, Eagle3Draft
 from eagle3.target import load_target
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _tiny_chat():
-    spec = importlib.util.spec_from_file_location("tiny_chat", REPO / "tests" / "tiny_chat.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def chat_target(tiny_llama_dir, tmp_path_factory):
-    tc = _tiny_chat()
-    out = tmp_path_factory.mktemp("chat_target")
-    return tc.chat_model_dir(tiny_llama_dir, out, tc.chatml_tokenizer(256))
-
-
-@pytest.fixture(scope="module")
-def drafter(chat_target, tmp_path_factory):
-    from transformers import AutoConfig
-
-    hf = AutoConfig.from_pretrained(chat_target)
-    torch.manual_seed(0)
-    cfg = DraftConfig.from_target_config(hf, 200, [1, 3, 4])
-    out = tmp_path_factory.mktemp("draft") / "final"
-    return save_draft(Eagle3Draft(cfg), out, extra_config={"target": "tiny-llama"})
 
 
 def prompts_file(path: Path, n: int) -> Path:
@@ -71,21 +42,23 @@ def test_judged_mask_marks_each_root_with_the_depths_verification_judged():
     assert judged_mask(2, 2, []) == [0, 0, 1, 1]
 
 
-def test_rollout_shards_carry_the_decoders_own_rejection_log(chat_target, drafter, tmp_path):
+def test_rollout_shards_carry_the_decoders_own_rejection_log(
+    chat_target_dir, chat_drafter, tmp_path
+):
     """The shards' ids are the prompt's and the decoder's tokens (no re-tokenization), every
     root is marked with min(accepted + 1, offered), and rollouts.jsonl says the same."""
     prompts = prompts_file(tmp_path / "p.jsonl", 3)
     out = tmp_path / "round"
-    argv = ["--target", str(chat_target), "--draft", str(drafter), "--prompts", str(prompts),
+    argv = ["--target", str(chat_target_dir), "--draft", str(chat_drafter), "--prompts", str(prompts),
             "--out", str(out), "--steps", "3", "--max-new-tokens", "12", "--dtype", "fp16"]  # fmt: skip
     assert main(argv) == 0
     meta = json.loads((out / "meta.json").read_text())
     assert meta["complete"] and meta["num_records"] == 3
     rows = {r["id"]: r for r in map(json.loads, (out / "rollouts.jsonl").read_text().splitlines())}
     ds = ShardDataset(out)
-    target = load_target(chat_target, device="cpu")
+    target = load_target(chat_target_dir, device="cpu")
     cfg = DecodeConfig(mode="chain", steps=3, max_new_tokens=12)
-    decoder = SpeculativeDecoder(target, load_drafter(str(drafter), target, cfg), cfg)
+    decoder = SpeculativeDecoder(target, load_drafter(str(chat_drafter), target, cfg), cfg)
     for i in range(len(ds)):
         item = ds[i]
         row = rows[item["id"]]
@@ -105,13 +78,15 @@ def test_rollout_shards_carry_the_decoders_own_rejection_log(chat_target, drafte
         assert sum(1 for v in mask if v) == len(gen.tokens)  # every generated token a label
 
 
-def test_a_killed_rollout_resumes_with_only_the_missing_prompts(chat_target, drafter, tmp_path):
+def test_a_killed_rollout_resumes_with_only_the_missing_prompts(
+    chat_target_dir, chat_drafter, tmp_path
+):
     """kill -9 while it decodes (2 prompts decoded): the rerun decodes only the others, and
     captures every one once."""
     prompts = prompts_file(tmp_path / "p.jsonl", 24)
     out = tmp_path / "round"
-    cmd = [sys.executable, "-m", "datagen.rollout", "--target", str(chat_target), "--draft",
-           str(drafter), "--prompts", str(prompts), "--out", str(out), "--steps", "2",
+    cmd = [sys.executable, "-m", "datagen.rollout", "--target", str(chat_target_dir), "--draft",
+           str(chat_drafter), "--prompts", str(prompts), "--out", str(out), "--steps", "2",
            "--max-new-tokens", "24", "--shard-mb", "0.0001", "--temperature", "1"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
@@ -23,21 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
-def _tiny_chat():
-    spec = importlib.util.spec_from_file_location("tiny_chat", REPO / "tests" / "tiny_chat.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def chat_target_dir(tiny_llama_dir, tmp_path_factory):
-    tiny_chat = _tiny_chat()
-    out = tmp_path_factory.mktemp("chat_target")
-    return tiny_chat.chat_model_dir(tiny_llama_dir, out, tiny_chat.chatml_tokenizer(256))
 
 
 def make_ckpt(

@@ -13,42 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from train.rounds import parse_args, train_command
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _tiny_chat():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tiny_chat", REPO / "tests" / "tiny_chat.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def chat_target(tiny_llama_dir, tmp_path_factory):
-    tc = _tiny_chat()
-    return tc.chat_model_dir(
-        tiny_llama_dir, tmp_path_factory.mktemp("chat"), tc.chatml_tokenizer(256)
-    )
-
-
-@pytest.fixture(scope="module")
-def start(chat_target, tmp_path_factory):
-    from transformers import AutoConfig
-
-    from eagle3.checkpoint import save_draft
-    from eagle3.model import DraftConfig, Eagle3Draft
-
-    torch.manual_seed(0)
-    cfg = DraftConfig.from_target_config(AutoConfig.from_pretrained(chat_target), 200, [1, 3, 4])
-    return save_draft(Eagle3Draft(cfg), tmp_path_factory.mktemp("start") / "final",
-                      extra_config={"target": "tiny-llama"})  # fmt: skip
 
 
 def test_each_round_trains_from_the_last_best_on_the_shards_and_every_rollout_so_far(tmp_path):
@@ -67,7 +36,9 @@ def test_each_round_trains_from_the_last_best_on_the_shards_and_every_rollout_so
     assert cmd[-1] == "optim.lr=1e-5" and "train.resume_from=latest" in cmd
 
 
-def test_two_rounds_survive_a_kill_and_report_each_rounds_cost(chat_target, start, tmp_path):
+def test_two_rounds_survive_a_kill_and_report_each_rounds_cost(
+    chat_target_dir, chat_drafter, tmp_path
+):
     words = "hello what is two plus three tell me a joke about code and more".split()
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(
@@ -76,14 +47,14 @@ def test_two_rounds_survive_a_kill_and_report_each_rounds_cost(chat_target, star
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     roll = ["--steps", "2", "--max-new-tokens", "12", "--dtype", "fp16"]
     base = tmp_path / "base"  # the "ordinary" shards: the start's own rollout
-    subprocess.run([sys.executable, "-m", "datagen.rollout", "--target", str(chat_target),
-                    "--draft", str(start), "--prompts", str(prompts), "--out", str(base), *roll],
+    subprocess.run([sys.executable, "-m", "datagen.rollout", "--target", str(chat_target_dir),
+                    "--draft", str(chat_drafter), "--prompts", str(prompts), "--out", str(base), *roll],
                    cwd=REPO, env=env, check=True, capture_output=True)  # fmt: skip
     out = tmp_path / "rounds"
     cmd = [sys.executable, "-m", "train.rounds", "--config", "configs/train/smollm2-q4-cpu.yaml",
-           "--target", str(chat_target), "--start", str(start), "--shards", str(base),
+           "--target", str(chat_target_dir), "--start", str(chat_drafter), "--shards", str(base),
            "--prompts", str(prompts), "--rounds", "2", "--out", str(out),
-           *(f"--rollout-arg={a}" for a in roll), f"target.name={chat_target}",
+           *(f"--rollout-arg={a}" for a in roll), f"target.name={chat_target_dir}",
            "train.max_steps=3", "train.eval_every=1", "data.val_fraction=0.25",
            "data.batch_size=2", "optim.warmup_steps=1", "train.save_every=1",
            "train.progress=false", "wandb.mode=disabled"]  # fmt: skip
