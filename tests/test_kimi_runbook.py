@@ -46,6 +46,7 @@ import yaml
 from safetensors.torch import load_file
 
 from datagen.openrouter import fake_server
+from eagle3.data.records import RESERVED  # failed, ledger, audit: not datasets
 from eagle3.engine.server import free_port
 from tests.test_docs_shell import needs_zsh  # the walker that checks every block's syntax
 from tests.train.test_kimi_recipe import PROMPTS  # eight short questions
@@ -409,7 +410,7 @@ def test_kimi_runbook_onpolicy_round_runs_as_typed(node, finetuned):
     steps = [step for r in rows for step in r["log"]]
     assert steps and all(offered <= 3 for _, _, offered in steps)  # --steps 3, from vLLM
     ids = {json.loads(line)["id"] for f in (root / "responses" / "kimi-k2.5").glob("*.jsonl")
-           if f.stem != "failed" for line in f.read_text().splitlines()}  # fmt: skip
+           if f.stem not in RESERVED for line in f.read_text().splitlines()}  # fmt: skip
     assert {r["id"] for r in rows} <= ids  # step 1's prompts, under their own ids
     run = root / "runs" / "kimi-k2.5-round-1"
     provenance = json.loads((run / "provenance.json").read_text())
