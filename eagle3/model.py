@@ -109,7 +109,8 @@ class DraftConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     # the draft method, a name in eagle3.methods.METHODS: what it builds, trains and decodes
-    method: str = "eagle3"
+    # (None: the registry's DEFAULT_METHOD)
+    method: str | None = None
     # EAGLE-3.1's switches (module docstring); None = what the method says (on for EAGLE-3.1)
     fc_norm: bool | None = None
     norm_output: bool | None = None
@@ -128,8 +129,9 @@ class DraftConfig:
     def __post_init__(self) -> None:
         self.rope_scaling = rope_scaling_for_engines(self.rope_scaling)
         # the registry builds on this module, so it is imported here, not at the top
-        from eagle3.methods import method_named
+        from eagle3.methods import DEFAULT_METHOD, method_named
 
+        self.method = self.method or DEFAULT_METHOD
         method = method_named(self.method)
         method.configure(self)  # the switches left None
         if self.fc_norm and self.feature != "aux":

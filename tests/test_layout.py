@@ -1,8 +1,8 @@
 """The layout's rules, read from the source (no imports run; ~0.5 s for all): imports point down,
 no module-level import cycle, no private name crosses a module boundary, loading a checkpoint
-pulls in no decoding loop, the draft method is compared by name only in its registry, the
-README's layout map names every module and nothing that is gone, and no file is over 600 lines
-nor function over 80 (named allow-lists that only shrink)."""
+pulls in no decoding loop, the draft method is compared by name (or asked which it is) only in
+its registry, the README's layout map names every module and nothing that is gone, and no file
+is over 600 lines nor function over 80 (named allow-lists that only shrink)."""
 
 from __future__ import annotations
 
@@ -142,6 +142,60 @@ def test_the_method_is_compared_by_name_only_in_its_registry(modules):
             if names and any("method" in ast.unparse(s) for s in sides):
                 found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "method names compared outside the registry: " + "; ".join(found)
+
+
+# the facts a method object answers (eagle3/methods/); reading one outside the registry is a
+# question about which method this is, which the method should answer itself
+KIND_FLAGS = {"parallel"}
+# (module, the source of the node): asking which method it is, where no method object can answer
+WHICH_METHOD_ALLOWED = {
+    # the default method's run folder keeps its historical name train/ (README, docs, tests name
+    # it): a folder name, not behaviour
+    ("scripts.quickstart", "args.method == DEFAULT_METHOD"),
+    # speculators' model type of a published drafter, which is also EAGLE-3's name: not ours
+    ("eagle3.published", "kind != 'eagle3'"),
+}
+
+
+def asks_which_method(node: ast.AST) -> bool:
+    """A node that tests a method's kind: a kind flag read off an object, a comparison with a
+    method's name (a literal, in a literal tuple/list/set, or DEFAULT_METHOD), or an
+    isinstance check against a method class."""
+    if isinstance(node, ast.Attribute):
+        return node.attr in KIND_FLAGS
+    if isinstance(node, ast.Compare):
+        for side in (node.left, *node.comparators):
+            items = side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else [side]
+            if any(isinstance(c, ast.Constant) and c.value in METHODS for c in items):
+                return True
+            if isinstance(side, ast.Name) and side.id == "DEFAULT_METHOD":
+                return True
+        return False
+    if isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance" and node.args[1:]:
+        return ast.unparse(node.args[1]).endswith("Method")
+    return False
+
+
+def test_no_product_file_outside_the_methods_asks_which_method_it_has(modules):
+    """Code outside eagle3/methods/ asks the method object (method_of(cfg).<fact>, e.g.
+    drafts_trees, ttt_unroll, served_extra(), own_tensors): it never reads a kind flag such as
+    `.parallel`, compares with a method's name, or tests a method's class."""
+    trees = {**modules, **parse(("scripts", "benchmarks"))}
+    found = [
+        f"{name}:{node.lineno}: {ast.unparse(node)}"
+        for name, tree in trees.items()
+        if not name.startswith("eagle3.methods")
+        for node in ast.walk(tree)
+        if asks_which_method(node) and (name, ast.unparse(node)) not in WHICH_METHOD_ALLOWED
+    ]
+    assert not found, "asking which method it is outside eagle3/methods/: " + "; ".join(found)
+
+
+def test_the_which_method_allow_list_names_only_what_is_there(modules):
+    """Each WHICH_METHOD_ALLOWED entry is still in its module (a stale one is removed)."""
+    trees = {**modules, **parse(("scripts",))}
+    present = {(name, ast.unparse(n)) for name, tree in trees.items() for n in ast.walk(tree)}
+    assert WHICH_METHOD_ALLOWED <= present, WHICH_METHOD_ALLOWED - present
 
 
 def readme_map() -> tuple[set[str], set[str]]:

@@ -53,13 +53,17 @@ from eagle3.model import DraftConfig, Eagle3Draft
 from eagle3.parallel_draft import ParallelModel, PEagleDraft
 
 DEFAULT_LAYERS = 3  # model.draft.num_layers null: the EAGLE-3 layer + 2 plain ones
+MASK_KEY = "mask_hidden"  # the learned stand-in for the aux states, [1, 3 * H_target]
 
 
 class PEagleMethod(Eagle3Method):
     """P-EAGLE: Eagle3Method's interface with its own draft, training, export and decoder."""
 
     name = "p-eagle"
-    parallel = True
+    ttt_unroll = False  # every depth in one pass (ParallelModel)
+    unmodelled_memory = "its one-pass depths and dense per-depth masks are not modelled"
+    drafts_trees = False  # vLLM's parallel drafting serves one chain a pass
+    own_tensors = (MASK_KEY,)
     switches = None  # its own: fc_norm applies to mask_hidden too
     reads_each_aux = True  # fc fuses the 3 aux states, and mask_hidden stands in for them
     config_fields = ("method", "num_layers", "parallel_depth", "mask_token_id")
@@ -155,6 +159,9 @@ class PEagleMethod(Eagle3Method):
     # -- export ---------------------------------------------------------------------------
     def export_extra(self, draft_cfg: DraftConfig) -> dict[str, Any]:
         return {"speculative_tokens": draft_cfg.parallel_depth}
+
+    def served_extra(self) -> dict[str, Any]:
+        return {"parallel_drafting": True}  # K drafts from one pass
 
     # -- decoding -------------------------------------------------------------------------
     def drafter(self, draft: Eagle3Draft, cfg: Any, name: str) -> Any:
