@@ -128,7 +128,8 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         self.rope_scaling = rope_scaling_for_engines(self.rope_scaling)
-        # the registry builds on this module, so it is imported here, not at the top
+        # the one import up the layers (tests/test_layout.py's LAZY_IMPORTS): the method fills
+        # its switch defaults and checks its fields; the registry builds on this module
         from eagle3.methods import DEFAULT_METHOD, method_named
 
         self.method = self.method or DEFAULT_METHOD

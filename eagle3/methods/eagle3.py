@@ -133,10 +133,10 @@ class Eagle3Method:
 
     # -- decoding -------------------------------------------------------------------------
     def drafter(self, draft: Eagle3Draft, cfg: Any, name: str) -> Any:
-        """The in-house drafter of a loaded draft for eagle3.decoding's DecodeConfig `cfg`."""
-        from eagle3.decoding.eagle import (
-            EagleDrafter,  # not at import: a checkpoint load needs none
-        )
+        """The in-house drafter of a loaded draft for eagle3.decoding's DecodeConfig `cfg`.
+        The decoders sit above the methods (they import the model, never the methods): imported
+        here, so that loading a checkpoint or training imports no decoding loop."""
+        from eagle3.decoding.eagle import EagleDrafter
 
         return EagleDrafter(draft, cfg, name=name)
 

@@ -165,8 +165,8 @@ class PEagleMethod(Eagle3Method):
 
     # -- decoding -------------------------------------------------------------------------
     def drafter(self, draft: Eagle3Draft, cfg: Any, name: str) -> Any:
-        """vLLM's parallel drafting: K drafts from one pass."""
-        from eagle3.decoding.parallel import ParallelDrafter  # a checkpoint load needs none
+        """vLLM's parallel drafting: K drafts from one pass (imported here: Eagle3Method's)."""
+        from eagle3.decoding.parallel import ParallelDrafter
 
         return ParallelDrafter(draft, cfg, name=name)
 
