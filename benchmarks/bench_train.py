@@ -167,7 +167,7 @@ def random_draft(
     dv = min(cfg.model.draft_vocab_size, vocab_size)
     draft_cfg = recipe_draft_config(cfg, facts, dv, aux_ids)
     method = method_of(draft_cfg)
-    if not method.ttt_unroll:  # e.g. P-EAGLE's one-pass training (eagle3/methods/p_eagle.py)
+    if not method.ttt_unroll:  # e.g. P-EAGLE's one-pass training (eagle3/methods/p_eagle/)
         raise SystemExit(
             f"bench_train: times the TTT unroll; model.draft.method={method.name} trains "
             "otherwise, which this benchmark does not build: compare tokens_per_s in its run's "

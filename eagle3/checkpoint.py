@@ -67,7 +67,7 @@ The MLA draft (DraftConfig.attention "mla") is the same directory for vLLM's
   everything else as above. vLLM's load_weights renames midlayer. -> layers.0., fuses q_a_proj
   with kv_a_proj_with_mqa and gate_proj with up_proj itself, maps d2t to draft_id_to_target_id
   and skips t2d, so the tensors are written unfused, under the names our model uses.
-A P-EAGLE draft (eagle3/methods/p_eagle.py, eagle3/parallel_draft.py) is the GQA directory
+A P-EAGLE draft (eagle3/methods/p_eagle/) is the GQA directory
 with `num_hidden_layers` = its layer count, `method` (p-eagle), `num_layers`,
 `parallel_depth` and `mask_token_id` (vLLM's `_init_parallel_drafting_params` reads the mask id
 under that name) in config.json, and in model.safetensors `layers.{i}.*` for its plain layers

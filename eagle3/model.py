@@ -28,7 +28,7 @@ llama_eagle3.py and deepseek_eagle3.py:
 The logits are lm_head(norm(out)) either way, so under norm_output the state the next step
 gets is exactly the one the logits were read from. Each switch is a DraftConfig field of its
 own (a peer's checkpoint may carry one without the other); EAGLE-3.1 sets both. P-EAGLE
-(eagle3/parallel_draft.py) adds plain layers after this one.
+(eagle3/methods/p_eagle/draft.py) adds plain layers after this one.
 
 Two ways to run it:
 - `forward`: incremental decoding with a KV cache and an optional explicit attention mask
@@ -114,7 +114,7 @@ class DraftConfig:
     # EAGLE-3.1's switches (module docstring); None = what the method says (on for EAGLE-3.1)
     fc_norm: bool | None = None
     norm_output: bool | None = None
-    # P-EAGLE only (eagle3/methods/p_eagle.py): decoder layers (this layer + num_layers - 1 plain
+    # P-EAGLE only (eagle3/methods/p_eagle/): decoder layers (this layer + num_layers - 1 plain
     # Llama layers), the depths K it is trained to draft in one pass, and the token id depths
     # >= 1 are fed (vLLM reads it as the config's mask_token_id)
     num_layers: int = 1

@@ -162,8 +162,8 @@ class DraftShapeConfig:
     # eagle3: one EAGLE-3 layer trained with the TTT unroll (model.ttt_steps). eagle3.1: EAGLE-3
     # plus an RMSNorm per aux state before fc and the post-norm state fed to the next step
     # (eagle3/model.py), served by vLLM as eagle3 from the config.json switches fc_norm /
-    # norm_output, for both attention kinds. p-eagle: parallel drafting (eagle3/parallel_draft.py,
-    # eagle3/methods/p_eagle.py), gqa only: the EAGLE-3 layer + num_layers - 1 plain layers
+    # norm_output, for both attention kinds. p-eagle: parallel drafting (eagle3/methods/p_eagle/),
+    # gqa only: the EAGLE-3 layer + num_layers - 1 plain layers
     # drafting parallel_depth tokens in one forward
     method: str = DEFAULT_METHOD
     # the TTT attention kernel (eagle3/ttt_attention/): auto = flex on CUDA after a forward +

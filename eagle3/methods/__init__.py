@@ -1,8 +1,11 @@
-"""The draft methods, one module each, behind one registry.
+"""The draft methods, one module (or package) each, behind one registry.
 
-    eagle3.py     EAGLE-3: one draft layer, the TTT unroll, sum_k w^k CE_k; chain or tree
+    eagle3.py     EAGLE-3: one draft layer, the TTT unroll, sum_k w^k CE_k; chain or tree (its
+                  draft is eagle3/model.py, its drafter eagle3/decoding/eagle.py: the others
+                  build on both)
     eagle3_1.py   EAGLE-3.1: EAGLE-3 with fc_norm and norm_output on
-    p_eagle.py    P-EAGLE: more layers, every depth from one forward (vLLM parallel drafting)
+    p_eagle/      P-EAGLE: more layers, every depth from one forward (vLLM parallel drafting),
+                  with its own draft (draft.py) and drafter (decoding.py)
 
 A method is an object of its module (EAGLE3, EAGLE3_1, P_EAGLE) answering for what differs:
 the draft it builds and the config it accepts (`configure`, `check`, `build`), the training
@@ -12,8 +15,8 @@ that decodes it (`drafter`), plus the facts others ask (`switches`, `ttt_unroll`
 `unmodelled_memory`, `drafts_trees`). The method is named once, at the config boundary
 (DraftConfig.method, model.draft.method in a training recipe, eagle_config.method in a
 checkpoint: `method_of_published`); everything downstream asks `method_of(draft_config)` and
-never compares names or tests which method it has. Adding a method is adding
-a module here and a line to METHODS (docs/adding-a-method.md).
+never compares names or tests which method it has. Adding a method is adding a module or
+package here and a line to REGISTRY (docs/adding-a-method.md).
 """
 
 from __future__ import annotations

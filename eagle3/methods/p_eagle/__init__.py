@@ -1,14 +1,20 @@
 """P-EAGLE (method "p-eagle"): parallel drafting, K draft tokens from one draft forward.
 
+The package holds the whole method:
+
+    __init__.py   the method object P_EAGLE, its training unroll and loss (this module)
+    draft.py      the draft and its maths next to vLLM's (PEagleDraft, ParallelModel)
+    decoding.py   the in-house drafter (ParallelDrafter), imported only when asked for
+
 What the method is to the rest of the project (eagle3/methods/__init__.py has the registry):
 
-- the draft: eagle3.parallel_draft.PEagleDraft, the EAGLE-3 layer plus num_layers - 1 plain
-  Llama layers and a learned `mask_hidden`, GQA over aux features only (what vLLM 0.32 serves);
+- the draft: draft.PEagleDraft, the EAGLE-3 layer plus num_layers - 1 plain Llama layers and a
+  learned `mask_hidden`, GQA over aux features only (what vLLM 0.32 serves);
 - training: every depth < parallel_depth in one pass over subsampled positions
-  (eagle3.parallel_draft.ParallelModel), scored by `parallel_loss` below;
+  (draft.ParallelModel), scored by `parallel_loss` below;
 - export: config.json also carries method, num_layers, parallel_depth and mask_token_id, and
   every trained export its speculative_tokens (K);
-- decoding: eagle3/decoding/parallel.py's ParallelDrafter, one chain of K per pass.
+- decoding: decoding.ParallelDrafter, one chain of K per pass.
 
 Its recipe keys (model.draft in train/config.py): num_layers (null: 3), parallel_depth (null:
 model.ttt_steps), mask_token_id (null: the target's pad, else first eos token), keep_rate and
@@ -49,8 +55,8 @@ from torch import nn
 from eagle3.errors import Eagle3Error
 from eagle3.losses import KL, Objective, objective_named, position_loss
 from eagle3.methods.eagle3 import Eagle3Method, Need
+from eagle3.methods.p_eagle.draft import ParallelModel, PEagleDraft
 from eagle3.model import DraftConfig, Eagle3Draft
-from eagle3.parallel_draft import ParallelModel, PEagleDraft
 
 DEFAULT_LAYERS = 3  # model.draft.num_layers null: the EAGLE-3 layer + 2 plain ones
 MASK_KEY = "mask_hidden"  # the learned stand-in for the aux states, [1, 3 * H_target]
@@ -166,7 +172,7 @@ class PEagleMethod(Eagle3Method):
     # -- decoding -------------------------------------------------------------------------
     def drafter(self, draft: Eagle3Draft, cfg: Any, name: str) -> Any:
         """vLLM's parallel drafting: K drafts from one pass (imported here: Eagle3Method's)."""
-        from eagle3.decoding.parallel import ParallelDrafter
+        from eagle3.methods.p_eagle.decoding import ParallelDrafter
 
         return ParallelDrafter(draft, cfg, name=name)
 
