@@ -53,8 +53,6 @@ def modules() -> dict[str, ast.Module]:
 LAZY_IMPORTS = {
     ("eagle3.model", "eagle3.methods"): "DraftConfig asks its method for the switch defaults "
     "and its checks when made, and the registry builds on the model: the one call up",
-    ("eagle3.engine.server", "eagle3.methods"): "a served drafter's method (served_extra): the "
-    "rest of the server module needs no torch",
     ("eagle3.methods.eagle3", "eagle3.decoding.eagle"): "the method names its in-house drafter; "
     "loading a checkpoint or training imports no decoding loop",
     ("eagle3.methods.p_eagle", "eagle3.methods.p_eagle.decoding"): "as EAGLE-3's drafter",

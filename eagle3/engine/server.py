@@ -53,6 +53,7 @@ from eagle3.engine.client import EngineClient
 from eagle3.engine.kinds import ENGINES
 from eagle3.engine.venv import engine_is_cpu_build, engine_python
 from eagle3.errors import Eagle3Error, RemoteError
+from eagle3.methods import method_of_published
 from eagle3.target import ResolvedTarget, resolve
 
 # How long a managed engine may take to answer GET /health, unless the target's registry entry
@@ -197,9 +198,6 @@ class VLLMServer(EngineClient):
             }
             if draft_attention_backend is not None:
                 speculative_config["attention_backend"] = draft_attention_backend
-            # here: the rest of this module needs no torch
-            from eagle3.methods import method_of_published
-
             config = json.loads((Path(drafter) / "config.json").read_text())
             speculative_config |= method_of_published(config, drafter).served_extra()
         self.speculative_config = speculative_config
