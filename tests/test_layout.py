@@ -313,7 +313,7 @@ MAX_FUNCTION_LINES = 80  # def line to last line, docstring included
 # Files and functions over the limits in files others were changing when the rule came in.
 # The lists only shrink: one cut below its limit must leave its list.
 LONG_FILES: set[str] = set()
-LONG_FUNCTIONS = {"eagle3/evaluation/run.py:run", "datagen/local.py:parse_args"}
+LONG_FUNCTIONS = {"datagen/local.py:parse_args"}
 
 
 def sized_sources() -> dict[str, str]:
