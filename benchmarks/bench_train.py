@@ -166,11 +166,12 @@ def random_draft(
     vocab_size = facts["vocab_size"]
     dv = min(cfg.model.draft_vocab_size, vocab_size)
     draft_cfg = recipe_draft_config(cfg, facts, dv, aux_ids)
-    if method_of(draft_cfg).parallel:  # its one-pass training (eagle3/methods/p_eagle.py)
+    method = method_of(draft_cfg)
+    if not method.ttt_unroll:  # e.g. P-EAGLE's one-pass training (eagle3/methods/p_eagle/)
         raise SystemExit(
-            "bench_train: times the TTT unroll (eagle3, eagle3.1); model.draft.method=p-eagle "
-            "trains in one pass that this benchmark does not build: compare tokens_per_s in "
-            "its run's metrics.jsonl instead"
+            f"bench_train: times the TTT unroll; model.draft.method={method.name} trains "
+            "otherwise, which this benchmark does not build: compare tokens_per_s in its run's "
+            "metrics.jsonl instead"
         )
     torch.manual_seed(0)
     draft = Eagle3Draft(draft_cfg)

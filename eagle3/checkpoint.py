@@ -67,7 +67,7 @@ The MLA draft (DraftConfig.attention "mla") is the same directory for vLLM's
   everything else as above. vLLM's load_weights renames midlayer. -> layers.0., fuses q_a_proj
   with kv_a_proj_with_mqa and gate_proj with up_proj itself, maps d2t to draft_id_to_target_id
   and skips t2d, so the tensors are written unfused, under the names our model uses.
-A P-EAGLE draft (eagle3/methods/p_eagle.py, eagle3/parallel_draft.py) is the GQA directory
+A P-EAGLE draft (eagle3/methods/p_eagle/) is the GQA directory
 with `num_hidden_layers` = its layer count, `method` (p-eagle), `num_layers`,
 `parallel_depth` and `mask_token_id` (vLLM's `_init_parallel_drafting_params` reads the mask id
 under that name) in config.json, and in model.safetensors `layers.{i}.*` for its plain layers
@@ -92,8 +92,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.errors import Eagle3Error
-from eagle3.methods import EAGLE3, EAGLE3_1, METHODS, REGISTRY, draft_for, method_named, method_of
-from eagle3.methods.eagle3 import SWITCHES
+from eagle3.methods import REGISTRY, draft_for, method_of, method_of_published
 from eagle3.model import MLA_FIELDS, DraftConfig, Eagle3Draft
 from eagle3.published import project_config, project_state, read_tensors, tensor_shapes
 from eagle3.rope import deepseek_rope_scaling
@@ -102,9 +101,6 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"  # the GQA draft
 # The MLA draft: vLLM's Eagle3DeepseekV3ForCausalLM, an alias of its V2 class (both accepted)
 MLA_ARCHITECTURE = "Eagle3DeepseekV3ForCausalLM"
 MLA_ARCHITECTURES = (MLA_ARCHITECTURE, "Eagle3DeepseekV2ForCausalLM")
-# EAGLE-3.1's switches (eagle3.model's docstring): written to config.json for both draft kinds,
-# where vLLM reads them (getattr(config, switch, False) in llama_eagle3 and deepseek_eagle3)
-EAGLE31_SWITCHES = SWITCHES
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 EMBED_KEY = "embed_tokens.weight"  # part of Eagle3Draft, saved only when its own
@@ -112,7 +108,8 @@ EMBED_CHUNK = 4096  # rows compared at a time with the target's (a Kimi matrix i
 # DraftConfig fields only a P-EAGLE export writes (an EAGLE-3 config.json stays as it was)
 # DraftConfig fields some method's config.json carries (P-EAGLE's); the others' skip them
 METHOD_FIELDS = {name for method in REGISTRY.values() for name in method.config_fields}
-MASK_KEY = "mask_hidden"  # P-EAGLE's learned stand-in for the aux states, [1, 3 * H_target]
+# tensors some method's drafts carry (P-EAGLE's mask_hidden); the others' files must lack them
+METHOD_TENSORS = {key: m for m in REGISTRY.values() for key in m.own_tensors}
 
 
 DEFAULT_EXPORT_DTYPE = torch.bfloat16
@@ -324,7 +321,7 @@ def load_config(
     values: dict[str, Any] = {
         "aux_layer_ids": aux,
         "attention": attention,
-        "method": _method(path, raw),
+        "method": method_of_published(raw, path).name,
         "own_embeddings": False,  # load_draft decides, from the tensors and the target
     }
     if attention == "mla":
@@ -340,44 +337,13 @@ def load_config(
     if attention == "gqa" and raw.get("num_hidden_layers", 1) != values.get("num_layers", 1):
         raise Eagle3Error(
             f"{path}: num_hidden_layers {raw.get('num_hidden_layers')} but a "
-            f"{values.get('method', 'eagle3')} draft of {values.get('num_layers', 1)} layer(s): "
+            f"{values['method']} draft of {values.get('num_layers', 1)} layer(s): "
             "only a P-EAGLE drafter (method p-eagle, num_layers) has more than one; re-export it"
         )
     try:
         return DraftConfig(**values), raw
     except (Eagle3Error, TypeError) as err:
         raise Eagle3Error(f"{path}: {err}; re-export the checkpoint") from err
-
-
-def _method(path: Path, raw: dict[str, Any]) -> str:
-    """The draft method config.json records (eagle_config.method, ours), checked against the
-    switches vLLM reads; a peer's checkpoint without it is eagle3.1 when both switches are on,
-    else eagle3 with whatever switch it sets."""
-    switches = {switch: bool(raw.get(switch, False)) for switch in EAGLE31_SWITCHES}
-    method = (raw.get("eagle_config") or {}).get("method")
-    # a method whose switches are its own (P-EAGLE: fc_norm applies to mask_hidden too) also
-    # writes its name top-level (vLLM's)
-    own = [m for m in (method, raw.get("method")) if m in REGISTRY and REGISTRY[m].switches is None]
-    if own:
-        if method not in (None, raw.get("method")):
-            raise Eagle3Error(
-                f"{path}: method {raw.get('method')!r} but eagle_config.method {method!r}: the "
-                "config is of two drafters; re-export the checkpoint"
-            )
-        return own[0]
-    if method is None:
-        return (EAGLE3_1 if all(switches.values()) else EAGLE3).name
-    if method not in METHODS:
-        raise Eagle3Error(f"{path}: eagle_config.method {method!r} is not one of {METHODS}")
-    want = method_named(method).switches
-    wrong = [f"{s}: {str(on).lower()}" for s, on in switches.items() if on != want]
-    if wrong:
-        raise Eagle3Error(
-            f"{path} records method {method} but has {', '.join(wrong)}: vLLM reads only the "
-            f"switches and would serve another method than was trained; set "
-            f"{' and '.join(s for s in switches)} to {str(want).lower()} or re-export"
-        )
-    return method
 
 
 def _check_mla_config(path: Path, raw: dict[str, Any]) -> None:
@@ -425,14 +391,15 @@ def _check_fc_norm(weights: Path, cfg: DraftConfig, state: dict[str, torch.Tenso
 def _check_method_tensors(weights: Path, cfg: DraftConfig, state: dict) -> None:
     """config.json's method and the tensors agree, else one line: a P-EAGLE file read as
     EAGLE-3 (or the reverse) would serve other maths than it was trained for."""
-    parallel = method_of(cfg).parallel
-    if (MASK_KEY in state) != parallel:
-        raise Eagle3Error(
-            f"{weights.parent}: config.json says method {cfg.method!r} but the weights "
-            + ("lack" if parallel else "carry")
-            + f" {MASK_KEY!r} (P-EAGLE's): the config and weights are of different drafters; "
-            "re-export the checkpoint"
-        )
+    own = method_of(cfg).own_tensors
+    for key, owner in METHOD_TENSORS.items():
+        if (key in state) != (key in own):
+            raise Eagle3Error(
+                f"{weights.parent}: config.json says method {cfg.method!r} but the weights "
+                + ("lack" if key in own else "carry")
+                + f" {key!r} ({owner.name}'s): the config and weights are of different "
+                "drafters; re-export the checkpoint"
+            )
     layers = {int(k.split(".")[1]) for k in state if k.startswith("layers.")}
     if layers != set(range(1, cfg.num_layers)):
         raise Eagle3Error(

@@ -1,7 +1,8 @@
 """The draft's building blocks: RMSNorm, the two attention kinds (Llama's GQA and DeepSeek-V3's
 MLA) with their training-time-test and incremental paths, the SwiGLU MLP, and the decoder layer
 that joins them. eagle3.model assembles them into the draft (its docstring gives the
-definition); P-EAGLE's plain layers (eagle3.parallel_draft) reuse the GQA attention and the MLP.
+definition); P-EAGLE's plain layers (eagle3.methods.p_eagle.draft) reuse the GQA attention and
+the MLP.
 """
 
 from __future__ import annotations

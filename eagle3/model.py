@@ -28,7 +28,7 @@ llama_eagle3.py and deepseek_eagle3.py:
 The logits are lm_head(norm(out)) either way, so under norm_output the state the next step
 gets is exactly the one the logits were read from. Each switch is a DraftConfig field of its
 own (a peer's checkpoint may carry one without the other); EAGLE-3.1 sets both. P-EAGLE
-(eagle3/parallel_draft.py) adds plain layers after this one.
+(eagle3/methods/p_eagle/draft.py) adds plain layers after this one.
 
 Two ways to run it:
 - `forward`: incremental decoding with a KV cache and an optional explicit attention mask
@@ -109,11 +109,12 @@ class DraftConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     # the draft method, a name in eagle3.methods.METHODS: what it builds, trains and decodes
-    method: str = "eagle3"
+    # (None: the registry's DEFAULT_METHOD)
+    method: str | None = None
     # EAGLE-3.1's switches (module docstring); None = what the method says (on for EAGLE-3.1)
     fc_norm: bool | None = None
     norm_output: bool | None = None
-    # P-EAGLE only (eagle3/methods/p_eagle.py): decoder layers (this layer + num_layers - 1 plain
+    # P-EAGLE only (eagle3/methods/p_eagle/): decoder layers (this layer + num_layers - 1 plain
     # Llama layers), the depths K it is trained to draft in one pass, and the token id depths
     # >= 1 are fed (vLLM reads it as the config's mask_token_id)
     num_layers: int = 1
@@ -127,9 +128,11 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         self.rope_scaling = rope_scaling_for_engines(self.rope_scaling)
-        # the registry builds on this module, so it is imported here, not at the top
-        from eagle3.methods import method_named
+        # the one import up the layers (tests/test_layout.py's LAZY_IMPORTS): the method fills
+        # its switch defaults and checks its fields; the registry builds on this module
+        from eagle3.methods import DEFAULT_METHOD, method_named
 
+        self.method = self.method or DEFAULT_METHOD
         method = method_named(self.method)
         method.configure(self)  # the switches left None
         if self.fc_norm and self.feature != "aux":

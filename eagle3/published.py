@@ -71,6 +71,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3.errors import Eagle3Error
+from eagle3.rope import target_rope
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -249,9 +250,7 @@ def _refuse_other_maths(path: Path, raw: dict[str, Any]) -> None:
 
 def _from_speculators(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
     """speculators' Eagle3DraftModel config -> a Llama-head config in our keys."""
-    from transformers import LlamaConfig
-
-    from eagle3.rope import target_rope
+    from transformers import LlamaConfig  # only for a speculators config
 
     kind = raw.get("speculators_model_type", "eagle3")
     if kind != "eagle3":

@@ -252,8 +252,8 @@ def evaluate_command(args: argparse.Namespace, run: Path) -> list[str]:
     final = run / train_dir(args) / "final"
     drafts = [  # the EAGLE-2-style ablation as a chain only: its ratio compares chains
         str(final),
-        # row "train/final [tree]"; P-EAGLE drafts one chain a pass (vLLM serves no trees of it)
-        *([f"tree:{final}"] if args.tree and not method_named(args.method).parallel else []),
+        # row "train/final [tree]" (P-EAGLE drafts one chain a pass: no tree of it)
+        *([f"tree:{final}"] if args.tree and method_named(args.method).drafts_trees else []),
         *([str(run / "train-eagle2" / "final")] if args.ablation else []),
     ]
     return [

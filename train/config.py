@@ -27,7 +27,7 @@ from eagle3.data.windows import MODES as WINDOW_MODES
 from eagle3.engine.kinds import ENGINES
 from eagle3.errors import Eagle3Error
 from eagle3.losses import DEFAULT_LOSS, LK_ETA, LOSSES
-from eagle3.methods import METHODS, method_named
+from eagle3.methods import DEFAULT_METHOD, METHODS, method_named
 from eagle3.model import ATTENTIONS, FEATURES, MLA_FIELDS
 from eagle3.rope import rope_scaling_for_engines
 
@@ -162,10 +162,10 @@ class DraftShapeConfig:
     # eagle3: one EAGLE-3 layer trained with the TTT unroll (model.ttt_steps). eagle3.1: EAGLE-3
     # plus an RMSNorm per aux state before fc and the post-norm state fed to the next step
     # (eagle3/model.py), served by vLLM as eagle3 from the config.json switches fc_norm /
-    # norm_output, for both attention kinds. p-eagle: parallel drafting (eagle3/parallel_draft.py,
-    # eagle3/methods/p_eagle.py), gqa only: the EAGLE-3 layer + num_layers - 1 plain layers
+    # norm_output, for both attention kinds. p-eagle: parallel drafting (eagle3/methods/p_eagle/),
+    # gqa only: the EAGLE-3 layer + num_layers - 1 plain layers
     # drafting parallel_depth tokens in one forward
-    method: str = "eagle3"
+    method: str = DEFAULT_METHOD
     # the TTT attention kernel (eagle3/ttt_attention/): auto = flex on CUDA after a forward +
     # backward self-test (else chunked), flash or chunked on CPU; or chunked / flash / flex
     ttt_attention: str = "auto"

@@ -185,7 +185,7 @@ def recipe_plan(
         else 0.0,
         sequence_parallel=cfg.train.sequence_parallel,
         anchor=cfg.train.anchor_l2 > 0,
-        recompute=cfg.train.recompute_ttt_steps and not method_of(draft_cfg).parallel,
+        recompute=cfg.train.recompute_ttt_steps and method_of(draft_cfg).ttt_unroll,
         label_cache_bytes=cfg.data.label_cache_gb * GIB if cfg.data.mode == "offline" else 0.0,
         loss_extra_bytes=objective_named(cfg.train.loss, cfg.train.loss_eta).extra_bytes_per_element
         * CE_CHUNK_ELEMENTS["cuda"],

@@ -382,9 +382,10 @@ def add_activations(
         )
     else:  # one tile's fp32 scores, probabilities and gradient
         acts += 3 * 4 * draft_cfg.num_attention_heads * TILE_ROWS * TILE_KEYS
-    if method_of(draft_cfg).parallel:  # an estimate only (Plan.modelled)
+    method = method_of(draft_cfg)
+    if method.unmodelled_memory:  # an estimate only (Plan.modelled)
         p.modelled = False
-        note += "; p-eagle: its one-pass depths and dense per-depth masks are not modelled"
+        note += f"; {method.name}: {method.unmodelled_memory}"
     sp = run.sequence_parallel
     p.add(
         "activations",

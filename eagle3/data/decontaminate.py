@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3.data.long_context import benchmark_texts as long_context_texts
 from eagle3.data.prompts import Prompt, normalize, open_source
 from eagle3.errors import Eagle3Error
 
@@ -88,8 +89,6 @@ def _texts(value: Any) -> Iterator[str]:
 def benchmark_texts(source: str) -> Iterator[str]:
     """Every question turn and reference answer of a benchmark source (name or file)."""
     if source == "long_context":  # built per tokenizer: every text any of its prompts holds
-        from eagle3.data.long_context import benchmark_texts as long_context_texts
-
         yield from long_context_texts()
         return
     records, report = open_source(source)

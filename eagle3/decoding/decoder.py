@@ -19,8 +19,8 @@ One verification step:
      call's last logits are the next round's first draft step: no step re-runs the prefix.
 
 The drafters: eagle3.decoding.eagle (EAGLE-3, chain and EAGLE-2 tree),
-eagle3.decoding.prompt_lookup, eagle3.decoding.parallel (P-EAGLE); the tree and its acceptance
-rules: eagle3.decoding.tree.
+eagle3.decoding.prompt_lookup, eagle3.methods.p_eagle.decoding (P-EAGLE); the tree and its
+acceptance rules: eagle3.decoding.tree.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from eagle3.checkpoint import check_aux_ids, vllm_aux_layer_ids
 from eagle3.engine.capture import capture_engine_args, make_hidden_dir, read_hidden_states
 from eagle3.engine.client import EngineClient
 from eagle3.engine.server import DEFAULT_STARTUP_TIMEOUT_S, startup_timeout_for, vllm_server
@@ -116,8 +117,6 @@ class ServedTarget:
     # -- the engine --------------------------------------------------------------------------
     def engine_layer_ids(self) -> list[int]:
         """vLLM's layer ids to extract: our aux ids + 1, then the last layer (pre-norm)."""
-        from eagle3.checkpoint import vllm_aux_layer_ids
-
         return vllm_aux_layer_ids(self.aux_layer_ids) + [self.num_layers]
 
     def check_length(self, max_length: int, what: str) -> None:
@@ -340,8 +339,6 @@ def describe_served_target(
     """A ServedTarget for registry name / HF dir `name`, read from its files (no weights but
     the final norm); aux ids default to the registry's, else [1, L//2 - 1, L - 4].
     `concurrency`: requests in flight (the engine batches them)."""
-    from eagle3.checkpoint import check_aux_ids
-
     target = resolve(name)
     facts = target_facts(target)
     layers = int(facts["num_layers"])

@@ -53,6 +53,7 @@ from eagle3.engine.client import EngineClient
 from eagle3.engine.kinds import ENGINES
 from eagle3.engine.venv import engine_is_cpu_build, engine_python
 from eagle3.errors import Eagle3Error, RemoteError
+from eagle3.methods import method_of_published
 from eagle3.target import ResolvedTarget, resolve
 
 # How long a managed engine may take to answer GET /health, unless the target's registry entry
@@ -197,11 +198,8 @@ class VLLMServer(EngineClient):
             }
             if draft_attention_backend is not None:
                 speculative_config["attention_backend"] = draft_attention_backend
-            from eagle3.methods import REGISTRY  # here: the rest of this module needs no torch
-
-            method = REGISTRY.get(_drafter_method(drafter))
-            if method is not None and method.parallel:  # K drafts from one pass (P-EAGLE)
-                speculative_config["parallel_drafting"] = True
+            config = json.loads((Path(drafter) / "config.json").read_text())
+            speculative_config |= method_of_published(config, drafter).served_extra()
         self.speculative_config = speculative_config
         args = [
             "--model", self.model_path,
@@ -356,13 +354,6 @@ class VLLMServer(EngineClient):
     def __repr__(self) -> str:
         state = "running" if self.running() else "stopped"
         return f"VLLMServer({self.model_path!r}, {self.base_url}, {state})"
-
-
-def _drafter_method(drafter: str | os.PathLike) -> str:
-    """The draft method a checkpoint's config.json names (eagle3.checkpoint): "eagle3" when
-    it names none."""
-    config = json.loads((Path(drafter) / "config.json").read_text())
-    return config.get("method") or "eagle3"
 
 
 def _kill_group(proc: subprocess.Popen, grace: float) -> None:

@@ -36,10 +36,11 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from eagle3.checkpoint import load_config, load_draft
 from eagle3.data.chat import next_turns, prompt_ids
 from eagle3.data.prompts import user_turns
 from eagle3.decoding.acceptance import AcceptanceStats
@@ -48,13 +49,12 @@ from eagle3.decoding.decoder import Generation, SpeculativeDecoder, plain_genera
 from eagle3.decoding.eagle import EagleDrafter
 from eagle3.decoding.prompt_lookup import PromptLookupDrafter
 from eagle3.engine.metrics import SpecDecodeMetrics
+from eagle3.engine.server import EngineSettings, managed_engine
 from eagle3.engine.sizing import engine_context, target_context
 from eagle3.errors import Eagle3Error
+from eagle3.methods import method_of
 from eagle3.progress import Progress
 from eagle3.target import eos_token_ids
-
-if TYPE_CHECKING:
-    from eagle3.engine.server import EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +134,6 @@ def check_compatible(cfg, raw: dict[str, Any], target, ckpt: str) -> None:
 def check_drafter(spec: str, target) -> None:
     """Refuse a checkpoint directory that is missing or made for another target (one line);
     nothing is loaded but its config."""
-    from eagle3.checkpoint import load_config
-
     if not Path(spec).is_dir():
         raise Eagle3Error(
             f"--draft {spec}: no such checkpoint directory (or use prompt-lookup / none)"
@@ -154,9 +152,6 @@ def load_drafter(spec: str, target, cfg: DecodeConfig):
         return None
     if spec == "prompt-lookup":
         return PromptLookupDrafter(num_tokens=cfg.max_depth)
-    from eagle3.checkpoint import load_draft
-    from eagle3.methods import method_of
-
     check_drafter(spec, target)
     dtype = target.model.dtype if target.device.type == "cuda" else torch.float32
     # a published layout too; the target's embeddings, or the drafter's own where they differ
@@ -472,8 +467,6 @@ def engine_runs(
     `target`: its tokenizer and generation config (a Target or a TargetFiles). Every server is
     told the context the benchmarks need (eagle3.engine.sizing); --engine-arg=--max-model-len=N
     overrides it."""
-    from eagle3.engine.server import managed_engine
-
     eos = sorted(eos_token_ids(target))
     prompts = [prompt for _, bench_prompts in benches for prompt in bench_prompts]
     max_model_len = engine_context(

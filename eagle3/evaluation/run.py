@@ -68,7 +68,7 @@ from eagle3.data.long_context import DEFAULT_PROMPTS, long_context_prompts
 from eagle3.data.long_context import NAME as LONG_CONTEXT
 from eagle3.data.prompts import load_prompts, user_turns
 from eagle3.data.records import read_records
-from eagle3.engine.server import EngineSettings, add_engine_args
+from eagle3.engine.server import EngineSettings, add_engine_args, check_servable
 from eagle3.engine.sizing import target_context
 from eagle3.errors import Eagle3Error
 from eagle3.evaluation.measure import (
@@ -240,8 +240,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         drafters = {name: load_drafter(spec, target, cfg) for name, spec in names.items()}
     if args.engine:  # what the engine would refuse, refused before the in-house decoding
-        from eagle3.engine.server import check_servable
-
         for spec in engine_drafters(names).values():
             check_servable(model.hf_dir, spec)
     report: dict[str, Any] = {

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from eagle3.decoding.acceptance import AcceptanceStats
 from eagle3.errors import Eagle3Error
 
 if TYPE_CHECKING:
-    from eagle3.decoding.acceptance import AcceptanceStats
     from eagle3.engine.metrics import SpecDecodeMetrics
 
 BOOTSTRAP_RESAMPLES = 2000  # of the prompts, for the 95% intervals
@@ -138,8 +138,6 @@ def bucket_label(lo: int, hi: int | None) -> str:
 def split_by_context(stats: AcceptanceStats, edges: Sequence[int]) -> list[AcceptanceStats]:
     """One AcceptanceStats per bucket [edges[b], edges[b+1]) (the last open) from the steps
     `stats` logged with their context; steps recorded without one are in no bucket."""
-    from eagle3.decoding.acceptance import AcceptanceStats
-
     out = [AcceptanceStats() for _ in edges]
     for context, accepted, offered in stats.step_log:
         out[bisect_right(edges, context) - 1].record(accepted, offered, context)
@@ -155,8 +153,6 @@ def by_context(
     bootstrapped over the prompts with steps in the bucket (a prompt's steps move together:
     they share its document and its drafts' history), tau as a ratio of sums, each alpha_i as
     accepted at depth i / steps offering depth i, like the totals."""
-    from eagle3.decoding.acceptance import AcceptanceStats
-
     split = [split_by_context(s, edges) for s in per_prompt]  # [prompt][bucket]
     rows = []
     for b, lo in enumerate(edges):

@@ -1,17 +1,22 @@
-"""The draft methods, one module each, behind one registry.
+"""The draft methods, one module (or package) each, behind one registry.
 
-    eagle3.py     EAGLE-3: one draft layer, the TTT unroll, sum_k w^k CE_k; chain or tree
+    eagle3.py     EAGLE-3: one draft layer, the TTT unroll, sum_k w^k CE_k; chain or tree (its
+                  draft is eagle3/model.py, its drafter eagle3/decoding/eagle.py: the others
+                  build on both)
     eagle3_1.py   EAGLE-3.1: EAGLE-3 with fc_norm and norm_output on
-    p_eagle.py    P-EAGLE: more layers, every depth from one forward (vLLM parallel drafting)
+    p_eagle/      P-EAGLE: more layers, every depth from one forward (vLLM parallel drafting),
+                  with its own draft (draft.py) and drafter (decoding.py)
 
 A method is an object of its module (EAGLE3, EAGLE3_1, P_EAGLE) answering for what differs:
 the draft it builds and the config it accepts (`configure`, `check`, `build`), the training
 unroll and its loss (`draft_fields`, `check_recipe`, `unroll`), the export (`config_fields`,
-`export_extra`) and the in-house drafter that decodes it (`drafter`), plus the facts others ask
-(`parallel`, `switches`). The method is named once, at the config boundary (DraftConfig.method,
-model.draft.method in a training recipe, eagle_config.method in a checkpoint); everything
-downstream asks `method_of(draft_config)` and never compares names. Adding a method is adding
-a module here and a line to METHODS (docs/adding-a-method.md).
+`export_extra`, `own_tensors`), how vLLM serves it (`served_extra`) and the in-house drafter
+that decodes it (`drafter`), plus the facts others ask (`switches`, `ttt_unroll`,
+`unmodelled_memory`, `drafts_trees`). The method is named once, at the config boundary
+(DraftConfig.method, model.draft.method in a training recipe, eagle_config.method in a
+checkpoint: `method_of_published`); everything downstream asks `method_of(draft_config)` and
+never compares names or tests which method it has. Adding a method is adding a module or
+package here and a line to REGISTRY (docs/adding-a-method.md).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 from torch import nn
 
 from eagle3.errors import Eagle3Error
-from eagle3.methods.eagle3 import EAGLE3, Eagle3Method
+from eagle3.methods.eagle3 import EAGLE3, SWITCHES, Eagle3Method
 from eagle3.methods.eagle3_1 import EAGLE3_1
 from eagle3.methods.p_eagle import P_EAGLE
 from eagle3.model import DraftConfig, Eagle3Draft
@@ -42,6 +47,39 @@ def method_named(name: str) -> Eagle3Method:
 def method_of(cfg: DraftConfig) -> Eagle3Method:
     """The method of a draft config."""
     return method_named(cfg.method)
+
+
+def method_of_published(raw: dict[str, Any], where: Any) -> Eagle3Method:
+    """The method a drafter's config.json records (eagle_config.method, ours), checked against
+    the switches vLLM reads; a peer's config without it is the method whose switches are all
+    on when it sets every one (EAGLE-3.1), else the default with whatever switch it sets.
+    `where` (the checkpoint) starts each one-line error."""
+    switches = {switch: bool(raw.get(switch, False)) for switch in SWITCHES}
+    method = (raw.get("eagle_config") or {}).get("method")
+    # a method whose switches are its own (P-EAGLE: fc_norm applies to mask_hidden too) also
+    # writes its name top-level (vLLM's)
+    own = [m for m in (method, raw.get("method")) if m in REGISTRY and REGISTRY[m].switches is None]
+    if own:
+        if method not in (None, raw.get("method")):
+            raise Eagle3Error(
+                f"{where}: method {raw.get('method')!r} but eagle_config.method {method!r}: the "
+                "config is of two drafters; re-export the checkpoint"
+            )
+        return REGISTRY[own[0]]
+    if method is None:
+        on = all(switches.values())
+        return next((m for m in REGISTRY.values() if on and m.switches), REGISTRY[DEFAULT_METHOD])
+    if method not in METHODS:
+        raise Eagle3Error(f"{where}: eagle_config.method {method!r} is not one of {METHODS}")
+    want = REGISTRY[method].switches
+    wrong = [f"{s}: {str(on).lower()}" for s, on in switches.items() if on != want]
+    if wrong:
+        raise Eagle3Error(
+            f"{where} records method {method} but has {', '.join(wrong)}: vLLM reads only the "
+            f"switches and would serve another method than was trained; set "
+            f"{' and '.join(s for s in switches)} to {str(want).lower()} or re-export"
+        )
+    return REGISTRY[method]
 
 
 def draft_for(cfg: DraftConfig) -> Eagle3Draft:

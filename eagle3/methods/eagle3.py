@@ -55,9 +55,15 @@ class Eagle3Method:
     """EAGLE-3: what it builds, how it trains, what it exports, how it decodes."""
 
     name = "eagle3"
-    # drafts every depth from one forward (vLLM's parallel_drafting): one chain, no trees,
-    # no TTT unroll to shard or recompute
-    parallel = False
+    # trains with the TTT unroll (TTTModel): what train.recompute_ttt_steps checkpoints step by
+    # step, train.sequence_parallel shards and benchmarks/bench_train.py times
+    ttt_unroll = True
+    # what train/memory_plan.py's terms leave out of this method's training (None: nothing)
+    unmodelled_memory: str | None = None
+    # its drafter drafts trees too (eagle3.decoding.tree), not only one chain a pass
+    drafts_trees = True
+    # tensors only this method's drafts carry (eagle3.checkpoint checks a file's against them)
+    own_tensors: tuple[str, ...] = ()
     # EAGLE-3.1's fc_norm / norm_output: their default, and what a config.json that records
     # this method must set them to (None: the method's own, not checked)
     switches: bool | None = False
@@ -120,12 +126,17 @@ class Eagle3Method:
         """extra_config fields every export of a trained draft carries (eagle3.checkpoint)."""
         return {}
 
+    def served_extra(self) -> dict[str, Any]:
+        """What vLLM's --speculative-config adds to {"method": "eagle3", "model", ...} to serve
+        this method's drafter (eagle3.engine.server)."""
+        return {}
+
     # -- decoding -------------------------------------------------------------------------
     def drafter(self, draft: Eagle3Draft, cfg: Any, name: str) -> Any:
-        """The in-house drafter of a loaded draft for eagle3.decoding's DecodeConfig `cfg`."""
-        from eagle3.decoding.eagle import (
-            EagleDrafter,  # not at import: a checkpoint load needs none
-        )
+        """The in-house drafter of a loaded draft for eagle3.decoding's DecodeConfig `cfg`.
+        The decoders sit above the methods (they import the model, never the methods): imported
+        here, so that loading a checkpoint or training imports no decoding loop."""
+        from eagle3.decoding.eagle import EagleDrafter
 
         return EagleDrafter(draft, cfg, name=name)
 

@@ -297,9 +297,7 @@ def test_engine_only_loads_no_weight_and_tells_the_engine_its_context(
 
     monkeypatch.setattr(evaluation_run, "load_target", no_weights)
     monkeypatch.setattr(evaluation_run, "load_drafter", no_weights)
-    import eagle3.engine.server as server
-
-    monkeypatch.setattr(server, "check_servable", lambda *a: None)
+    monkeypatch.setattr(evaluation_run, "check_servable", lambda *a: None)
     started = []
 
     class Engine:  # what managed_engine returns, recorded instead of started
@@ -314,14 +312,14 @@ def test_engine_only_loads_no_weight_and_tells_the_engine_its_context(
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(server, "managed_engine", Engine)
+    monkeypatch.setattr(measure, "managed_engine", Engine)
     ckpt = make_ckpt(chat_target_dir, tmp_path / "exp" / "final")
     argv = ["--target", str(chat_target_dir), "--draft", str(ckpt), "--bench", str(prompts_file),
             "--engine", "vllm", "--engine-only", "--max-new-tokens", "20"]  # fmt: skip
     with pytest.raises(RuntimeError, match="recorded"):
         evaluation_run.run(evaluation_run.build_parser().parse_args(argv))
     ((engine, model, kwargs),) = started
-    assert engine == server.EngineSettings(kind="vllm")  # the flags, read once by the CLI
+    assert engine == measure.EngineSettings(kind="vllm")  # the flags, read once by the CLI
     assert model.hf_dir == str(chat_target_dir) and kwargs["served_model_name"] == model.name
     from eagle3.data.prompts import load_prompts, user_turns
     from eagle3.target import load_tokenizer

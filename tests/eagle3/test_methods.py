@@ -16,7 +16,14 @@ import pytest
 
 from eagle3.checkpoint import load_draft, save_draft
 from eagle3.errors import Eagle3Error
-from eagle3.methods import EAGLE3, REGISTRY, draft_for, method_named, method_of
+from eagle3.methods import (
+    EAGLE3,
+    REGISTRY,
+    draft_for,
+    method_named,
+    method_of,
+    method_of_published,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = ("eagle3", "train", "datagen", "benchmarks", "experiments", "scripts")
@@ -36,6 +43,44 @@ def test_every_method_builds_exports_and_loads_as_itself(name, tiny_config, tmp_
     save_draft(draft, tmp_path, extra_config=method.export_extra(cfg))
     loaded = load_draft(tmp_path)
     assert type(loaded) is type(draft) and loaded.config == cfg
+
+
+@pytest.mark.parametrize(
+    "name, trees, unroll, served",
+    [
+        ("eagle3", True, True, {}),
+        ("eagle3.1", True, True, {}),
+        ("p-eagle", False, False, {"parallel_drafting": True}),  # K drafts from one pass
+    ],
+)
+def test_each_method_answers_what_others_ask(name, trees, unroll, served):
+    """<0.1 s: the facts the quickstart, the memory plan and the engine ask of a method; a
+    method that trains otherwise than by the TTT unroll says what the memory plan leaves out."""
+    method = method_named(name)
+    assert (method.drafts_trees, method.ttt_unroll, method.served_extra()) == (
+        trees,
+        unroll,
+        served,
+    )
+    assert (method.unmodelled_memory is None) == method.ttt_unroll
+
+
+@pytest.mark.parametrize(
+    "raw, name",
+    [
+        ({}, "eagle3"),
+        ({"fc_norm": True}, "eagle3"),  # one switch: EAGLE-3 with it, as vLLM serves it
+        ({"fc_norm": True, "norm_output": True}, "eagle3.1"),
+        (
+            {"eagle_config": {"method": "eagle3.1"}, "fc_norm": True, "norm_output": True},
+            "eagle3.1",
+        ),
+        ({"method": "p-eagle", "fc_norm": True}, "p-eagle"),
+    ],
+)
+def test_the_method_of_a_published_config(raw, name):
+    """<0.1 s: what a config.json records, or a peer's switches imply."""
+    assert method_of_published(raw, "ckpt") is method_named(name)
 
 
 def test_an_unknown_method_is_one_line_error(tiny_config):
@@ -65,7 +110,8 @@ def test_loading_a_checkpoint_imports_no_decoder():
     """~3 s (a fresh interpreter): eagle3.checkpoint and the registry load no decoding loop."""
     code = (
         "import sys, eagle3.checkpoint, eagle3.methods; "
-        "print(sorted(m for m in sys.modules if m.startswith('eagle3.decoding')))"
+        "print(sorted(m for m in sys.modules if m.startswith('eagle3.decoding') or "
+        "m.endswith('.decoding')))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True

@@ -1,4 +1,4 @@
-"""P-EAGLE (eagle3/parallel_draft.py): the training pass computes what decoding computes.
+"""P-EAGLE (eagle3/methods/p_eagle/draft.py): the training pass computes what decoding computes.
 
 Tiny random drafts in float32; the whole file runs in ~3 s on one core.
 """
@@ -15,10 +15,10 @@ from safetensors.torch import save_file
 from eagle3.checkpoint import load_draft, save_draft
 from eagle3.decoding.decode_config import DecodeConfig
 from eagle3.decoding.decoder import SpeculativeDecoder, plain_generate
-from eagle3.decoding.parallel import ParallelDrafter
 from eagle3.errors import Eagle3Error
+from eagle3.methods.p_eagle.decoding import ParallelDrafter
+from eagle3.methods.p_eagle.draft import PEagleDraft
 from eagle3.model import DraftConfig
-from eagle3.parallel_draft import PEagleDraft
 from tests.eagle3.test_checkpoint import make_draft
 from tests.eagle3.test_speculative import tiny_target
 

@@ -1,4 +1,4 @@
-"""P-EAGLE training (eagle3/methods/p_eagle.py): subsampling policy, labels, loss, the recipe.
+"""P-EAGLE training (eagle3/methods/p_eagle/): subsampling policy, labels, loss, the recipe.
 
 The pure tests take < 1 s together; the recipe test (slow) trains a tiny random Llama's
 P-EAGLE drafter 6 steps offline with validation and packing, ~25 s on one core.
@@ -97,7 +97,7 @@ def test_peagle_recipe_trains_validates_and_exports(tmp_path, helpers, tiny_llam
     as the P-EAGLE draft vLLM serves. Costs ~4 s (its call: a 6-step trainer run; measured on 2
     xdist workers)."""
     from eagle3.checkpoint import load_draft
-    from eagle3.parallel_draft import PEagleDraft
+    from eagle3.methods.p_eagle.draft import PEagleDraft
 
     out = tmp_path / "run"
     args = helpers.common_args(

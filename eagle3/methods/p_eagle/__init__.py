@@ -1,14 +1,20 @@
 """P-EAGLE (method "p-eagle"): parallel drafting, K draft tokens from one draft forward.
 
+The package holds the whole method:
+
+    __init__.py   the method object P_EAGLE, its training unroll and loss (this module)
+    draft.py      the draft and its maths next to vLLM's (PEagleDraft, ParallelModel)
+    decoding.py   the in-house drafter (ParallelDrafter), imported only when asked for
+
 What the method is to the rest of the project (eagle3/methods/__init__.py has the registry):
 
-- the draft: eagle3.parallel_draft.PEagleDraft, the EAGLE-3 layer plus num_layers - 1 plain
-  Llama layers and a learned `mask_hidden`, GQA over aux features only (what vLLM 0.32 serves);
+- the draft: draft.PEagleDraft, the EAGLE-3 layer plus num_layers - 1 plain Llama layers and a
+  learned `mask_hidden`, GQA over aux features only (what vLLM 0.32 serves);
 - training: every depth < parallel_depth in one pass over subsampled positions
-  (eagle3.parallel_draft.ParallelModel), scored by `parallel_loss` below;
+  (draft.ParallelModel), scored by `parallel_loss` below;
 - export: config.json also carries method, num_layers, parallel_depth and mask_token_id, and
   every trained export its speculative_tokens (K);
-- decoding: eagle3/decoding/parallel.py's ParallelDrafter, one chain of K per pass.
+- decoding: decoding.ParallelDrafter, one chain of K per pass.
 
 Its recipe keys (model.draft in train/config.py): num_layers (null: 3), parallel_depth (null:
 model.ttt_steps), mask_token_id (null: the target's pad, else first eos token), keep_rate and
@@ -49,17 +55,21 @@ from torch import nn
 from eagle3.errors import Eagle3Error
 from eagle3.losses import KL, Objective, objective_named, position_loss
 from eagle3.methods.eagle3 import Eagle3Method, Need
+from eagle3.methods.p_eagle.draft import ParallelModel, PEagleDraft
 from eagle3.model import DraftConfig, Eagle3Draft
-from eagle3.parallel_draft import ParallelModel, PEagleDraft
 
 DEFAULT_LAYERS = 3  # model.draft.num_layers null: the EAGLE-3 layer + 2 plain ones
+MASK_KEY = "mask_hidden"  # the learned stand-in for the aux states, [1, 3 * H_target]
 
 
 class PEagleMethod(Eagle3Method):
     """P-EAGLE: Eagle3Method's interface with its own draft, training, export and decoder."""
 
     name = "p-eagle"
-    parallel = True
+    ttt_unroll = False  # every depth in one pass (ParallelModel)
+    unmodelled_memory = "its one-pass depths and dense per-depth masks are not modelled"
+    drafts_trees = False  # vLLM's parallel drafting serves one chain a pass
+    own_tensors = (MASK_KEY,)
     switches = None  # its own: fc_norm applies to mask_hidden too
     reads_each_aux = True  # fc fuses the 3 aux states, and mask_hidden stands in for them
     config_fields = ("method", "num_layers", "parallel_depth", "mask_token_id")
@@ -156,10 +166,13 @@ class PEagleMethod(Eagle3Method):
     def export_extra(self, draft_cfg: DraftConfig) -> dict[str, Any]:
         return {"speculative_tokens": draft_cfg.parallel_depth}
 
+    def served_extra(self) -> dict[str, Any]:
+        return {"parallel_drafting": True}  # K drafts from one pass
+
     # -- decoding -------------------------------------------------------------------------
     def drafter(self, draft: Eagle3Draft, cfg: Any, name: str) -> Any:
-        """vLLM's parallel drafting: K drafts from one pass."""
-        from eagle3.decoding.parallel import ParallelDrafter  # a checkpoint load needs none
+        """vLLM's parallel drafting: K drafts from one pass (imported here: Eagle3Method's)."""
+        from eagle3.methods.p_eagle.decoding import ParallelDrafter
 
         return ParallelDrafter(draft, cfg, name=name)
 

@@ -1,4 +1,4 @@
-"""P-EAGLE: parallel drafting, K draft tokens from ONE draft forward (eagle3/methods/p_eagle.py).
+"""P-EAGLE: parallel drafting, K draft tokens from ONE draft forward (eagle3/methods/p_eagle/).
 
 The draft is the EAGLE-3 layer of eagle3/model.py ("midlayer", fed [embed(token), h] as 2H)
 followed by num_layers - 1 plain Llama decoder layers, then norm + lm_head:
@@ -50,7 +50,7 @@ context slot <= L and to the depth 1..d-1 slots before it. `PEagleDraft.forward`
 slots incrementally (decoding: the context from the cache, then the K-1 mask slots in one call)
 and `PEagleDraft.parallel_forward` computes all depths of every position in one pass
 (training), so that each depth's training logits are exactly its decoding logits. The
-in-house decoder that drives it as vLLM does is eagle3/decoding/parallel.py.
+in-house decoder that drives it as vLLM does is eagle3/methods/p_eagle/decoding.py.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class PEagleDraft(Eagle3Draft):
     `layers.{i}.*` (i = 1..num_layers-1, vLLM's layer index) and `mask_hidden`."""
 
     def __init__(self, cfg: DraftConfig):
-        if cfg.parallel_depth < 2:  # set only by P-EAGLE's config (eagle3/methods/p_eagle.py)
+        if cfg.parallel_depth < 2:  # set only by P-EAGLE's config (eagle3/methods/p_eagle/)
             raise Eagle3Error(f"PEagleDraft needs a P-EAGLE config, the config says {cfg.method!r}")
         super().__init__(cfg)
         # keys "1".."n-1": the state dict then names layer i as vLLM does (layers.{i}.*)
@@ -150,7 +150,7 @@ class PEagleDraft(Eagle3Draft):
 
         Depth 0 at position t is the context slot (x_{t+1}, fc(aux_t)) at position t, and
         predicts x_{t+2}. anchors[d-1] (ascending positions, each depth's a subset of the one
-        before: eagle3/methods/p_eagle.py draws them) are the positions t whose depth-d slot
+        before: eagle3/methods/p_eagle/ draws them) are the positions t whose depth-d slot
         (mask, fc(mask_hidden)) at rotary position t + d is run; it predicts x_{t+d+2} and
         attends to depth-0 slots s <= t (of t's record when packed: segment_ids) and to its own
         chain's depths 1..d at anchor t: exactly what vLLM's one draft pass gives depth d after

@@ -1,7 +1,9 @@
 """P-EAGLE's in-house decoder: a PEagleDraft driven as vLLM drives it (K drafts from one pass).
 
-The draft and the maths it copies from vLLM are eagle3/parallel_draft.py; this module is the
-decoding loop's side, kept apart so that loading a checkpoint imports no decoder.
+The draft and the maths it copies from vLLM are draft.py beside it; this module is the decoding
+loop's side, built on eagle3.decoding (it sits with the decoders in tests/test_layout.py's
+layers), kept apart so that loading a checkpoint imports no decoder: the method imports it only
+when asked for its drafter.
 """
 
 from __future__ import annotations
@@ -12,8 +14,7 @@ from eagle3.decoding.decode_config import DecodeConfig
 from eagle3.decoding.eagle import gumbel_topk
 from eagle3.decoding.tree import DraftTree
 from eagle3.errors import Eagle3Error
-from eagle3.methods.p_eagle import P_EAGLE
-from eagle3.parallel_draft import PEagleDraft
+from eagle3.methods.p_eagle.draft import PEagleDraft
 
 
 class ParallelDrafter:
@@ -21,7 +22,7 @@ class ParallelDrafter:
     into the draft's caches (their last logits are depth 0); propose() then runs the K-1 mask
     slots in one call and picks every depth at once. A chain of K = cfg.steps drafts."""
 
-    def __init__(self, draft: PEagleDraft, cfg: DecodeConfig, name: str = P_EAGLE.name):
+    def __init__(self, draft: PEagleDraft, cfg: DecodeConfig, name: str | None = None):
         if cfg.mode != "chain":
             raise Eagle3Error(
                 "a P-EAGLE drafter drafts one chain per pass (vLLM's parallel drafting has no "
@@ -29,7 +30,7 @@ class ParallelDrafter:
             )
         self.draft = draft.eval()
         self.cfg = cfg
-        self.name = name
+        self.name = name or draft.config.method
         self.feature = draft.config.feature
         self.aux_layer_ids = list(draft.config.aux_layer_ids)
         vd = draft.config.draft_vocab_size
