@@ -60,6 +60,8 @@ from datagen.capture.forward import capture_items
 from datagen.capture.meta import capture_meta, check_resumable
 from datagen.local import first_user_turns
 from datagen.render import Item, Rendering
+from datagen.rollout_from_shards import run_from_shards
+from datagen.rollout_log import LOG, judged_mask, read_log, round_line, round_summary
 from eagle3.cli import HelpFormatter, run_main
 from eagle3.data.chat import RenderError, check_renderable, prompt_ids
 from eagle3.data.decontaminate import add_exclude_args, exclude_contaminated
@@ -77,24 +79,6 @@ from eagle3.progress import Progress
 from eagle3.target import describe_target, eos_token_ids, load_target, resolve
 
 log = logging.getLogger("datagen.rollout")
-LOG = "rollouts.jsonl"
-SUMMARY = "rollout.json"  # the round's cost and the drafter's τ on its prompts (train.rounds)
-MAX_MARK = 255  # the loss mask is stored as uint8
-
-
-def judged_mask(prompt_len: int, generated: int, steps: list[tuple[int, int, int]]) -> list[int]:
-    """The loss mask of one rollout with its rejection log folded in (module docstring).
-
-    `steps`: the decoder's step log, (context, accepted, offered) per verification step, where
-    context = L + 1 tokens precede the step's first drafted token (x_L, its root, included).
-    From root x_L the draft starts at entry L - 1 (eagle3.model: entry s pairs x_{s+1} with
-    h_s), and verification judged its depths 1 .. min(accepted + 1, offered)."""
-    mask = [0] * prompt_len + [1] * generated
-    for context, accepted, offered in steps:
-        root, judged = context - 1, min(accepted + 1, offered)
-        if prompt_len <= root < len(mask) and judged > 0:
-            mask[root] = min(1 + judged, MAX_MARK)
-    return mask
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -108,8 +92,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--prompts",
         nargs="+",
-        required=True,
         help="sources, as datagen.local, or result directories (their prompts, ids kept)",
+    )
+    p.add_argument(
+        "--from-shards",
+        metavar="SHARDS",
+        help="T=0, no decoding: replay the greedy decode of the target's own greedy answers "
+        "captured in SHARDS (datagen/rollout_from_shards.py); instead of --prompts",
     )
     p.add_argument("--out", required=True, help="the round's capture directory (resumable)")
     p.add_argument("--limit", type=int, help="at most this many prompts per source")
@@ -143,6 +132,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="capture servers (datagen.capture --serve) for the capture phase, else in-process",
     )
     args = p.parse_args(argv)
+    if (args.prompts is None) == (args.from_shards is None):
+        p.error("give --prompts (decode them) or --from-shards (replay a greedy capture)")
     if args.steps < 1 or args.max_new_tokens < 1 or args.engine_batch < 1:
         p.error("--steps, --max-new-tokens and --engine-batch must be >= 1")
     return args
@@ -174,54 +165,6 @@ def select(args: argparse.Namespace) -> list[Prompt]:
     return exclude_contaminated([first_user_turns(p, 1) for p in prompts], args.exclude_benchmarks)
 
 
-def read_log(out: Path) -> dict[str, dict]:
-    """rollouts.jsonl's decoded prompts by id (a line cut by a kill is dropped, and the file
-    rewritten without it, so the next line starts clean)."""
-    path = out / LOG
-    rows: dict[str, dict] = {}
-    if not path.is_file():
-        return rows
-    text = path.read_text()
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a kill mid-line
-            continue
-        rows[row["id"]] = row
-    if not text.endswith("\n") and text:
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows.values()))
-    return rows
-
-
-def round_summary(rows: list[dict], out: Path, capture_s: float) -> dict:
-    """What the round cost and how the drafter did on its prompts, written to rollout.json
-    (capture seconds summed over the launches that captured: a resumed round's too)."""
-    steps = sum(len(r["log"]) for r in rows)
-    accepted = sum(a for r in rows for _, a, _ in r["log"])
-    path = out / SUMMARY
-    before = json.loads(path.read_text())["capture_s"] if path.is_file() else 0.0
-    summary = {
-        "prompts": len(rows),
-        "generated": sum(len(r["tokens"]) for r in rows),
-        "steps": steps,
-        "tau": round((accepted + steps) / steps if steps else 0.0, 4),
-        "decode_s": round(sum(r["decode_s"] for r in rows), 1),
-        "capture_s": round(before + capture_s, 1),
-    }
-    path.write_text(json.dumps(summary))
-    return summary
-
-
-def round_line(summary: dict, out: Path) -> str:
-    """The round's closing line."""
-    return (
-        f"rollout: {summary['prompts']} prompts, {summary['generated']:,} generated tokens, "
-        f"{summary['steps']:,} verification steps, τ {summary['tau']:.3f} (the drafter on "
-        f"these prompts); decode {summary['decode_s']:.0f} s, capture "
-        f"{summary['capture_s']:.0f} s -> {out}"
-    )
-
-
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -230,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
     check_resumable(out, {"dtype": args.dtype})
     if not (Path(args.draft) / "config.json").is_file():
         raise Eagle3Error(f"--draft {args.draft}: a rollout needs a drafter's checkpoint directory")
+    if args.from_shards:
+        return run_from_shards(args)
     model = resolve(args.target)
     prompts = select(args)
     for problem in repair(out):  # damaged shards dropped: their records are captured again

@@ -121,3 +121,31 @@ def test_a_rollout_without_a_drafter_directory_is_one_line(tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--draft" in err[0] and "checkpoint directory" in err[0]
+
+
+def test_a_greedy_round_replayed_from_shards_is_the_decoded_one(
+    chat_target_dir, chat_drafter, tmp_path
+):
+    """~3 s: --from-shards on a T=0 rollout's own capture (the target's greedy answers) finds
+    every verification step the decoder logged, and marks the same loss masks, without
+    decoding (stored hidden states fp16: no near tie flips here)."""
+    prompts = prompts_file(tmp_path / "p.jsonl", 4)
+    common = ["--target", str(chat_target_dir), "--draft", str(chat_drafter), "--steps", "3",
+              "--dtype", "fp16"]  # fmt: skip
+    decoded, replayed = tmp_path / "decoded", tmp_path / "replayed"
+    argv = [*common, "--prompts", str(prompts), "--out", str(decoded), "--max-new-tokens", "16"]
+    assert main(argv) == 0
+    assert main([*common, "--from-shards", str(decoded), "--out", str(replayed)]) == 0
+    logs = [
+        {r["id"]: r for r in map(json.loads, (d / "rollouts.jsonl").read_text().splitlines())}
+        for d in (decoded, replayed)
+    ]
+    assert logs[0].keys() == logs[1].keys() and len(logs[0]) == 4
+    for rid, row in logs[0].items():
+        assert logs[1][rid]["log"] == row["log"] and logs[1][rid]["tokens"] == row["tokens"]
+    a, b = ShardDataset(decoded), ShardDataset(replayed)
+    masks = {a[i]["id"]: a[i]["loss_mask"].tolist() for i in range(len(a))}
+    assert {b[i]["id"]: b[i]["loss_mask"].tolist() for i in range(len(b))} == masks
+    assert json.loads((replayed / "meta.json").read_text())["rollout"]["from_shards"]
+    assert main([*common, "--from-shards", str(decoded), "--out", str(tmp_path / "t1"),
+                 "--temperature", "1"]) == 2  # fmt: skip
