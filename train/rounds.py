@@ -5,6 +5,7 @@ rollout so far (docs/training.md, "On-policy rounds").
     python -m train.rounds --config configs/train/smollm2-q4-cpu.yaml --target smollm2-135m-q4 \\
         --start runs/x/train/best --shards runs/x/shards --prompts runs/x/responses \\
         --rounds 2 --out runs/x/rounds [--rollout-arg=--temperature=1 ...] \\
+        [--from-shards runs/x/shards instead of --prompts: T=0 rounds without decoding] \\
         [--launcher "accelerate launch --config_file configs/accelerate/8gpu-zero2.yaml"] \\
         [key=value ...]
 
@@ -47,7 +48,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target", required=True, help="the target, as datagen.rollout takes it")
     p.add_argument("--start", required=True, help="round 1's drafter (a checkpoint directory)")
     p.add_argument("--shards", nargs="+", required=True, help="the ordinary training captures")
-    p.add_argument("--prompts", nargs="+", required=True, help="datagen.rollout's --prompts")
+    p.add_argument("--prompts", nargs="+", help="datagen.rollout's --prompts (decoded)")
+    p.add_argument(
+        "--from-shards",
+        metavar="SHARDS",
+        help="instead of --prompts, T=0: replay the greedy decode of this capture of the target's "
+        "own greedy answers (datagen.rollout --from-shards: no decoding)",
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", required=True, help="rollout-R/ and round-R/ go here")
     p.add_argument(
@@ -65,6 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("overrides", nargs="*", help="key=value for every round's training")
     args = p.parse_args(argv)
+    if (args.prompts is None) == (args.from_shards is None):
+        p.error("give --prompts (decoded each round) or --from-shards (replayed each round)")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     if not (Path(args.start) / "config.json").is_file():
@@ -74,15 +83,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def rollout_command(args: argparse.Namespace, r: int, draft: Path) -> list[str]:
     """Round r's rollout: `draft` decodes --prompts into OUT/rollout-r."""
+    source = ["--prompts", *args.prompts] if args.prompts else ["--from-shards", args.from_shards]
     return [sys.executable, "-m", "datagen.rollout", "--target", args.target, "--draft",
-            str(draft), "--prompts", *args.prompts, "--out", str(Path(args.out) / f"rollout-{r}"),
+            str(draft), *source, "--out", str(Path(args.out) / f"rollout-{r}"),
             *args.rollout_arg]  # fmt: skip
 
 
 def train_command(args: argparse.Namespace, r: int, draft: Path) -> list[str]:
-    """Round r's training: from `draft`, on the shards and rollouts 1..r, into OUT/round-r."""
+    """Round r's training: from `draft`, on the shards and rollouts 1..r, into OUT/round-r.
+    A replayed round's capture is its source's records again, marked by this round's drafter:
+    it replaces the source and the earlier rounds' (the same tokens once, not r + 1 times)."""
     out = Path(args.out)
-    dirs = [*args.shards, *(str(out / f"rollout-{i}") for i in range(1, r + 1))]
+    if args.from_shards:
+        kept = [d for d in args.shards if Path(d).resolve() != Path(args.from_shards).resolve()]
+        dirs = [*kept, str(out / f"rollout-{r}")]
+    else:
+        dirs = [*args.shards, *(str(out / f"rollout-{i}") for i in range(1, r + 1))]
     launcher = shlex.split(args.launcher) or [sys.executable]
     return [*launcher, str(REPO / "train" / "train_drafter.py"), "--config", args.config,
             f"model.init_from={draft}", f"data.shard_dirs=[{','.join(dirs)}]",

@@ -34,6 +34,11 @@ def test_each_round_trains_from_the_last_best_on_the_shards_and_every_rollout_so
     assert f"data.shard_dirs=[A,B,{rollouts}]" in cmd
     assert f"model.init_from={tmp_path / 'o' / 'round-1' / 'best'}" in cmd
     assert cmd[-1] == "optim.lr=1e-5" and "train.resume_from=latest" in cmd
+    # replayed rounds: the source's records once, marked by this round's drafter
+    argv = ["--config", "c.yaml", "--target", "t", "--start", str(tmp_path / "s"), "--shards",
+            "A", str(tmp_path / "B"), "--from-shards", str(tmp_path / "B"), "--out", str(tmp_path / "o")]  # fmt: skip
+    cmd = train_command(parse_args(argv), 2, tmp_path / "o" / "round-1" / "best")
+    assert f"data.shard_dirs=[A,{tmp_path / 'o' / 'rollout-2'}]" in cmd
 
 
 def test_two_rounds_survive_a_kill_and_report_each_rounds_cost(
