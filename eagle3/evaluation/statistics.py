@@ -60,16 +60,23 @@ def paired_tau_difference(
 ) -> tuple[float, list[float] | None]:
     """tau(other) - tau(base) over the same prompts, and its 95% interval bootstrapped over
     those prompts drawn together (each resample sums both drafters' counts of the same
-    prompts), from two result rows' `per_prompt` lists (ids matched; a prompt missing from
-    either is refused). Narrower than two separate intervals wherever the prompts' own
-    difficulty moves both drafters alike, which is most of a benchmark's spread."""
-    ours = {p["id"]: p for p in other}
-    if {p["id"] for p in base} != set(ours):
+    prompts), from two result rows' `per_prompt` lists: ids matched (a prompt missing from
+    either is refused), or, for rows without ids (the engine's: each benchmark's prompts in
+    its order), position by position in lists of one length. Narrower than two separate
+    intervals wherever the prompts' own difficulty moves both drafters alike, which is most
+    of a benchmark's spread."""
+    if all("id" in p for p in (*base, *other)):
+        ours = {p["id"]: p for p in other}
+        if {p["id"] for p in base} != set(ours):
+            raise Eagle3Error("paired_tau_difference: the two rows are not over the same prompts")
+        pairs = [(b, ours[b["id"]]) for b in base]
+    elif len(base) == len(other):
+        pairs = list(zip(base, other, strict=True))
+    else:
         raise Eagle3Error("paired_tau_difference: the two rows are not over the same prompts")
     rows = [
         [b["accepted"] + b["steps"], b["steps"], o["accepted"] + o["steps"], o["steps"]]
-        for b in base
-        for o in [ours[b["id"]]]
+        for b, o in pairs
     ]
     sums = np.asarray(rows, dtype=np.float64).sum(0)[None]
     difference = float(difference_of_ratios(sums)[0])

@@ -101,3 +101,18 @@ def test_by_context_intervals_resample_prompts():
     lo, hi = row["alpha_ci95"][0]
     assert lo <= row["alpha"][0] <= hi
     assert by_context(prompts, [0, 1000], k=3, drafts=False)[0]["alpha"] == []
+
+
+def test_paired_difference_pairs_engine_rows_by_position():
+    """~0.1 s: the engine's per-prompt rows carry no ids (each benchmark's prompts in its
+    order): paired position by position, the same as with ids; rows of other lengths refused."""
+    from eagle3.errors import Eagle3Error
+    from eagle3.evaluation.statistics import paired_tau_difference
+
+    base = [{"accepted": a, "steps": 10} for a in (2, 4, 6, 8)]
+    other = [{"accepted": a + 2, "steps": 10} for a in (2, 4, 6, 8)]
+    with_ids = [[{**p, "id": f"q{i}"} for i, p in enumerate(rows)] for rows in (base, other)]
+    assert paired_tau_difference(base, other) == paired_tau_difference(*with_ids)
+    assert paired_tau_difference(base, other)[0] == pytest.approx(0.2)
+    with pytest.raises(Eagle3Error, match="not over the same prompts"):
+        paired_tau_difference(base, other[:-1])
