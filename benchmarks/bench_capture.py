@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     from datagen.capture import batches, pad
     from eagle3.compute import describe_peak, matmul_peak, peak_share, weight_flops_per_token
     from eagle3.data.shards import bytes_per_token, target_meta
-    from eagle3.target import load_target
+    from eagle3.targets import load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     from eagle3.compute import describe_peak, matmul_peak, peak_share, weight_flops_per_token
     from eagle3.data.chat import next_turns
     from eagle3.data.prompts import load_prompts
-    from eagle3.target import load_target
+    from eagle3.targets import load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -27,7 +27,7 @@ from eagle3.compute import (
 )
 from eagle3.decoding.decoder import SpeculativeDecoder, plain_generate
 from eagle3.decoding.tree import DraftTree
-from eagle3.target import eos_token_ids
+from eagle3.targets import eos_token_ids
 
 
 class OracleDrafter:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from eagle3.data.prompts import load_prompts
     from eagle3.errors import Eagle3Error
     from eagle3.evaluation.measure import add_decode_args, decode_config, load_drafter
-    from eagle3.target import load_target
+    from eagle3.targets import load_target
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m-q4")

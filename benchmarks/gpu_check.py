@@ -23,7 +23,7 @@ Checks, each a key of the JSON (an error in one is recorded there and the rest s
 - recompiles: the graphs torch compiles for flex attention over 8 varying lengths (dynamic
   shapes: should stay well under torch's recompile limit of 8).
 - memory: the full-size Kimi MLA draft (configs/train/kimi-k2.5-offline.yaml's, shape from
-  eagle3/target/registry_entries/kimi-k2.5.yaml) trained one step at 2k / 8k / 12,288 tokens on the
+  eagle3/targets/registry_entries/kimi-k2.5.yaml) trained one step at 2k / 8k / 12,288 tokens on the
   attention path "auto" chose (flex, or chunked where flex failed its self-test), planned for
   that same path. --mode deepspeed (the default) trains as DeepSpeed's bf16 does and as the
   plan's activation terms are counted: a bf16 module, no autocast, fp32 master copies that

@@ -17,6 +17,7 @@ import torch
 from eagle3 import ttt_attention as ttt_module
 from eagle3.draft_shapes import target_shape
 from eagle3.loss import ttt_loss
+from eagle3.methods import make_draft_config
 from eagle3.methods.eagle3 import recomputed_ttt_loss
 from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
 from train.config import load_config
@@ -46,7 +47,7 @@ def kimi_draft(tiny: bool) -> tuple[DraftConfig, int]:
     """The Kimi offline recipe's draft (full size), or a tiny one of the same layout."""
     cfg = load_config(RECIPE, [], check_paths=False)
     if tiny:
-        small = DraftConfig(
+        small = make_draft_config(
             hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
             head_dim=48, vocab_size=1000, draft_vocab_size=200, target_hidden_size=64,
             aux_layer_ids=[1, 2, 3], attention="mla", q_lora_rank=64, kv_lora_rank=32,

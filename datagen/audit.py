@@ -453,7 +453,8 @@ def run(args: argparse.Namespace) -> int:
     skipped: Counter = Counter()
     records = sample_records(load_records(args.data, skipped), args.sample or None, args.seed)
 
-    from eagle3.target import load_target
+    # torch and transformers load once the records are read (a bad --data fails fast)
+    from eagle3.targets import load_target
 
     target = load_target(
         args.target, dtype=args.dtype, device=args.device, device_map=args.device_map

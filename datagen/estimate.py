@@ -24,7 +24,7 @@ from datagen.render import Rendering, render_all
 from eagle3.data.records import read_records
 from eagle3.data.shards import DTYPES, bytes_per_token
 from eagle3.errors import Eagle3Error
-from eagle3.target import load_tokenizer, resolve, target_facts
+from eagle3.targets import load_tokenizer, resolve, target_facts
 
 ESTIMATE_RATES = (1_000, 10_000, 50_000)  # tokens/s shown by --estimate when none is given
 TB_WARN = 1e12  # bytes beyond which --estimate recommends online training

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from eagle3.data.chat import THINK_CLOSE, end_of_turn_ids, prompt_ids
-from eagle3.target import cache_kwarg, output_cache
+from eagle3.targets import cache_kwarg, output_cache
 
 log = logging.getLogger(__name__)
 

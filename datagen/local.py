@@ -304,10 +304,11 @@ class ServerPool:
 
 
 def run_inprocess(args, prompts: list[Prompt], store: ResultStore, stats: Stats) -> None:
+    # in-process only: a run against servers (--base-url) never loads torch or transformers
     import torch
 
     from datagen.generate import Generator
-    from eagle3.target import load_target
+    from eagle3.targets import load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -387,9 +388,10 @@ def run_inprocess(args, prompts: list[Prompt], store: ResultStore, stats: Stats)
 
 def run_engine(args, prompts: list[Prompt], store: ResultStore, stats: Stats) -> None:
     """--engine vllm: a managed server for --target, then the server path (ServerPool)."""
+    # --engine only: these import torch, which a run against servers (--base-url) never loads
     from eagle3.engine.server import EngineSettings, managed_engine
     from eagle3.engine.sizing import engine_context, target_context
-    from eagle3.target import load_tokenizer, resolve
+    from eagle3.targets import load_tokenizer, resolve
 
     target = resolve(args.target)
     if args.chat_template is not None:
@@ -477,6 +479,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--target",
         help="in-process (or with --engine, served): registry name, HF model directory or .gguf",
     )
+    add_generation_args(p)
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    if args.engine and not args.target:
+        p.error("--engine needs --target (the model to serve); --base-url is a running server")
+    args.chat_template = load_chat_template(args.chat_template)
+    return args
+
+
+def add_generation_args(p: argparse.ArgumentParser) -> None:
+    """How each turn is generated, by the servers or in-process."""
     p.add_argument(
         "--model",
         help="model name sent to the servers / written in records (default: the server's or the target's)",
@@ -522,12 +535,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--model-dtype", help="in-process weights dtype (default: bf16 on GPU, fp32 on CPU)"
     )
     p.add_argument("--threads", type=int, help="in-process: CPU threads (torch.set_num_threads)")
-    add_engine_args(p)
-    args = p.parse_args(argv)
-    if args.engine and not args.target:
-        p.error("--engine needs --target (the model to serve); --base-url is a running server")
-    args.chat_template = load_chat_template(args.chat_template)
-    return args
 
 
 def run(args) -> int:

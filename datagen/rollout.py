@@ -76,7 +76,7 @@ from eagle3.engine.sizing import target_context
 from eagle3.errors import Eagle3Error
 from eagle3.evaluation.measure import PER_STEP_ARGS, load_drafter, request_steps
 from eagle3.progress import Progress
-from eagle3.target import describe_target, eos_token_ids, load_target, resolve
+from eagle3.targets import describe_target, eos_token_ids, load_target, resolve
 
 log = logging.getLogger("datagen.rollout")
 

@@ -33,7 +33,7 @@ from eagle3.checkpoint import load_draft
 from eagle3.data.shards import ShardDataset, ShardWriter, read_index, read_meta, repair
 from eagle3.errors import Eagle3Error
 from eagle3.progress import Progress
-from eagle3.target import load_embeddings, resolve, target_facts
+from eagle3.targets import load_embeddings, resolve, target_facts
 
 log = logging.getLogger("datagen.rollout")
 

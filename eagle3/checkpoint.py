@@ -67,6 +67,8 @@ The MLA draft (DraftConfig.attention "mla") is the same directory for vLLM's
   everything else as above. vLLM's load_weights renames midlayer. -> layers.0., fuses q_a_proj
   with kv_a_proj_with_mqa and gate_proj with up_proj itself, maps d2t to draft_id_to_target_id
   and skips t2d, so the tensors are written unfused, under the names our model uses.
+A method's sub-config (DraftConfig.options: the switches above, P-EAGLE's fields) is written as
+top-level keys in DraftConfig.to_dict()'s order, and read back by eagle3.methods.make_draft_config.
 A P-EAGLE draft (eagle3/methods/p_eagle/) is the GQA directory
 with `num_hidden_layers` = its layer count, `method` (p-eagle), `num_layers`,
 `parallel_depth` and `mask_token_id` (vLLM's `_init_parallel_drafting_params` reads the mask id
@@ -92,7 +94,14 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.errors import Eagle3Error
-from eagle3.methods import REGISTRY, draft_for, method_of, method_of_published
+from eagle3.methods import (
+    OPTION_FIELDS,
+    REGISTRY,
+    draft_for,
+    make_draft_config,
+    method_of,
+    method_of_published,
+)
 from eagle3.model import MLA_FIELDS, DraftConfig, Eagle3Draft
 from eagle3.published import project_config, project_state, read_tensors, tensor_shapes
 from eagle3.rope import deepseek_rope_scaling
@@ -105,9 +114,6 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 EMBED_KEY = "embed_tokens.weight"  # part of Eagle3Draft, saved only when its own
 EMBED_CHUNK = 4096  # rows compared at a time with the target's (a Kimi matrix is 4.7 GB in fp32)
-# DraftConfig fields only a P-EAGLE export writes (an EAGLE-3 config.json stays as it was)
-# DraftConfig fields some method's config.json carries (P-EAGLE's); the others' skip them
-METHOD_FIELDS = {name for method in REGISTRY.values() for name in method.config_fields}
 # tensors some method's drafts carry (P-EAGLE's mask_hidden); the others' files must lack them
 METHOD_TENSORS = {key: m for m in REGISTRY.values() for key in m.own_tensors}
 
@@ -202,15 +208,18 @@ def checkpoint_config(
 
 
 def _gqa_layer(cfg: DraftConfig) -> dict[str, Any]:
-    """A Llama config of one decoder layer (the module docstring), or of P-EAGLE's num_layers
-    (with method, parallel_depth and mask_token_id, which vLLM's parallel drafting reads)."""
+    """A Llama config of the draft's decoder layers (the module docstring): DraftConfig's flat
+    fields, its method's sub-config's among them (P-EAGLE's num_layers, parallel_depth and
+    mask_token_id, which vLLM's parallel drafting reads, with its method key)."""
+    method = method_of(cfg)
     skip = {"aux_layer_ids", "attention", "own_embeddings", *MLA_FIELDS}
-    skip |= METHOD_FIELDS - set(method_of(cfg).config_fields)
+    if not method.writes_method_key:
+        skip.add("method")  # eagle_config.method records it
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
-        "num_hidden_layers": cfg.num_layers,
-        **{k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip},
+        "num_hidden_layers": method.decoder_layers(cfg),
+        **{k: v for k, v in cfg.to_dict().items() if k not in skip},
         "attention_bias": False,
         "mlp_bias": False,
     }
@@ -226,12 +235,12 @@ def _mla_layer(cfg: DraftConfig) -> dict[str, Any]:
     """
     skip = {"aux_layer_ids", "attention", "head_dim", "rope_scaling", "q_lora_rank"}
     skip.add("own_embeddings")  # read from the tensors (load_draft), not from config.json
-    skip |= METHOD_FIELDS  # no method with fields of its own has an MLA draft
+    skip.add("method")  # eagle_config.method records it (no method that writes it is MLA)
     return {
         "architectures": [MLA_ARCHITECTURE],
         "model_type": "deepseek_v2",
         "num_hidden_layers": 1,
-        **{k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip},
+        **{k: v for k, v in cfg.to_dict().items() if k not in skip},
         "q_lora_rank": cfg.q_lora_rank or None,  # null: q_proj from the input, no q_a/q_b
         "rope_scaling": deepseek_rope_scaling(cfg.rope_scaling),
         "n_routed_experts": 1,
@@ -328,22 +337,26 @@ def load_config(
         values["q_lora_rank"] = raw.get("q_lora_rank") or 0
         values["head_dim"] = raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"]
     for f in dataclasses.fields(DraftConfig):
-        if f.name in values:
+        if f.name in values or f.name == "options":  # the method's fields: flat keys, below
             continue
         if f.name in raw:
             values[f.name] = raw[f.name]
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise Eagle3Error(f"{path} lacks the field {f.name!r}; re-export the checkpoint")
-    if attention == "gqa" and raw.get("num_hidden_layers", 1) != values.get("num_layers", 1):
-        raise Eagle3Error(
-            f"{path}: num_hidden_layers {raw.get('num_hidden_layers')} but a "
-            f"{values['method']} draft of {values.get('num_layers', 1)} layer(s): "
-            "only a P-EAGLE drafter (method p-eagle, num_layers) has more than one; re-export it"
-        )
+    # every method's, so that make_draft_config refuses another method's set ones
+    values.update({name: raw[name] for name in OPTION_FIELDS if name in raw})
     try:
-        return DraftConfig(**values), raw
+        cfg = make_draft_config(**values)
     except (Eagle3Error, TypeError) as err:
         raise Eagle3Error(f"{path}: {err}; re-export the checkpoint") from err
+    layers = method_of(cfg).decoder_layers(cfg)
+    if attention == "gqa" and raw.get("num_hidden_layers", 1) != layers:
+        raise Eagle3Error(
+            f"{path}: num_hidden_layers {raw.get('num_hidden_layers')} but a "
+            f"{cfg.method} draft of {layers} layer(s): "
+            "only a P-EAGLE drafter (method p-eagle, num_layers) has more than one; re-export it"
+        )
+    return cfg, raw
 
 
 def _check_mla_config(path: Path, raw: dict[str, Any]) -> None:
@@ -375,13 +388,13 @@ def _check_fc_norm(weights: Path, cfg: DraftConfig, state: dict[str, torch.Tenso
     """fc_norm's flag and tensors agree: vLLM skips fc_norm.* weights whose flag is off (plain
     EAGLE-3 served for an EAGLE-3.1 drafter) and fails on a flag without weights."""
     has = any(key.startswith("fc_norm.") for key in state)
-    if has and not cfg.fc_norm:
+    if has and not cfg.options.fc_norm:
         raise Eagle3Error(
             f"{weights} has fc_norm.* weights but config.json says fc_norm: false: vLLM would "
             "ignore them and serve plain EAGLE-3; set fc_norm (and norm_output) true for an "
             "EAGLE-3.1 drafter, or re-export"
         )
-    if cfg.fc_norm and not has:
+    if cfg.options.fc_norm and not has:
         raise Eagle3Error(
             f"{weights} has no fc_norm.* weights but config.json says fc_norm: true; "
             "re-export the checkpoint (or set fc_norm: false if it was trained without)"
@@ -401,9 +414,10 @@ def _check_method_tensors(weights: Path, cfg: DraftConfig, state: dict) -> None:
                 "drafters; re-export the checkpoint"
             )
     layers = {int(k.split(".")[1]) for k in state if k.startswith("layers.")}
-    if layers != set(range(1, cfg.num_layers)):
+    count = method_of(cfg).decoder_layers(cfg)
+    if layers != set(range(1, count)):
         raise Eagle3Error(
-            f"{weights.parent}: config.json has num_hidden_layers {cfg.num_layers} but the "
+            f"{weights.parent}: config.json has num_hidden_layers {count} but the "
             f"weights hold decoder layers {sorted({0} | layers)}; re-export the checkpoint"
         )
 
@@ -464,7 +478,7 @@ def load_draft(
     (eagle3.published; `target_layers` as for load_config).
 
     `embed_weight` is the target's embedding matrix [V, H] (`Target.embed_weight` or
-    `eagle3.target.load_embeddings`). A file's own embed_tokens.weight that differs from it
+    `eagle3.targets.load_embeddings`). A file's own embed_tokens.weight that differs from it
     (or any, without it) is kept instead, frozen (config.own_embeddings), as vLLM serves it,
     and save_draft exports it; one equal to it is the target's. Without either the embeddings
     stay randomly initialised, which is only good for inspecting the weights. `dtype` casts the float weights

@@ -15,8 +15,8 @@ decoder-layer terms the residual is the incoming h, not hidden_norm(h) (norm_bef
 false), for every method.
 
 The method (DraftConfig.method; eagle3/methods/ holds one module per method) is EAGLE-3 as
-above, or EAGLE-3.1 (arXiv 2605.09992), which turns on two switches vLLM 0.32 reads from the draft's config.json in both
-llama_eagle3.py and deepseek_eagle3.py:
+above, or EAGLE-3.1 (arXiv 2605.09992), which turns on two switches vLLM 0.32 reads from the
+draft's config.json in both llama_eagle3.py and deepseek_eagle3.py:
 
     fc_norm:      h_0 = fc(concat(fc_norm_0(aux_low), fc_norm_1(aux_mid), fc_norm_2(aux_high)))
                   one RMSNorm per aux state (weights fc_norm.{0,1,2}.weight); vLLM:
@@ -26,9 +26,14 @@ llama_eagle3.py and deepseek_eagle3.py:
                   hidden_prenorm` as the state the proposer chains
 
 The logits are lm_head(norm(out)) either way, so under norm_output the state the next step
-gets is exactly the one the logits were read from. Each switch is a DraftConfig field of its
-own (a peer's checkpoint may carry one without the other); EAGLE-3.1 sets both. P-EAGLE
-(eagle3/methods/p_eagle/draft.py) adds plain layers after this one.
+gets is exactly the one the logits were read from. Each switch is a field of its own of the
+method's sub-config, DraftConfig.options (a peer's checkpoint may carry one without the other;
+`DraftOptions` below is what this layer reads of it), owned by the method: off for EAGLE-3
+(eagle3.methods.eagle3.Eagle3Options), on for EAGLE-3.1. P-EAGLE
+(eagle3/methods/p_eagle/draft.py) adds plain layers after this one, its fields in its own
+sub-config. A DraftConfig is made by eagle3.methods.make_draft_config (or from_target_config),
+which routes the flat fields config.json carries to the method's sub-config: this module never
+asks the registry.
 
 Two ways to run it:
 - `forward`: incremental decoding with a KV cache and an optional explicit attention mask
@@ -49,7 +54,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +81,18 @@ MLA_HEAD_DIM = 128
 MLA_KV_HEADS = 8
 
 
+class DraftOptions(Protocol):
+    """What the draft layer reads of its method's sub-config (DraftConfig.options, a frozen
+    dataclass of eagle3/methods/: eagle3.methods.eagle3.Eagle3Options or one extending it):
+    EAGLE-3.1's switches (module docstring)."""
+
+    @property
+    def fc_norm(self) -> bool: ...
+
+    @property
+    def norm_output(self) -> bool: ...
+
+
 @dataclass
 class DraftConfig:
     hidden_size: int  # H; equals the target hidden size (the embeddings are the target's)
@@ -96,12 +113,12 @@ class DraftConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     # None (plain RoPE), or {"rope_type": "linear", "factor"} or {"rope_type": "yarn", ...}: see
-    # rope_scaling_for_engines; from_target_config copies the target's (theta too)
+    # rope_scaling_for_engines; target_fields copies the target's (theta too)
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
     attention: str = "gqa"  # one of ATTENTIONS
-    # MLA only (0 otherwise); from_target_config copies the target's. q_lora_rank 0: a plain
+    # MLA only (0 otherwise); target_fields copies the target's. q_lora_rank 0: a plain
     # q_proj from the 2H input instead of q_a_proj -> q_a_layernorm -> q_b_proj.
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
@@ -109,17 +126,11 @@ class DraftConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     # the draft method, a name in eagle3.methods.METHODS: what it builds, trains and decodes
-    # (None: the registry's DEFAULT_METHOD)
-    method: str | None = None
-    # EAGLE-3.1's switches (module docstring); None = what the method says (on for EAGLE-3.1)
-    fc_norm: bool | None = None
-    norm_output: bool | None = None
-    # P-EAGLE only (eagle3/methods/p_eagle/): decoder layers (this layer + num_layers - 1 plain
-    # Llama layers), the depths K it is trained to draft in one pass, and the token id depths
-    # >= 1 are fed (vLLM reads it as the config's mask_token_id)
-    num_layers: int = 1
-    parallel_depth: int = 0
-    mask_token_id: int | None = None
+    method: str = field(kw_only=True)
+    # its sub-config, the fields that differ by method (EAGLE-3.1's switches, P-EAGLE's layers,
+    # depth and mask id): eagle3.methods.make_draft_config makes it from the flat fields config.json
+    # carries, and to_dict flattens it back in this place
+    options: DraftOptions = field(kw_only=True)
     # True: embed_tokens are the drafter's own, not the target's (a published file's that differ
     # from the target's, which vLLM serves as they are): kept frozen, and exported as
     # embed_tokens.weight. Never in config.json: eagle3.checkpoint.load_draft decides it from
@@ -127,15 +138,10 @@ class DraftConfig:
     own_embeddings: bool = False
 
     def __post_init__(self) -> None:
+        """Check what the draft layer needs (a method checks its own sub-config:
+        eagle3.methods.make_draft_config)."""
         self.rope_scaling = rope_scaling_for_engines(self.rope_scaling)
-        # the one import up the layers (tests/test_layout.py's LAZY_IMPORTS): the method fills
-        # its switch defaults and checks its fields; the registry builds on this module
-        from eagle3.methods import DEFAULT_METHOD, method_named
-
-        self.method = self.method or DEFAULT_METHOD
-        method = method_named(self.method)
-        method.configure(self)  # the switches left None
-        if self.fc_norm and self.feature != "aux":
+        if self.options.fc_norm and self.feature != "aux":
             raise Eagle3Error(
                 "fc_norm normalises each of the 3 aux states before fc; feature 'last' has one "
                 "state: use method eagle3 with feature last, or feature aux"
@@ -160,7 +166,6 @@ class DraftConfig:
             raise Eagle3Error(f"feature {self.feature!r} is not one of {FEATURES}")
         if len(self.aux_layer_ids) != 3:
             raise Eagle3Error(f"EAGLE-3 fuses exactly 3 aux layers, got {self.aux_layer_ids}")
-        method.check(self)  # its own fields (P-EAGLE's set for it only)
 
     def _check_mla(self) -> None:
         dims = {name: getattr(self, name) for name in MLA_FIELDS}
@@ -194,52 +199,61 @@ class DraftConfig:
         """Width of the target features the fc layer takes."""
         return (3 if self.feature == "aux" else 1) * self.target_hidden_size
 
-    @classmethod
-    def from_target_config(
-        cls, hf_config: Any, draft_vocab_size: int, aux_layer_ids: list[int], **overrides: Any
-    ) -> DraftConfig:
-        """Size the draft layer like one decoder layer of the target (the usual choice), with
-        the target's RoPE (theta and scaling); `overrides` replace any field (None = derive).
-
-        A GQA draft for an MLA target (DeepSeek-V3, Kimi-K2.5) gets heads of MLA_HEAD_DIM
-        with MLA_KV_HEADS KV heads where the hidden size divides (Kimi: 56 x 128, 8 KV heads),
-        else hidden / heads. An MLA draft (attention="mla") takes the target's heads and MLA
-        dims (q_lora_rank, kv_lora_rank, qk_nope / qk_rope / v head dims), each overridable.
-        """
-        heads = hf_config.num_attention_heads
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-        hidden = hf_config.hidden_size
-        head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-        if getattr(hf_config, "kv_lora_rank", None):  # MLA: its head_dim is not a Llama one
-            head_dim = hidden // heads
-            if hidden % MLA_HEAD_DIM == 0 and (hidden // MLA_HEAD_DIM) % MLA_KV_HEADS == 0:
-                head_dim, heads, kv_heads = MLA_HEAD_DIM, hidden // MLA_HEAD_DIM, MLA_KV_HEADS
-            else:
-                kv_heads = heads
-        theta, scaling = target_rope(hf_config)
-        # MoE configs (DeepSeek-V3) carry the dense-layer width in intermediate_size too.
-        values = dict(
-            hidden_size=hidden,
-            intermediate_size=hf_config.intermediate_size,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            vocab_size=hf_config.vocab_size,
-            draft_vocab_size=draft_vocab_size,
-            target_hidden_size=hidden,
-            aux_layer_ids=list(aux_layer_ids),
-            rms_norm_eps=getattr(hf_config, "rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
-        )
-        if overrides.get("attention") == "mla":
-            values.update(_mla_shape(hf_config, overrides))
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
-
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The flat fields, the method's sub-config's in its place (config.json's keys and
+        order; eagle3.methods.make_draft_config takes them back)."""
+        flat: dict[str, Any] = {}
+        for name, value in asdict(self).items():
+            if name == "options":
+                flat.update(value)
+            else:
+                flat[name] = value
+        return flat
+
+
+def target_fields(
+    hf_config: Any, draft_vocab_size: int, aux_layer_ids: list[int], **overrides: Any
+) -> dict[str, Any]:
+    """The flat fields of a draft layer sized like one decoder layer of the target (the usual
+    choice), with the target's RoPE (theta and scaling); `overrides` replace any field (None =
+    derive), the method's among them (eagle3.methods.from_target_config makes the config).
+
+    A GQA draft for an MLA target (DeepSeek-V3, Kimi-K2.5) gets heads of MLA_HEAD_DIM
+    with MLA_KV_HEADS KV heads where the hidden size divides (Kimi: 56 x 128, 8 KV heads),
+    else hidden / heads. An MLA draft (attention="mla") takes the target's heads and MLA
+    dims (q_lora_rank, kv_lora_rank, qk_nope / qk_rope / v head dims), each overridable.
+    """
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    hidden = hf_config.hidden_size
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    if getattr(hf_config, "kv_lora_rank", None):  # MLA: its head_dim is not a Llama one
+        head_dim = hidden // heads
+        if hidden % MLA_HEAD_DIM == 0 and (hidden // MLA_HEAD_DIM) % MLA_KV_HEADS == 0:
+            head_dim, heads, kv_heads = MLA_HEAD_DIM, hidden // MLA_HEAD_DIM, MLA_KV_HEADS
+        else:
+            kv_heads = heads
+    theta, scaling = target_rope(hf_config)
+    # MoE configs (DeepSeek-V3) carry the dense-layer width in intermediate_size too.
+    values = dict(
+        hidden_size=hidden,
+        intermediate_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=hf_config.vocab_size,
+        draft_vocab_size=draft_vocab_size,
+        target_hidden_size=hidden,
+        aux_layer_ids=list(aux_layer_ids),
+        rms_norm_eps=getattr(hf_config, "rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
+    )
+    if overrides.get("attention") == "mla":
+        values.update(_mla_shape(hf_config, overrides))
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return values
 
 
 def _mla_shape(hf_config: Any, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -274,7 +288,7 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(cfg.feature_size, H, bias=False)
-        if cfg.fc_norm:  # EAGLE-3.1: one RMSNorm per aux state before fc
+        if cfg.options.fc_norm:  # EAGLE-3.1: one RMSNorm per aux state before fc
             self.fc_norm = nn.ModuleList(
                 RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in cfg.aux_layer_ids
             )
@@ -326,7 +340,7 @@ class Eagle3Draft(nn.Module):
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """Target features (B, T, 3*Ht), or (B, T, Ht) for feature "last" -> (B, T, H)."""
         aux_hidden = aux_hidden.to(self.fc.weight.dtype)
-        if self.config.fc_norm:
+        if self.config.options.fc_norm:
             chunks = aux_hidden.chunk(len(self.fc_norm), dim=-1)
             aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux_hidden)
@@ -338,7 +352,7 @@ class Eagle3Draft(nn.Module):
         """The layer's output -> (the state the next draft step is fed, logits). norm_output
         feeds norm(out), the state the logits are read from; otherwise out itself."""
         normed = self.norm(out)
-        return (normed if self.config.norm_output else out), self.lm_head(normed)
+        return (normed if self.config.options.norm_output else out), self.lm_head(normed)
 
     def forward(
         self,

@@ -92,7 +92,8 @@ LAYER_SWITCHES = {
 
 def is_ours(raw: dict[str, Any]) -> bool:
     """A config.json this project wrote: its exports record eagle_config.method and, top-level,
-    every DraftConfig field (`feature` among them), which no other trainer writes."""
+    every DraftConfig field (`feature` among them, and its method's sub-config's), which no other
+    trainer writes."""
     return "method" in (raw.get("eagle_config") or {}) or "feature" in raw
 
 

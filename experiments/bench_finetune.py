@@ -4,6 +4,7 @@ scratch on that budget: which drafter is best in the targeted domain, and which 
     python experiments/bench_finetune.py --gsm8k PATH/gsm8k/test.jsonl [--work runs/bench-finetune]
         [--generic 1200] [--start-epochs 2] [--domain 300] [--epochs 4] [--anchor 1e-2]
         [--replay 0.25] [--prompts 20] [--arms start,replay,replay-lk,onpolicy,onpolicy-lk]
+        [--budget mixed --math PATH/gsm8k/train.jsonl]
 
 The Kimi situation in miniature, on the embedded target (configs/train/smollm2-q4-cpu.yaml
 otherwise):
@@ -16,18 +17,21 @@ otherwise):
   --domain code prompts: "write this function" for public standard-library functions, by
   name, signature and docstring (none shares a 13-word run with HumanEval: eagle3.data.
   decontaminate). The benchmark of the domain is HumanEval; MT-bench and GSM8K measure
-  forgetting.
+  forgetting. With --budget mixed the same number of prompts is a third each of chat (first
+  user turns of ShareGPT conversations the start never saw), code (the head of the same
+  sample) and math (GSM8K's train questions), as the user's dataset mix spreads its budget;
+  none shares a 13-word run with any benchmark.
 
 Arms, every one --epochs epochs over the same targeted shards (the same target tokens):
 **scratch** (the recipe from random weights, its own vocabulary); **finetune** (model.init_from
 = start, its vocabulary kept, lr / --lr-ratio, warm-up 0); **anchor** (finetune +
 train.anchor_l2 = --anchor); **replay** (anchor + data.replay_fraction = --replay of the
 training tokens drawn from the generic shards); **replay-lk** (replay with train.loss =
-lk-lambda, the LK loss); **onpolicy** (replay, its domain tokens the start's own rollouts:
-`datagen.rollout` decodes the same domain prompts with the start drafter against the target,
-T=0, chains of 4, so the tokens are the target's own greedy answers again and the shards add
-the start's rejection log, which train.rollout_weight weighs); **onpolicy-lk** (both). Then
-each is served by vLLM-CPU
+lk-lambda, the LK loss); **onpolicy** (replay, its domain tokens the start's own round: the
+start drafter's greedy decode of the domain prompts against the target, chains of 4, replayed
+from the domain's capture by `datagen.rollout --from-shards`, so the tokens are the same and
+the shards add the start's rejection log, which train.rollout_weight weighs); **onpolicy-lk**
+(both). Then each is served by vLLM-CPU
 (`eagle3.evaluate --engine vllm --engine-only --engine-passes batched`, vLLM's own
 per-request counts, 8 requests in flight), T=0, chains of 4 (the depth trained), --prompts
 prompts a benchmark, 64 new tokens a turn; τ with 95%
@@ -58,6 +62,7 @@ BENCHES = ["humaneval", "mt_bench", "gsm8k"]
 ARMS = ["start", "scratch", "finetune", "anchor", "replay", "replay-lk", "onpolicy", "onpolicy-lk"]
 LK = "lk-lambda"  # the LK arms' train.loss
 ROLLOUT_STEPS = 4  # the rollout's chain: the depth every arm trains and is measured at
+CHAT_CHARS = 1500  # a chat prompt's first turn at most: ~400 tokens, the answer's 192 fit 1024
 ASK = "Write the Python function `{name}({args})` of the standard library's `{module}` module.\n\n{doc}"
 # not prose-like code, or not Python: as bench_long_records skips them
 SKIP = (
@@ -95,23 +100,62 @@ def function_prompts(root: Path) -> list[dict]:
     return out
 
 
-def write_domain_prompts(path: Path, count: int, seed: int, root: Path | None = None) -> None:
-    """`count` function prompts (a seeded sample of all of them under `root`, default the
-    whole standard library), decontaminated against HumanEval, as a JSONL prompt source."""
+def chat_prompts(generic: Path, limit: int) -> list[dict]:
+    """ShareGPT conversations' first user turns (at most CHAT_CHARS long, so the answer fits),
+    none of them a conversation of the generic shards: the chat third of a mixed budget."""
+    from eagle3.data.prompts import load_prompts
+
+    seen = {json.loads(line)["id"].split("_")[0] for line in generic.open()}
+    out = []
+    for p in load_prompts("sharegpt", limit=limit):
+        text = p.messages[0]["content"] if p.messages[0]["role"] == "user" else ""
+        if text.strip() and len(text) <= CHAT_CHARS and p.id.split("_")[0] not in seen:
+            out.append({"id": f"chat-{p.id}", "prompt": text})
+    return out
+
+
+def math_prompts(path: Path) -> list[dict]:
+    """GSM8K's train questions (the test split is the benchmark): the math third."""
+    rows = [json.loads(line) for line in path.open() if line.strip()]
+    return [{"id": f"gsm8k-train-{i}", "prompt": r["question"]} for i, r in enumerate(rows)]
+
+
+def domain_sources(args: argparse.Namespace, work: Path, root: Path | None) -> dict[str, list]:
+    """The budget's prompt sources, each seeded-shuffled: code alone, or chat, code and math."""
+    from eagle3.data.long_context import stdlib_dir
+
+    sources = {"code": function_prompts(root or stdlib_dir())}
+    if args.budget == "mixed":
+        sources["chat"] = chat_prompts(work / "generic" / "sharegpt.jsonl", 4 * args.generic)
+        sources["math"] = math_prompts(Path(args.math))
+    for k, prompts in sources.items():  # code's sample is --budget code's: mixed takes its head
+        random.Random(args.seed if k == "code" else f"{args.seed}:{k}").shuffle(prompts)
+    return sources
+
+
+def write_domain_prompts(
+    path: Path, args: argparse.Namespace, work: Path, benches: str, root: Path | None = None
+) -> None:
+    """--domain prompts as a JSONL prompt source: a seeded sample of the budget's sources
+    (all of --budget code is standard-library functions; --budget mixed takes a third each of
+    chat, code and math), none sharing a 13-word run with a benchmark."""
     if path.is_file():
         return
     from eagle3.data.decontaminate import BenchmarkIndex
-    from eagle3.data.long_context import stdlib_dir
 
-    prompts = function_prompts(root or stdlib_dir())
-    random.Random(seed).shuffle(prompts)
-    index = BenchmarkIndex.from_sources(["humaneval"])
-    kept = [p for p in prompts if not index.hit([{"role": "user", "content": p["prompt"]}])]
-    print(
-        f"domain prompts: {len(prompts)} functions, {len(prompts) - len(kept)} share text with HumanEval"
-    )
+    index = BenchmarkIndex.from_sources(benches.split(","))
+    sources = domain_sources(args, work, root)
+    picked = []
+    for k, (name, prompts) in enumerate(sources.items()):
+        share = args.domain // len(sources) + (k < args.domain % len(sources))
+        kept = [p for p in prompts if not index.hit([{"role": "user", "content": p["prompt"]}])]
+        print(f"domain prompts: {name}: {share} of {len(kept)} ({len(prompts) - len(kept)} "
+              "share text with a benchmark)")  # fmt: skip
+        if len(kept) < share:
+            sys.exit(f"bench_finetune: only {len(kept)} {name} prompts; lower --domain")
+        picked += kept[:share]
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(p) + "\n" for p in kept[:count]))
+    tmp.write_text("".join(json.dumps(p) + "\n" for p in picked))
     tmp.replace(path)
 
 
@@ -154,7 +198,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--work", default="runs/bench-finetune")
     ap.add_argument("--generic", type=int, default=1200, help="off-policy ShareGPT conversations")
     ap.add_argument("--start-epochs", type=int, default=2)
-    ap.add_argument("--domain", type=int, default=300, help="code prompts the target answers")
+    ap.add_argument("--domain", type=int, default=300, help="prompts the target answers")
+    ap.add_argument(
+        "--budget", choices=("code", "mixed"), default="code",
+        help="the domain: code prompts, or a third each of chat, code and math (needs --math)",
+    )  # fmt: skip
+    ap.add_argument("--math", help="GSM8K's train.jsonl: the math third of --budget mixed")
+    ap.add_argument("--seed", type=int, default=0, help="the domain prompts' sample")
     ap.add_argument("--epochs", type=int, default=4, help="epochs of every arm on the domain")
     ap.add_argument(
         "--lr-ratio", type=float, default=4.0, help="the fine-tunes' lr = recipe's / this"
@@ -171,6 +221,8 @@ def parse_args() -> argparse.Namespace:
         "--gsm8k", help="GSM8K's test.jsonl (no embedded copy): without it, no GSM8K row"
     )
     args = ap.parse_args()
+    if args.budget == "mixed" and not args.math:
+        ap.error("--budget mixed: give --math PATH (GSM8K's train.jsonl, the math third)")
     args.arms = args.arms.split(",")
     unknown = [a for a in args.arms if a not in ARMS]
     if unknown or args.arms[0] != "start":
@@ -187,7 +239,7 @@ def make_data(work: Path, args: argparse.Namespace, benches: str) -> None:
     run([py, "-m", "datagen.capture", "--target", TARGET, "--data", str(work / "generic"),
          "--out", str(work / "shards-generic"), "--max-length", "512", "--long-records", "cut"],
         work / "capture-generic.log")  # fmt: skip
-    write_domain_prompts(work / "domain-prompts.jsonl", args.domain, seed=0)
+    write_domain_prompts(work / "domain-prompts.jsonl", args, work, benches)
     run([py, "-m", "datagen.local", "--target", TARGET, "--prompts",
          str(work / "domain-prompts.jsonl"), "--exclude-benchmarks", benches,
          "--max-new-tokens", "192", "--temperature", "0", "--out", str(work / "domain")],
@@ -197,13 +249,13 @@ def make_data(work: Path, args: argparse.Namespace, benches: str) -> None:
         work / "capture-domain.log")  # fmt: skip
 
 
-def rollout_start(work: Path, benches: str) -> None:
-    """The on-policy arms' round: the start drafter decodes the domain prompts against the
-    target (datagen.rollout; the same answers' length cap as the domain's)."""
+def rollout_start(work: Path) -> None:
+    """The on-policy arms' round: the start drafter's greedy decode of the domain prompts
+    against the target, replayed from the domain's capture (datagen.rollout --from-shards: its
+    records are the target's own greedy answers, so a decode would write the same tokens)."""
     run([sys.executable, "-m", "datagen.rollout", "--target", TARGET, "--draft",
-         str(work / "start" / "final"), "--prompts", str(work / "domain-prompts.jsonl"),
-         "--exclude-benchmarks", benches, "--temperature", "0", "--steps", str(ROLLOUT_STEPS),
-         "--max-new-tokens", "192", "--out", str(work / "rollout-start")],
+         str(work / "start" / "final"), "--from-shards", str(work / "shards-domain"),
+         "--steps", str(ROLLOUT_STEPS), "--out", str(work / "rollout-start")],
         work / "rollout-start.log", done=work / "rollout-start" / "index.jsonl")  # fmt: skip
 
 
@@ -217,7 +269,7 @@ def main() -> None:
     seconds = {}
     for arm in args.arms:
         if arm.startswith("onpolicy"):
-            rollout_start(work, benches)
+            rollout_start(work)
         seconds[arm] = train_arm(
             work / arm, CONFIG, arm_overrides(arm, work, args), "bench_finetune"
         )

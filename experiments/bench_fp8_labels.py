@@ -31,7 +31,7 @@ import torch
 from eagle3.data.prompts import load_prompts
 from eagle3.data.shards import ShardDataset, ShardWriter, target_meta
 from eagle3.loss import target_probs
-from eagle3.target import load_target
+from eagle3.targets import load_target
 
 MODES = ("bf16", "fp8", "fp8-aux")  # bf16 is the reference the fp8 modes are compared with
 

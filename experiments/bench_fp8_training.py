@@ -54,7 +54,7 @@ from eagle3.data.shards import ShardDataset, ShardWriter, read_meta
 from eagle3.evaluation.report import engine_row_name
 from eagle3.loss import simulated_acceptance, step_labels
 from eagle3.model import Eagle3Draft
-from eagle3.target import load_embeddings, load_lm_head, load_target, resolve
+from eagle3.targets import load_embeddings, load_lm_head, load_target, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = "smollm2-135m-q4"

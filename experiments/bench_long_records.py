@@ -50,7 +50,7 @@ from eagle3.data.long_context import MODULES, stdlib_dir
 from eagle3.data.prompts import Prompt
 from eagle3.data.records import ResultStore, make_record
 from eagle3.data.windows import split_windows
-from eagle3.target.facts import load_tokenizer
+from eagle3.targets.facts import load_tokenizer
 
 TARGET = "smollm2-135m-q4"
 CONFIG = "configs/train/smollm2-q4-cpu.yaml"

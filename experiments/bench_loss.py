@@ -2,16 +2,19 @@
 
     python experiments/bench_loss.py --shards runs/quickstart/shards --gsm8k PATH/gsm8k/test.jsonl
         [--work runs/bench-loss] [--losses kl,lk-lambda] [--seeds 0,1] [--epochs 2]
-        [--prompts 20] [--temperatures 0,1]
+        [--prompts 20] [--temperatures 0,1] [--max-new-tokens 64]
+        [--target smollm2-135m-q4] [--override KEY=VALUE ...]
 
 Every arm trains configs/train/smollm2-q4-cpu.yaml on the same shards (the embedded target's
 own answers, e.g. the quickstart's: `bash scripts/quickstart.sh` writes runs/quickstart/shards;
 several --shards dirs for more data), for the same epochs (so the same tokens and steps), one
-arm per loss and seed: only train.loss and train.seed differ. Each arm's final drafter is then
-measured by real speculative decoding against the same 4-bit target, in-house (its tau equals
-vLLM's at T = 0, tests/eagle3/test_evaluate_engine.py; at T = 1 with proper rejection sampling,
-which vLLM 0.32 does not do for drafts), chains of 4 (the depth trained), --prompts prompts of
-HumanEval, MT-bench and GSM8K, 64 new tokens a turn.
+arm per loss and seed: only train.loss and train.seed differ (`--override` adds key=value to
+every arm). Each arm's final drafter is then measured by real speculative decoding against the
+same 4-bit target (`--target`: another one, the shards' own, for training and decoding alike),
+in-house (its tau equals vLLM's at T = 0, tests/eagle3/test_evaluate_engine.py; at T = 1 with
+proper rejection sampling, which vLLM 0.32 does not do for drafts), chains of 4 (the depth
+trained), --prompts prompts of HumanEval, MT-bench and GSM8K, 64 new tokens a turn
+(--max-new-tokens).
 
 The table compares each loss with kl, seed by seed, over the same prompts: tau(loss) - tau(kl)
 with the 95% interval of that difference bootstrapped over the prompts drawn together
@@ -47,8 +50,9 @@ def evaluate(work: Path, arms: list[str], benches: str, args, temperature: float
     if out.is_file():
         return out
     drafts = [a for arm in arms for a in ("--draft", str(work / arm / "final"))]
-    cmd = [sys.executable, "-m", "eagle3.evaluate", "--target", TARGET, "--device", "cpu",
-           *drafts, "--bench", benches, "--limit", str(args.prompts), "--max-new-tokens", "64",
+    cmd = [sys.executable, "-m", "eagle3.evaluate", "--target", args.target, "--device", "cpu",
+           *drafts, "--bench", benches, "--limit", str(args.prompts),
+           "--max-new-tokens", str(args.max_new_tokens),
            "--steps", "4", "--temperature", f"{temperature:g}", "--context-buckets", "0",
            "--json", str(out)]  # fmt: skip
     log = work / f"eval-t{temperature:g}.log"
@@ -82,7 +86,7 @@ def paired_table(
     return ["loss", "seed", *benches], table
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shards", nargs="+", required=True, help="datagen.capture output dirs")
     ap.add_argument("--work", default="runs/bench-loss")
@@ -92,7 +96,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=20, help="prompts a benchmark")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--gsm8k", help="GSM8K's test.jsonl (no embedded copy): without it, no GSM8K")
-    args = ap.parse_args()
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="new tokens a turn")
+    ap.add_argument("--target", default=TARGET, help="the target trained for and decoded with")
+    ap.add_argument("--override", nargs="*", default=[], help="more key=value for every arm")
+    args = ap.parse_args(argv)
     losses = args.losses.split(",")
     if losses[0] != BASE:
         sys.exit(f"bench_loss: --losses must start with {BASE}, the arm the others are paired with")
@@ -103,8 +110,9 @@ def main() -> None:
     seconds = {}
     for loss in losses:
         for seed in seeds:
-            overrides = [f"data.shard_dirs=[{shards}]", f"train.epochs={args.epochs}",
-                         f"train.loss={loss}", f"train.seed={seed}"]  # fmt: skip
+            overrides = [f"target.name={args.target}", f"data.shard_dirs=[{shards}]",
+                         f"train.epochs={args.epochs}", f"train.loss={loss}",
+                         f"train.seed={seed}", *args.override]  # fmt: skip
             arm = arm_name(loss, seed)
             seconds[arm] = train_arm(work / arm, CONFIG, overrides, "bench_loss")
     arms = [arm_name(loss, seed) for loss in losses for seed in seeds]

@@ -43,7 +43,7 @@ from eagle3.data.chat import render_record
 from eagle3.data.prompts import PromptError, open_source, source_conversation
 from eagle3.loss import simulated_acceptance
 from eagle3.model import Eagle3Draft
-from eagle3.target import load_target
+from eagle3.targets import load_target
 
 OLD_ROPE = ["model.draft.rope.theta=10000", "model.draft.rope.scaling={rope_type: default}"]
 BUCKETS = [(0, 1024), (1024, 4096), (4096, 8192)]

@@ -3,9 +3,11 @@ optimizer steps, differing only in the config values an arm names, measured in o
 
     python experiments/recipe_search.py --shards runs/x/shards-on1 --val-shards runs/x/shards-val \\
         --steps 100 --arm base= --arm lr1e-3=optim.lr=1e-3 --arm ttt6=model.ttt_steps=6 \\
-        --arm vocab1000=model.draft_vocab_size=1000 [--out runs/recipe-search]
+        --arm vocab1000=model.draft_vocab_size=1000 [--out runs/recipe-search] \\
+        [--config RECIPE] [--override KEY=VALUE ...]
 
-Every arm is the recipe (configs/train/smollm2-q4-cpu.yaml unless --config) plus its own
+Every arm is the recipe (configs/train/smollm2-q4-cpu.yaml unless --config, with the
+`--override` values of every arm, e.g. another target's `target.name`) plus its own
 `key=value` overrides (comma-separated; `base=` is the recipe itself), trained for `--steps`
 on `--shards` and validated on the fixed held-out `--val-shards` (the same for every arm).
 Prints per arm: the last validation loss, acc_0..acc_k, simulated tau and simulated tau at the
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arm", action="append", required=True, metavar="NAME=key=value[,...]")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps of every arm")
     p.add_argument("--config", default=str(RECIPE))
+    p.add_argument("--override", nargs="*", default=[], help="more key=value for every arm")
     p.add_argument("--out", default="runs/recipe-search")
     args = p.parse_args(argv)
     arms = [parse_arm(a) for a in args.arm]
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             f"data.val_shard_dirs=[{','.join(args.val_shards)}]",
             f"train.max_steps={args.steps}",
             f"train.eval_every={max(args.steps // 4, 1)}",
+            *args.override,
         ]
         seconds = train_arm(
             Path(args.out) / name, args.config, [*common, *overrides], "recipe_search"

@@ -115,8 +115,7 @@ def make_published_mla_draft(
     embed_tokens, seeded, unlike the target's. -> out."""
     from transformers import AutoConfig
 
-    from eagle3.methods import draft_for
-    from eagle3.model import DraftConfig
+    from eagle3.methods import draft_for, from_target_config
     from eagle3.published import engine_default_aux_ids
     from eagle3.vocab import build_draft_vocab
 
@@ -124,7 +123,7 @@ def make_published_mla_draft(
     if not 0 < draft_vocab_size < text.vocab_size:  # vLLM refuses a d2t beside a full lm_head
         raise ValueError(f"draft_vocab_size must be in 1..{text.vocab_size - 1} (a reduced vocab)")
     aux = engine_default_aux_ids(text.num_hidden_layers)
-    cfg = DraftConfig.from_target_config(text, draft_vocab_size, aux, attention="mla")
+    cfg = from_target_config(text, draft_vocab_size, aux, attention="mla")
     generator = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -142,13 +142,12 @@ def chat_drafter(chat_target_dir, tmp_path_factory):
     from transformers import AutoConfig
 
     from eagle3.checkpoint import save_draft
-    from eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3.methods import from_target_config
+    from eagle3.model import Eagle3Draft
 
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        cfg = DraftConfig.from_target_config(
-            AutoConfig.from_pretrained(chat_target_dir), 200, [1, 3, 4]
-        )
+        cfg = from_target_config(AutoConfig.from_pretrained(chat_target_dir), 200, [1, 3, 4])
         draft = Eagle3Draft(cfg)
     out = tmp_path_factory.mktemp("chat_drafter") / "final"
     return save_draft(draft, out, extra_config={"target": "tiny-llama"})
@@ -162,14 +161,14 @@ def tiny_deepseek_dir(tmp_path_factory):
 
 @pytest.fixture
 def tiny_llama_target(tiny_llama_dir):
-    from eagle3.target import load_target
+    from eagle3.targets import load_target
 
     return load_target(tiny_llama_dir, device="cpu")
 
 
 @pytest.fixture
 def tiny_deepseek_target(tiny_deepseek_dir):
-    from eagle3.target import load_target
+    from eagle3.targets import load_target
 
     return load_target(tiny_deepseek_dir, device="cpu")
 
@@ -177,7 +176,7 @@ def tiny_deepseek_target(tiny_deepseek_dir):
 @pytest.fixture(scope="session")
 def smollm2_target():
     """The embedded 4-bit SmolLM2 target (converted once into ~/.cache/eagle3, then ~1 s)."""
-    from eagle3.target import load_target
+    from eagle3.targets import load_target
 
     return load_target("smollm2-135m-q4", device="cpu")
 
@@ -225,7 +224,7 @@ def engine():
 def embedded_target_dir():
     """The HF dir of the embedded target (the de-quantised fp32 SmolLM2 dir engines serve)."""
     from eagle3.errors import Eagle3Error
-    from eagle3.target import resolve
+    from eagle3.targets import resolve
 
     try:
         return resolve(EMBEDDED).hf_dir
@@ -322,6 +321,7 @@ def embedded_drafters(tmp_path_factory, embedded_answers):
 def tiny_config():
     """A factory of tiny DraftConfigs (hidden 32, 4 heads of 8, vocab 50 -> 40): overrides
     as keyword arguments."""
+    from eagle3.methods import make_draft_config
     from eagle3.model import DraftConfig
 
     def make(**overrides) -> DraftConfig:
@@ -337,6 +337,6 @@ def tiny_config():
             aux_layer_ids=[0, 1, 2],
         )
         values.update(overrides)
-        return DraftConfig(**values)
+        return make_draft_config(**values)
 
     return make

@@ -37,7 +37,7 @@ from pathlib import Path
 import eagle3
 from eagle3.engine.capture import CAPTURE_MODULE, PLUGIN_DIR
 from eagle3.engine.venv import default_engine_python
-from eagle3.target import TARGETS_DIR, registry_names, resolve
+from eagle3.targets import TARGETS_DIR, registry_names, resolve
 
 venv = Path(sys.prefix)
 assert Path(eagle3.__file__).is_relative_to(venv), eagle3.__file__

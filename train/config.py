@@ -63,7 +63,7 @@ class EngineConfig:
 
 @dataclass
 class TargetConfig:
-    name: str = "smollm2-135m-q4"  # name in eagle3/target/registry_entries/, HF dir/hub id, .gguf
+    name: str = "smollm2-135m-q4"  # name in eagle3/targets/registry_entries/, HF dir/hub id, .gguf
     aux_layer_ids: list[int] | None = (
         None  # None: the shards' meta (offline) or the target's default
     )
@@ -154,7 +154,7 @@ class MLAShapeConfig:
 
 @dataclass
 class DraftShapeConfig:
-    """The draft layer's shape; null = derived from the target (DraftConfig.from_target_config)."""
+    """The draft layer's shape; null = derived from the target (eagle3.methods.from_target_config)."""
 
     # gqa: Llama's grouped-query attention (LlamaForCausalLMEagle3); mla: DeepSeek-V3's latent
     # attention (vLLM's Eagle3DeepseekV3ForCausalLM), for MLA targets such as Kimi-K2.5

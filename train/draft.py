@@ -9,7 +9,7 @@ import torch
 
 from eagle3.checkpoint import load_draft
 from eagle3.errors import Eagle3Error
-from eagle3.methods import draft_for, method_named
+from eagle3.methods import draft_for, from_target_config, method_named
 from eagle3.model import MLA_FIELDS, DraftConfig, Eagle3Draft
 from eagle3.vocab import DraftVocab, carry_rows
 from train.config import ModelConfig
@@ -35,7 +35,7 @@ def draft_config(
         # the method's own fields, nulls derived (P-EAGLE's depth: model.ttt_steps)
         **method_named(shape.method).draft_fields(shape, model.ttt_steps, hf_config),
     }
-    return DraftConfig.from_target_config(hf_config, draft_vocab_size, aux_ids, **overrides)
+    return from_target_config(hf_config, draft_vocab_size, aux_ids, **overrides)
 
 
 def build_draft(model: ModelConfig, facts: dict, vocab: DraftVocab, data: TrainData) -> Eagle3Draft:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle3.loss import label_rows, target_probs
-from eagle3.target import TargetModel
+from eagle3.targets import TargetModel
 from train.label_cache import LabelCache
 
 

@@ -29,7 +29,7 @@ from eagle3.engine.served_target import ServedTarget, describe_served_target
 from eagle3.engine.server import free_port
 from eagle3.engine.venv import INSTALL_HINT, engine_available
 from eagle3.errors import ConfigError, Eagle3Error, RemoteError
-from eagle3.target import ResolvedTarget
+from eagle3.targets import ResolvedTarget
 from train.config import Config
 from train.distributed import node_rank, num_nodes
 

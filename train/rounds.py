@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3.cli import HelpFormatter
+from eagle3.cli import HelpFormatter, run_main
 from eagle3.errors import Eagle3Error
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,8 +177,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eagle3.cli import run_main
-
     return run_main(parse_args, run, argv)
 
 

@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 
 from eagle3.data.shards import read_meta
 from eagle3.errors import ConfigError, Eagle3Error
-from eagle3.target import (
+from eagle3.targets import (
     ResolvedTarget,
     TargetModel,
     check_fingerprint,

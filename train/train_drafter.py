@@ -44,7 +44,7 @@ and the engine captures the next step while the ranks train on this one.
 Beside the recipe in train/, in the order setup uses them: config.py (the YAML), distributed.py
 (the Accelerator), run_dir.py (checkpoints, resume, export, best/ and final/), sources.py
 (what a run trains on: the target, and datasets.py's shards or records), run_vocab.py (the draft
-vocab), packing.py, draft.py (the drafter), memory_checks.py (the memory plan at start and
+vocab), packing.py, draft.py (the drafter), memory_at_launch.py (the memory plan at start and
 --plan; memory_plan.py models it), label_cache.py (soft labels kept across epochs), optim.py
 (AdamW and its schedule), batching.py (sequences into step batches and micro-batches),
 online_target.py (the served target), run.py (what setup builds); then in the loop labeller.py
@@ -69,7 +69,7 @@ from accelerate.utils import set_seed
 from eagle3.cli import HelpFormatter, run_cli
 from eagle3.errors import RemoteError
 from eagle3.methods import Unroll
-from eagle3.target import target_facts
+from eagle3.targets import target_facts
 from eagle3.vocab import DraftVocab
 from train.anchor import Anchor
 from train.batching import step_batches
@@ -78,7 +78,7 @@ from train.distributed import configure_deepspeed, distribution, make_accelerato
 from train.draft import build_draft
 from train.label_cache import make_label_cache
 from train.labeller import Labeller
-from train.memory_checks import check_memory, is_out_of_memory, out_of_memory, print_plan
+from train.memory_at_launch import check_memory, is_out_of_memory, out_of_memory, print_plan
 from train.memory_plan import ATTENTION_PATHS
 from train.metrics import MetricsLog, MetricSums, peak_memory_gb
 from train.online_target import captured_ahead, report_engines, start_served

@@ -2,7 +2,7 @@
 
 Each record (``eagle3.data.records`` format, from ``datagen.openrouter`` or ``datagen.local``) is
 rendered with the target's chat template into token ids and a loss mask (:mod:`datagen.render`),
-the target runs once over it (:meth:`eagle3.target.Target.capture`: the 3 aux layers and the
+the target runs once over it (:meth:`eagle3.targets.Target.capture`: the 3 aux layers and the
 final post-norm hidden state, no lm_head), and the result is written as shards
 (:mod:`eagle3.data.shards`, layout, dtypes and bytes per token there)::
 

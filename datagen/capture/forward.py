@@ -8,7 +8,7 @@ import torch
 
 from datagen.render import Item
 from eagle3.data.shards import ShardWriter
-from eagle3.target import TargetModel
+from eagle3.targets import TargetModel
 
 
 def batches(items: list[Item], batch_tokens: int) -> list[list[Item]]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from datagen.render import Item, Rendering
 from eagle3.data.shards import bytes_per_token, check_meta, finalize, read_meta, target_meta
 from eagle3.data.windows import record_of
-from eagle3.target import ResolvedTarget, TargetModel, tokenizer_fingerprint
+from eagle3.targets import ResolvedTarget, TargetModel, tokenizer_fingerprint
 
 
 def check_resumable(out: Path, settings: dict) -> None:
@@ -26,7 +26,7 @@ def capture_meta(
     knows it, and the local directory it was read from: offline training reads the target's
     embeddings and lm_head there when its recipe names the registry entry), plus how the
     records were rendered, and the fingerprint of the tokenizer that made the token ids
-    (eagle3.target.tokenizer: training compares it with the tokenizer it loads)."""
+    (eagle3.targets.tokenizer: training compares it with the tokenizer it loads)."""
     return {
         **target_meta(target),
         "tokenizer_fingerprint": tokenizer_fingerprint(target.tokenizer),

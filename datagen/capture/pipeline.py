@@ -36,7 +36,7 @@ from datagen.render import Item, render_all
 from eagle3.data.records import read_records
 from eagle3.data.shards import ShardWriter, bytes_per_token, read_index, read_meta, repair
 from eagle3.errors import Eagle3Error
-from eagle3.target import resolve
+from eagle3.targets import resolve
 
 log = logging.getLogger("datagen.capture")
 

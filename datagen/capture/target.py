@@ -9,7 +9,7 @@ from datagen.capture.settings import CaptureSettings
 from eagle3.data.chat import check_renderable
 from eagle3.engine.served_target import ServedTarget, describe_served_target
 from eagle3.errors import RemoteError
-from eagle3.target import ResolvedTarget, TargetModel, load_target, resolve
+from eagle3.targets import ResolvedTarget, TargetModel, load_target, resolve
 
 
 def load_capture_target(s: CaptureSettings, state, model: ResolvedTarget) -> TargetModel:

@@ -72,8 +72,9 @@ def ignore_earlier_exclusions(
 
 def make_audit(target: str, every: int, log_path: Path, device_map: str | None = None):
     """Load the audit target once and wrap it in an OnlineAudit (tests replace this)."""
+    # with --audit-every only: an OpenRouter run without it never loads torch or a target
     from datagen.online_audit import OnlineAudit
-    from eagle3.target import load_target
+    from eagle3.targets import load_target
 
     log.info("audit: loading target %s; a check every %d prompts", target, every)
     model = load_target(target, device_map=device_map)

@@ -35,7 +35,7 @@ from eagle3.decoding.acceptance import AcceptanceStats
 from eagle3.decoding.decode_config import DecodeConfig
 from eagle3.decoding.tree import DraftTree, accept_greedy, accept_sampling
 from eagle3.errors import Eagle3Error
-from eagle3.target import (
+from eagle3.targets import (
     cache_kwarg,
     capture_outputs,
     decoder_of,
@@ -72,7 +72,7 @@ class Generation:
 
 
 class SpeculativeDecoder:
-    """Batch-size-1 speculative decoding of `target` (an eagle3.target.Target) with `drafter`
+    """Batch-size-1 speculative decoding of `target` (an eagle3.targets.Target) with `drafter`
     (None = no drafts: plain decoding through the same loop, tau = 1)."""
 
     def __init__(

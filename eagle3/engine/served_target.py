@@ -2,7 +2,7 @@
 
     served = describe_served_target("smollm2-135m-q4")
     served.start(max_length=2048)             # a managed vLLM server with the connector
-    aux, last = served.capture(input_ids, attention_mask)   # as eagle3.target.Target.capture
+    aux, last = served.capture(input_ids, attention_mask)   # as eagle3.targets.Target.capture
     served.stop()
 
 The process that uses it never builds the model: it reads the target's identity, tokenizer and
@@ -12,8 +12,8 @@ a prompt of exact token ids; the engine's capture connector writes that prompt's
 states of the requested layers to a file, named in the response, which is read and deleted
 (the protocol: eagle3.engine.capture).
 
-It implements eagle3.target.TargetModel, as Target does (`served` is True here). What
-comes back is `capture`'s contract of eagle3.target.Target: aux [B, T, 3H] = the outputs of
+It implements eagle3.targets.TargetModel, as Target does (`served` is True here). What
+comes back is `capture`'s contract of eagle3.targets.Target: aux [B, T, 3H] = the outputs of
 the project's aux layer ids in that order (vLLM's ids are ours + 1), last [B, T, H] = the final
 hidden state after the target's final norm (lm_head's input: vLLM returns it pre-norm),
 padded positions zero. datagen.capture --engine and online training with `target.engine` both
@@ -47,7 +47,7 @@ from eagle3.engine.capture import capture_engine_args, make_hidden_dir, read_hid
 from eagle3.engine.client import EngineClient
 from eagle3.engine.server import DEFAULT_STARTUP_TIMEOUT_S, startup_timeout_for, vllm_server
 from eagle3.errors import Eagle3Error, RemoteError
-from eagle3.target import (
+from eagle3.targets import (
     ResolvedTarget,
     check_context,
     default_aux_layers,
@@ -325,7 +325,7 @@ class ServedTarget:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, attention_mask [B, T] -> (aux [B, T, 3H], last [B, T, H]) on the CPU, as
-        eagle3.target.Target.capture (left or right padding; padded positions are zeros)."""
+        eagle3.targets.Target.capture (left or right padding; padded positions are zeros)."""
         return self.capture_async(input_ids, attention_mask).result()
 
 

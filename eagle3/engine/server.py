@@ -54,7 +54,7 @@ from eagle3.engine.kinds import ENGINES
 from eagle3.engine.venv import engine_is_cpu_build, engine_python
 from eagle3.errors import Eagle3Error, RemoteError
 from eagle3.methods import method_of_published
-from eagle3.target import ResolvedTarget, resolve
+from eagle3.targets import ResolvedTarget, resolve
 
 # How long a managed engine may take to answer GET /health, unless the target's registry entry
 # says otherwise (`startup_timeout_for`): vLLM on a small target is healthy in 1-3 minutes,
@@ -72,7 +72,7 @@ def startup_timeout_for(target: ResolvedTarget | str | os.PathLike) -> float:
     (Kimi's INT4 MoE) and compilation, which no formula on the bytes gets right, while the
     registry states one generous figure for each target big enough to need it. A directory
     at other sizes than its entry's (a miniature) does not inherit it (a sized fact in
-    eagle3.target.registry). Pure on a ResolvedTarget: it reads the spec only."""
+    eagle3.targets.registry). Pure on a ResolvedTarget: it reads the spec only."""
     spec = resolve(target).spec or {}
     return float(spec.get("engine_startup_timeout_s") or DEFAULT_STARTUP_TIMEOUT_S)
 

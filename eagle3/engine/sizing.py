@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from eagle3.data.chat import prompt_ids
 from eagle3.data.prompts import Prompt, user_turns
-from eagle3.target import target_facts
+from eagle3.targets import target_facts
 
 # tokens per turn beyond its answer: the answer's template around it, and an answer decoded to
 # text and tokenised again in the next turn's prompt, which can grow a little

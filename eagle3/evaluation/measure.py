@@ -54,7 +54,7 @@ from eagle3.engine.sizing import engine_context, target_context
 from eagle3.errors import Eagle3Error
 from eagle3.methods import method_of
 from eagle3.progress import Progress
-from eagle3.target import eos_token_ids
+from eagle3.targets import eos_token_ids
 
 log = logging.getLogger(__name__)
 

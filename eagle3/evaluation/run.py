@@ -99,7 +99,7 @@ from eagle3.evaluation.report import (
 )
 from eagle3.evaluation.statistics import default_context_edges, parse_context_edges
 from eagle3.progress import Progress, count
-from eagle3.target import (
+from eagle3.targets import (
     check_fingerprint,
     check_fits,
     describe_target,

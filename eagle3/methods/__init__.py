@@ -8,19 +8,29 @@
                   with its own draft (draft.py) and drafter (decoding.py)
 
 A method is an object of its module (EAGLE3, EAGLE3_1, P_EAGLE) answering for what differs:
-the draft it builds and the config it accepts (`configure`, `check`, `build`), the training
-unroll and its loss (`draft_fields`, `check_recipe`, `unroll`), the export (`config_fields`,
-`export_extra`, `own_tensors`), how vLLM serves it (`served_extra`) and the in-house drafter
-that decodes it (`drafter`), plus the facts others ask (`switches`, `ttt_unroll`,
-`unmodelled_memory`, `drafts_trees`). The method is named once, at the config boundary
-(DraftConfig.method, model.draft.method in a training recipe, eagle_config.method in a
-checkpoint: `method_of_published`); everything downstream asks `method_of(draft_config)` and
-never compares names or tests which method it has. Adding a method is adding a module or
-package here and a line to REGISTRY (docs/adding-a-method.md).
+the draft it builds and the config it accepts (`options_type`, `options`, `check`, `build`),
+the training unroll and its loss (`draft_fields`, `check_recipe`, `unroll`), the export
+(`writes_method_key`, `export_extra`, `own_tensors`), how vLLM serves it (`served_extra`) and
+the in-house drafter that decodes it (`drafter`), plus the facts others ask (`switches`,
+`ttt_unroll`, `unmodelled_memory`, `drafts_trees`, `decoder_layers`). The method is named
+once, at the config boundary (DraftConfig.method, model.draft.method in a training recipe,
+eagle_config.method in a checkpoint: `method_of_published`); everything downstream asks
+`method_of(draft_config)` and never compares names or tests which method it has. Adding a
+method is adding a module or package here and a line to REGISTRY (docs/adding-a-method.md).
+
+A method's own fields are its sub-config, DraftConfig.options, a frozen dataclass of its module
+(`options_type`: eagle3.Eagle3Options, EAGLE-3.1's switches; p_eagle.PEagleOptions, those and
+P-EAGLE's layers, depth and mask id). Outside, in config.json and model.draft, they are flat
+keys beside DraftConfig's own: `make_draft_config(**flat)` routes them to the method's
+sub-config, fills its defaults and checks the config (every DraftConfig made from outside data
+is made there: `from_target_config`, the training recipe's train/draft.py, the checkpoint and
+published-config loader eagle3.checkpoint.load_config), and DraftConfig.to_dict() flattens them
+back, in config.json's order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
 import torch
@@ -30,11 +40,15 @@ from eagle3.errors import Eagle3Error
 from eagle3.methods.eagle3 import EAGLE3, SWITCHES, Eagle3Method
 from eagle3.methods.eagle3_1 import EAGLE3_1
 from eagle3.methods.p_eagle import P_EAGLE
-from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.model import DraftConfig, Eagle3Draft, target_fields
 
 REGISTRY: dict[str, Eagle3Method] = {m.name: m for m in (EAGLE3, EAGLE3_1, P_EAGLE)}
 METHODS = tuple(REGISTRY)  # the names, in the order help texts list them
 DEFAULT_METHOD = EAGLE3.name  # what a config that names no method trains
+# the flat fields some method's sub-config holds (config.json's keys beside DraftConfig's own)
+OPTION_FIELDS = tuple(
+    dict.fromkeys(f.name for m in REGISTRY.values() for f in dataclasses.fields(m.options_type))
+)
 
 
 def method_named(name: str) -> Eagle3Method:
@@ -47,6 +61,29 @@ def method_named(name: str) -> Eagle3Method:
 def method_of(cfg: DraftConfig) -> Eagle3Method:
     """The method of a draft config."""
     return method_named(cfg.method)
+
+
+def make_draft_config(**fields: Any) -> DraftConfig:
+    """A DraftConfig from flat fields: DraftConfig's own, `method` (absent or None: the
+    default) and its sub-config's (config.json's and model.draft's keys, DraftConfig.to_dict()'s
+    output). The method takes its own into DraftConfig.options, its defaults filled, and checks
+    the config; anything wrong is one line (Eagle3Error)."""
+    method = method_named(fields.pop("method", None) or DEFAULT_METHOD)
+    options = method.options(fields)  # takes its fields out of `fields`
+    cfg = DraftConfig(**fields, method=method.name, options=options)
+    method.check(cfg)
+    return cfg
+
+
+def from_target_config(
+    hf_config: Any, draft_vocab_size: int, aux_layer_ids: list[int], **overrides: Any
+) -> DraftConfig:
+    """The draft sized like one decoder layer of the target, with its RoPE
+    (eagle3.model.target_fields); `overrides` replace any flat field (None: derive), the
+    method's among them."""
+    return make_draft_config(
+        **target_fields(hf_config, draft_vocab_size, aux_layer_ids, **overrides)
+    )
 
 
 def method_of_published(raw: dict[str, Any], where: Any) -> Eagle3Method:

@@ -3,7 +3,7 @@
 What the method is to the rest of the project (eagle3/methods/__init__.py has the registry):
 
 - the draft: eagle3.model.Eagle3Draft, one decoder layer over fused target features; its
-  config leaves P-EAGLE's fields unset and EAGLE-3.1's switches off;
+  sub-config (DraftConfig.options) is `Eagle3Options` below, EAGLE-3.1's switches, off;
 - training: the TTT unroll of model.ttt_steps steps (eagle3.model.TTTModel) scored by
   eagle3.loss.ttt_loss, sum_k step_weight^k * L_k (L the recipe's train.loss, eagle3/losses/); with train.recompute_ttt_steps each step
   under activation checkpointing (`recomputed_ttt_loss` below);
@@ -11,7 +11,9 @@ What the method is to the rest of the project (eagle3/methods/__init__.py has th
 - decoding: eagle3.decoding.eagle.EagleDrafter, chain or tree.
 
 `Eagle3Method` answers for EAGLE-3; the other methods subclass it and override where they
-differ (eagle3_1.py, p_eagle.py).
+differ (eagle3_1.py, p_eagle/). `Eagle3Options` is the sub-config every method's extends: the
+draft layer reads its switches (eagle3.model.DraftOptions), and P-EAGLE's adds its own fields
+(eagle3/methods/p_eagle/draft.py's PEagleOptions).
 
 Recomputing each TTT step (train.recompute_ttt_steps): without it, backward keeps every TTT
 step's activations: q/k/v and MLA's latents, the MLP's intermediates, the residual stream and
@@ -31,6 +33,7 @@ benchmarks/bench_train.py --recompute).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,8 +46,22 @@ from eagle3.loss import step_loss, ttt_loss, valid_counts
 from eagle3.losses import KL, Objective, objective_named
 from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
 
-# EAGLE-3.1's switches (eagle3.model's docstring), DraftConfig fields and config.json keys
-SWITCHES = ("fc_norm", "norm_output")
+
+@dataclass(frozen=True)
+class Eagle3Options:
+    """EAGLE-3's sub-config (DraftConfig.options): EAGLE-3.1's switches (eagle3.model's
+    docstring), off for EAGLE-3 and on for EAGLE-3.1; top-level config.json keys, as vLLM reads
+    them. Frozen: configs that dataclasses.replace copies share it."""
+
+    fc_norm: bool = False
+    norm_output: bool = False
+
+
+# EAGLE-3.1's switches: Eagle3Options' fields and config.json keys
+SWITCHES = tuple(f.name for f in dataclasses.fields(Eagle3Options))
+# P-EAGLE's own fields (eagle3.methods.p_eagle.PEagleOptions) at their unset values: what a
+# one-layer method's flat fields (a peer's config.json) may carry and drop
+P_EAGLE_UNSET: dict[str, Any] = {"num_layers": 1, "parallel_depth": 0, "mask_token_id": None}
 # model.draft's keys (train/config.py) that only P-EAGLE reads
 PARALLEL_KEYS = ("parallel_depth", "mask_token_id")
 
@@ -69,25 +86,36 @@ class Eagle3Method:
     switches: bool | None = False
     # the draft reads each of the 3 aux states apart (model.feature must be aux)
     reads_each_aux = False
-    # DraftConfig fields its GQA config.json carries beyond every method's (eagle3.checkpoint)
-    config_fields: tuple[str, ...] = ()
+    # its sub-config (DraftConfig.options): its fields are flat config.json keys
+    options_type: type[Eagle3Options] = Eagle3Options
+    # its GQA config.json names it top-level too (`method`), beside eagle_config.method
+    writes_method_key = False
 
     # -- the draft ------------------------------------------------------------------------
-    def configure(self, cfg: DraftConfig) -> None:
-        """Fill cfg's switches left None with this method's (DraftConfig.__post_init__)."""
-        for switch in SWITCHES:
-            if getattr(cfg, switch) is None:
-                setattr(cfg, switch, bool(self.switches))
+    def options(self, fields: dict[str, Any]) -> Eagle3Options:
+        """This method's sub-config from flat fields (config.json's keys; the arguments of
+        eagle3.methods.make_draft_config), taking its own out of `fields`: those absent or None
+        take its defaults (the switches: this method's). P-EAGLE's fields left in `fields` (this
+        draft has one layer) are dropped at their unset values, else refused in one line."""
+        own = {f.name: fields.pop(f.name, None) for f in dataclasses.fields(self.options_type)}
+        given = {name: value for name, value in own.items() if value is not None}
+        switches = {switch: bool(self.switches) for switch in SWITCHES}
+        got = {**P_EAGLE_UNSET, **{n: fields.pop(n) for n in P_EAGLE_UNSET if n in fields}}
+        if got["num_layers"] != 1 or got["parallel_depth"] or got["mask_token_id"] is not None:
+            raise Eagle3Error(
+                f"num_layers {got['num_layers']}, parallel_depth {got['parallel_depth']} and "
+                f"mask_token_id {got['mask_token_id']} are P-EAGLE settings; method "
+                f"{self.name!r} has one layer: use method p-eagle or drop them"
+            )
+        return self.options_type(**{**switches, **given})
 
     def check(self, cfg: DraftConfig) -> None:
-        """Refuse a config this method cannot build, in one line: a one-layer draft with no
-        P-EAGLE field set."""
-        if cfg.num_layers != 1 or cfg.parallel_depth or cfg.mask_token_id is not None:
-            raise Eagle3Error(
-                f"num_layers {cfg.num_layers}, parallel_depth {cfg.parallel_depth} and "
-                f"mask_token_id {cfg.mask_token_id} are P-EAGLE settings; method "
-                f"{cfg.method!r} has one layer: use method p-eagle or drop them"
-            )
+        """Refuse a config this method cannot build, in one line (run by
+        eagle3.methods.make_draft_config): EAGLE-3 builds whatever DraftConfig accepts."""
+
+    def decoder_layers(self, cfg: DraftConfig) -> int:
+        """The draft's decoder layers (config.json's num_hidden_layers): one."""
+        return 1
 
     def build(self, cfg: DraftConfig) -> Eagle3Draft:
         """A fresh draft of this method."""
@@ -95,8 +123,9 @@ class Eagle3Method:
 
     # -- training -------------------------------------------------------------------------
     def draft_fields(self, shape: Any, ttt_steps: int, hf_config: Any) -> dict[str, Any]:
-        """model.draft (train/config.py's DraftShapeConfig) -> this method's DraftConfig
-        fields, its nulls derived (from the target's hf_config)."""
+        """model.draft (train/config.py's DraftShapeConfig) -> this method's flat fields
+        (eagle3.methods.make_draft_config's: `method` and its sub-config's), its nulls derived
+        (from the target's hf_config)."""
         return {"method": self.name}
 
     def check_recipe(self, model: Any, train: Any, need: Need) -> None:

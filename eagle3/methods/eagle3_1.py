@@ -3,8 +3,8 @@
 fc_norm (an RMSNorm per aux state before fc) and norm_output (the next step is fed the
 post-norm state), both in eagle3.model (its docstring) and read by vLLM from the draft's
 config.json, for GQA and MLA drafts. Everything else is EAGLE-3's (eagle3.py): the same draft
-class, TTT unroll and loss, export (the switches are DraftConfig fields every config.json
-carries) and drafter.
+class, sub-config (eagle3.Eagle3Options, whose switches this method's defaults turn on), TTT
+unroll and loss, export (the switches are top-level keys of every config.json) and drafter.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from eagle3.data.chat import render_record
 from eagle3.data.shards import ShardDataset, ShardWriter, read_index, read_meta
 from eagle3.engine.server import free_port
 from eagle3.errors import Eagle3Error
-from eagle3.target import load_target, tokenizer_fingerprint
+from eagle3.targets import load_target, tokenizer_fingerprint
 
 REPO = Path(__file__).resolve().parents[2]
 

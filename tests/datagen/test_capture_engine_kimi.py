@@ -50,7 +50,7 @@ from datagen.capture import parse_args, run
 from eagle3.compute import cpu_has_amx
 from eagle3.engine.capture import hidden_dir_prefix
 from eagle3.errors import Eagle3Error
-from eagle3.target import default_aux_layers
+from eagle3.targets import default_aux_layers
 
 REPO = Path(__file__).resolve().parents[2]
 FP32_RTOL = 1e-5  # engine vs HF in fp32, relative to the tensor's largest value

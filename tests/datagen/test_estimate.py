@@ -14,7 +14,7 @@ import pytest
 from datagen import capture
 from datagen.estimate import human_bytes, parse_count
 from datagen.render import Rendering, render_all
-from eagle3.target import load_target
+from eagle3.targets import load_target
 
 
 def _helper():

@@ -19,7 +19,7 @@ from eagle3.data.shards import ShardDataset, read_index
 from eagle3.decoding.decode_config import DecodeConfig
 from eagle3.decoding.decoder import SpeculativeDecoder
 from eagle3.evaluation.measure import load_drafter
-from eagle3.target import load_target
+from eagle3.targets import load_target
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.checkpoint import load_config, load_draft, save_draft
 from eagle3.errors import Eagle3Error
-from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.methods import from_target_config, make_draft_config
+from eagle3.model import Eagle3Draft
 
 H, V, VD = 64, 256, 32
 
@@ -35,7 +36,7 @@ SAVED_KEYS = {
 
 
 def make_draft() -> Eagle3Draft:
-    cfg = DraftConfig(
+    cfg = make_draft_config(
         hidden_size=H,
         intermediate_size=128,
         num_attention_heads=4,
@@ -214,7 +215,7 @@ def test_wrong_embedding_shape_is_rejected(saved):
 def test_last_feature_drafter_round_trips(tmp_path):
     """The EAGLE-2-style ablation (feature "last"): fc is H wide, flagged in config.json."""
     base = make_draft().config
-    cfg = DraftConfig(**{**base.to_dict(), "feature": "last"})
+    cfg = make_draft_config(**{**base.to_dict(), "feature": "last"})
     model = Eagle3Draft(cfg)
     assert model.fc.in_features == cfg.target_hidden_size
     save_draft(model, tmp_path, dtype=None)
@@ -229,7 +230,7 @@ def test_last_feature_drafter_round_trips(tmp_path):
         got = loaded.ttt_forward(ids, feats, 2)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     with pytest.raises(Eagle3Error, match="feature"):
-        DraftConfig(**{**base.to_dict(), "feature": "middle"})
+        make_draft_config(**{**base.to_dict(), "feature": "middle"})
 
 
 def test_default_export_is_bf16_and_keeps_vocab_maps(tmp_path):
@@ -325,15 +326,15 @@ def test_sglang_loader_captures_the_layers_we_trained_on(tiny_llama_dir, tmp_pat
     - models/llama.py, LlamaModel.forward: before running layer i, `if i in
       self.layers_to_capture: aux_hidden_states.append(hidden_states + residual)`, i.e. the
       residual stream entering layer i = HF hidden_states[i].
-    So SGLang must feed the drafter exactly what eagle3.target.Target.capture gave in training.
+    So SGLang must feed the drafter exactly what eagle3.targets.Target.capture gave in training.
     """
     from transformers import AutoConfig
 
-    from eagle3.target import load_target
+    from eagle3.targets import load_target
 
     target = load_target(tiny_llama_dir, device="cpu", aux_layer_ids=[0, 3, 6])
     hf = AutoConfig.from_pretrained(tiny_llama_dir)
-    cfg = DraftConfig.from_target_config(hf, 100, target.aux_layer_ids)
+    cfg = from_target_config(hf, 100, target.aux_layer_ids)
     out = save_draft(Eagle3Draft(cfg), tmp_path / "ckpt")
 
     draft_config = AutoConfig.from_pretrained(out)  # SGLang's draft_model_config.hf_config

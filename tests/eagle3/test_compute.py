@@ -99,7 +99,7 @@ def test_weight_flops_count_linear_layers_only():
 def test_an_in_process_target_computes_in_the_policys_dtype(cpu, want, tiny_llama_dir, monkeypatch):
     """--model-dtype bfloat16 on a CPU that only emulates bf16 loads the target in float32
     (capture, generate, evaluate and online training all load it here); kept where native."""
-    from eagle3.target import load_target
+    from eagle3.targets import load_target
 
     monkeypatch.setattr(compute, "cpu_facts", lambda: cpu)
     assert load_target(tiny_llama_dir, dtype="bfloat16", device="cpu").model.dtype == want

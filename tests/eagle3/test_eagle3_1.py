@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.checkpoint import load_config, load_draft, save_draft
 from eagle3.errors import Eagle3Error
-from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.methods import make_draft_config
+from eagle3.model import Eagle3Draft
 from tests.eagle3.test_mla_draft import MLA, check_round_trip
 from tests.eagle3.test_model import check_ttt_equals_decoding
 
@@ -33,7 +34,7 @@ def vllm_chain(m31: Eagle3Draft, input_ids, aux, t: int, steps: int) -> list[tor
     check it against naive and transformers' maths), loaded with m31's weights."""
     cfg = m31.config
     off = {"method": "eagle3", "fc_norm": False, "norm_output": False}
-    plain = Eagle3Draft(DraftConfig(**{**cfg.to_dict(), **off})).eval()
+    plain = Eagle3Draft(make_draft_config(**{**cfg.to_dict(), **off})).eval()
     state = {k: v for k, v in m31.state_dict().items() if not k.startswith("fc_norm.")}
     plain.load_state_dict(state)
     chunks = aux[:, : t + 1].chunk(3, dim=-1)
@@ -64,7 +65,7 @@ def eagle3_1(tiny_config, kind: str) -> Eagle3Draft:
 @pytest.mark.parametrize("kind", KINDS)
 def test_eagle3_1_unroll_and_decoder_compute_what_vllm_computes(kind, tiny_config):
     model = eagle3_1(tiny_config, kind)
-    assert (model.config.fc_norm, model.config.norm_output) == (True, True)
+    assert (model.config.options.fc_norm, model.config.options.norm_output) == (True, True)
     input_ids, aux = torch.randint(0, 50, (1, 9)), torch.randn(1, 9, 96) * 3
     with torch.no_grad():
         ttt = model.ttt_forward(input_ids, aux, 3)
@@ -81,7 +82,7 @@ def test_eagle3_1_differs_from_eagle3_with_the_same_weights(tiny_config):
     with torch.no_grad():
         want = model.ttt_forward(ids, aux, 2)
         for switch in ("fc_norm", "norm_output"):
-            other = Eagle3Draft(DraftConfig(**{**model.config.to_dict(), switch: False}))
+            other = Eagle3Draft(make_draft_config(**{**model.config.to_dict(), switch: False}))
             other.load_state_dict(model.state_dict(), strict=False)
             got = other.eval().ttt_forward(ids, aux, 2)
             assert not torch.allclose(got[-1], want[-1], atol=1e-3), switch

@@ -16,7 +16,8 @@ from eagle3.data.decontaminate import parse_benches
 from eagle3.errors import Eagle3Error
 from eagle3.evaluation.measure import drafter_name
 from eagle3.evaluation.run import main
-from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.methods import from_target_config
+from eagle3.model import Eagle3Draft
 
 REPO = Path(__file__).resolve().parents[2]
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
@@ -32,7 +33,7 @@ def make_ckpt(
 
     hf = AutoConfig.from_pretrained(target_dir)
     hf.vocab_size, hf.hidden_size = vocab, hidden
-    cfg = DraftConfig.from_target_config(hf, 200, list(aux))
+    cfg = from_target_config(hf, 200, list(aux))
     return save_draft(Eagle3Draft(cfg), out, extra_config={"target": "tiny-llama"})
 
 
@@ -181,7 +182,7 @@ def test_drafter_on_non_default_aux_layers_is_evaluated_on_its_own_layers(
     from eagle3.decoding.decode_config import DecodeConfig
     from eagle3.decoding.decoder import SpeculativeDecoder
     from eagle3.evaluation.measure import load_drafter
-    from eagle3.target import load_target
+    from eagle3.targets import load_target
 
     ckpt = make_ckpt(chat_target_dir, tmp_path / "exp" / "final", aux=(0, 2, 6))
     target = load_target(chat_target_dir, device="cpu")
@@ -322,7 +323,7 @@ def test_engine_only_loads_no_weight_and_tells_the_engine_its_context(
     assert engine == measure.EngineSettings(kind="vllm")  # the flags, read once by the CLI
     assert model.hf_dir == str(chat_target_dir) and kwargs["served_model_name"] == model.name
     from eagle3.data.prompts import load_prompts, user_turns
-    from eagle3.target import load_tokenizer
+    from eagle3.targets import load_tokenizer
 
     tok, prompts = load_tokenizer(chat_target_dir), load_prompts(str(prompts_file))
     longest = max(len(measure.prompt_ids(tok, p.messages)) + user_turns(p) * (20 + 32)
@@ -353,7 +354,7 @@ def test_one_run_measures_a_checkpoint_as_chain_and_tree_with_rows_per_turn(
     from eagle3.decoding.eagle import EagleDrafter
     from eagle3.engine.server import EngineSettings
     from eagle3.evaluation.measure import engine_runs
-    from eagle3.target import load_target, resolve
+    from eagle3.targets import load_target, resolve
 
     ckpt = make_ckpt(chat_target_dir, tmp_path / "exp" / "final")
     proposed: list[tuple[str, object]] = []

@@ -158,7 +158,7 @@ def test_flex_fallback_out_of_memory_reaches_the_trainers_line(monkeypatch, auto
     """~4 s (imports the trainer): an out-of-memory in flex's real call (its self-test passed)
     is raised as torch.OutOfMemoryError, which the trainer's classifier takes for its one-line
     stop-and-resume; no fallback is recorded, so the next call tries flex again."""
-    from train.memory_checks import is_out_of_memory
+    from train.memory_at_launch import is_out_of_memory
 
     calls = []
 

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from eagle3 import target as target_mod
+from eagle3 import targets as target_mod
 from eagle3.compute import matmul_dtype
 from eagle3.errors import Eagle3Error
-from eagle3.target import load_target, resolve
+from eagle3.targets import load_target, resolve
 
 REPO = Path(__file__).resolve().parents[2]
 MISSING = {  # what the miniature needs -> the skip reason when it is not installed
@@ -83,7 +83,7 @@ def test_miniature_has_kimis_config_and_files(kimi_dirs):
     media = json.loads((int4 / "preprocessor_config.json").read_text())["media_proc_cfg"]
     assert media["patch_size"] == 14 and media["merge_kernel_size"] == 2
 
-    from eagle3.target import load_tokenizer
+    from eagle3.targets import load_tokenizer
 
     tok = load_tokenizer(int4)  # the remote code, as vLLM loads it (without, it is another class)
     for token in ("<|media_begin|>", "<|media_pad|>", "<|kimi_k25_video_placeholder|>"):
@@ -116,7 +116,7 @@ def test_the_whole_miniature_loads_kimis_remote_tokenizer_and_refuses_any_other(
     made with the remote code are refused by it."""
     from transformers import AutoTokenizer
 
-    from eagle3.target import (
+    from eagle3.targets import (
         check_fingerprint,
         check_tokenizer_class,
         load_tokenizer,

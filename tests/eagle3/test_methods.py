@@ -20,10 +20,13 @@ from eagle3.methods import (
     EAGLE3,
     REGISTRY,
     draft_for,
+    make_draft_config,
     method_named,
     method_of,
     method_of_published,
 )
+from eagle3.methods.eagle3 import P_EAGLE_UNSET, SWITCHES
+from eagle3.methods.p_eagle import PEagleOptions
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = ("eagle3", "train", "datagen", "benchmarks", "experiments", "scripts")
@@ -43,6 +46,36 @@ def test_every_method_builds_exports_and_loads_as_itself(name, tiny_config, tmp_
     save_draft(draft, tmp_path, extra_config=method.export_extra(cfg))
     loaded = load_draft(tmp_path)
     assert type(loaded) is type(draft) and loaded.config == cfg
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_a_config_keeps_its_methods_fields_in_its_sub_config(name, tiny_config):
+    """<0.1 s: the method's own fields live in DraftConfig.options (a dataclass of its module),
+    flat outside: to_dict flattens them in place and make_draft_config takes them back."""
+    method = method_named(name)
+    shape = SimpleNamespace(num_layers=None, parallel_depth=None, mask_token_id=None)
+    cfg = tiny_config(
+        **method.draft_fields(shape, 3, SimpleNamespace(vocab_size=50, pad_token_id=0))
+    )
+    assert type(cfg.options) is method.options_type
+    assert cfg.options.fc_norm is cfg.options.norm_output is bool(method.switches)
+    flat = cfg.to_dict()
+    assert "options" not in flat and make_draft_config(**flat) == cfg
+    names = list(flat)
+    own = [f for f in names if hasattr(cfg.options, f)]
+    assert names[names.index("method") + 1 : names.index("method") + 1 + len(own)] == own
+
+
+def test_a_one_layer_method_drops_unset_peagle_fields_and_refuses_set_ones(tiny_config):
+    """<0.1 s: a peer's config.json may carry P-EAGLE's keys at their unset values; set ones are
+    refused in one line. The unset values are PEagleOptions' defaults."""
+    defaults = {k: v for k, v in vars(PEagleOptions()).items() if k not in SWITCHES}
+    assert defaults == P_EAGLE_UNSET
+    assert tiny_config(**P_EAGLE_UNSET) == tiny_config()
+    with pytest.raises(
+        Eagle3Error, match="mask_token_id 3 are P-EAGLE settings; method 'eagle3.1'"
+    ):
+        tiny_config(method="eagle3.1", mask_token_id=3)
 
 
 @pytest.mark.parametrize(

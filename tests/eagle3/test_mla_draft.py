@@ -14,6 +14,7 @@ import torch
 from eagle3.checkpoint import MLA_ARCHITECTURE, load_config, load_draft, save_draft
 from eagle3.errors import Eagle3Error
 from eagle3.layers import MLAAttention
+from eagle3.methods import from_target_config
 from eagle3.model import DraftConfig, Eagle3Draft
 from tests.eagle3.test_model import check_ttt_equals_decoding
 
@@ -202,11 +203,11 @@ def test_mla_draft_checkpoint_vllm_would_refuse_is_one_line_error(
 def test_mla_draft_from_an_mla_target_takes_its_dims():
     from tests.conftest import tiny_deepseek_config
 
-    cfg = DraftConfig.from_target_config(tiny_deepseek_config(), 40, [1, 3, 5], attention="mla")
+    cfg = from_target_config(tiny_deepseek_config(), 40, [1, 3, 5], attention="mla")
     assert (cfg.attention, cfg.num_attention_heads, cfg.num_key_value_heads) == ("mla", 4, 4)
     assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.v_head_dim) == (32, 16, 16)
     assert cfg.head_dim == 16 + 8
-    small = DraftConfig.from_target_config(
+    small = from_target_config(
         tiny_deepseek_config(), 40, [1, 3, 5], attention="mla", kv_lora_rank=8, q_lora_rank=0
     )
     assert (small.kv_lora_rank, small.q_lora_rank) == (8, 0)
@@ -216,7 +217,7 @@ def test_mla_draft_for_a_target_without_mla_is_one_line_error():
     from tests.conftest import tiny_llama_config
 
     with pytest.raises(Eagle3Error, match="no MLA attention to copy"):
-        DraftConfig.from_target_config(tiny_llama_config(), 40, [0, 1, 2], attention="mla")
+        from_target_config(tiny_llama_config(), 40, [0, 1, 2], attention="mla")
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from eagle3.errors import Eagle3Error
 from eagle3.loss import label_rows, target_probs, ttt_loss
-from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.methods import from_target_config
+from eagle3.model import Eagle3Draft
 from eagle3.rope import apply_rotary, rotary_cos_sin
 from eagle3.vocab import build_draft_vocab, token_frequencies
 
@@ -169,7 +170,7 @@ def test_overfit_two_sequences_on_tiny_llama_target():
         aux = torch.cat([out.hidden_states[i + 1] for i in aux_ids], dim=-1)
         last = out.hidden_states[-1]
     vocab = build_draft_vocab(token_frequencies(input_ids, loss_mask, 96), 64)
-    draft = Eagle3Draft(DraftConfig.from_target_config(tcfg, vocab.size, aux_ids))
+    draft = Eagle3Draft(from_target_config(tcfg, vocab.size, aux_ids))
     draft.set_embeddings(target.model.embed_tokens.weight)
     draft.set_vocab(vocab.d2t, vocab.t2d)
     probs, in_vocab = target_probs(last, target.lm_head.weight, vocab.t2d, chunk_size=7)

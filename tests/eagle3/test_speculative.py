@@ -15,8 +15,9 @@ from eagle3.decoding.eagle import EagleDrafter
 from eagle3.decoding.prompt_lookup import PromptLookupDrafter
 from eagle3.decoding.tree import DraftTree, accept_greedy, accept_sampling
 from eagle3.errors import Eagle3Error
-from eagle3.model import DraftConfig, Eagle3Draft
-from eagle3.target import Target
+from eagle3.methods import from_target_config
+from eagle3.model import Eagle3Draft
+from eagle3.targets import Target
 
 CHAIN = dict(mode="chain", steps=4)
 TREE = dict(mode="tree", topk=3, total_tokens=12, depth=4)
@@ -52,7 +53,7 @@ def tiny_target(vocab: int = 16, layers: int = 4, sharpness: float = 10.0, seed:
 
 def random_draft(target: Target, draft_vocab: int | None = None, seed: int = 1) -> Eagle3Draft:
     vd = draft_vocab or target.vocab_size
-    cfg = DraftConfig.from_target_config(target.model.config, vd, target.aux_layer_ids)
+    cfg = from_target_config(target.model.config, vd, target.aux_layer_ids)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         draft = Eagle3Draft(cfg).eval()
@@ -407,7 +408,7 @@ def test_last_feature_drafter_is_fed_the_final_hidden_state():
     """An EAGLE-2-style drafter (feature "last") gets the target's final post-norm state, the
     same tensor training reads from the shards; T=0 output stays plain greedy."""
     target = tiny_target()
-    cfg = DraftConfig.from_target_config(
+    cfg = from_target_config(
         target.model.config, target.vocab_size, target.aux_layer_ids, feature="last"
     )
     draft = Eagle3Draft(cfg).eval()

@@ -24,16 +24,55 @@ def test_domain_prompts_are_public_stdlib_functions_none_sharing_text_with_human
         assert f"`{name}(" in p["prompt"] and f"`{module}` module" in p["prompt"]
     assert all(not p["id"].rsplit(".", 1)[1].startswith("_") for p in every)
     out = tmp_path / "domain.jsonl"
-    write_domain_prompts(out, 20, seed=0, root=root)
+    write_domain_prompts(out, budget(20), tmp_path, "humaneval", root=root)
     first = out.read_text()
-    write_domain_prompts(
-        out, 30, seed=1, root=root
-    )  # exists: kept as it is (a resumed run's prompts)
-    assert out.read_text() == first
+    write_domain_prompts(out, budget(30, seed=1), tmp_path, "humaneval", root=root)
+    assert out.read_text() == first  # exists: kept as it is (a resumed run's prompts)
     prompts = [json.loads(line) for line in first.splitlines()]
     assert len(prompts) == 20
     index = BenchmarkIndex.from_sources(["humaneval"])
     assert not any(index.hit([{"content": p["prompt"]}]) for p in prompts)
+
+
+def budget(domain: int, seed: int = 0, **kw) -> argparse.Namespace:
+    fields = {"budget": "code", "generic": 0, "math": None, **kw}
+    return argparse.Namespace(domain=domain, seed=seed, **fields)
+
+
+def test_a_mixed_budget_is_a_third_each_of_unseen_chat_code_and_math(tmp_path):
+    """~0.3 s (the first 120 ShareGPT conversations streamed): --budget mixed splits --domain
+    prompts over chat, code and math; chat is none of the generic shards' conversations, code is
+    the head of --budget code's sample, and a math question sharing a benchmark's text is out."""
+    from bench_finetune import domain_sources
+
+    root = stdlib_dir() / "email"
+    generic = tmp_path / "generic" / "sharegpt.jsonl"
+    generic.parent.mkdir()
+    code_only = tmp_path / "code.jsonl"
+    write_domain_prompts(code_only, budget(10), tmp_path, "humaneval", root=root)
+    args = budget(12, generic=30, budget="mixed", math=str(tmp_path / "train.jsonl"))
+    questions = [f"Tom has {n} apples and buys {n + 1} more. How many apples does he have?"
+                 for n in range(5)]  # fmt: skip
+    bench = tmp_path / "bench.jsonl"  # a "benchmark" holding the first question
+    bench.write_text(json.dumps({"question": questions[0]}) + "\n")
+    (tmp_path / "train.jsonl").write_text(
+        "".join(json.dumps({"question": q, "answer": "x"}) + "\n" for q in questions)
+    )
+    generic.write_text("")
+    chat = domain_sources(args, tmp_path, root)["chat"]
+    seen = [c["id"].removeprefix("chat-") for c in chat[:3]]  # the generic run had taken these
+    generic.write_text("".join(json.dumps({"id": f"{i}_0"}) + "\n" for i in seen))
+    out = tmp_path / "mixed.jsonl"
+    write_domain_prompts(out, args, tmp_path, f"humaneval,gsm8k={bench}", root=root)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    kinds = [r["id"].split("-")[0] if r["id"].startswith(("chat-", "gsm8k-")) else "code"
+             for r in rows]  # fmt: skip
+    assert sorted(kinds) == ["chat"] * 4 + ["code"] * 4 + ["gsm8k"] * 4
+    assert not {r["id"].removeprefix("chat-") for r in rows} & set(seen)
+    code = [r["id"] for r in rows if not r["id"].startswith(("chat-", "gsm8k-"))]
+    assert code == [json.loads(line)["id"] for line in code_only.read_text().splitlines()][:4]
+    assert questions[0] not in {r["prompt"] for r in rows}  # decontaminated
+    assert all(len(r["prompt"]) <= 1500 for r in rows)
 
 
 def test_the_arms_share_the_targeted_shards_and_epochs_and_differ_by_one_setting(tmp_path):

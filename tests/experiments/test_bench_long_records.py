@@ -18,7 +18,7 @@ from eagle3.data.chat import render_conversation
 from eagle3.data.decontaminate import BenchmarkIndex
 from eagle3.data.long_context import MODULES, stdlib_dir
 from eagle3.data.windows import split_windows
-from eagle3.target.facts import load_tokenizer
+from eagle3.targets.facts import load_tokenizer
 
 
 def test_windows_per_record_is_what_split_windows_makes():

@@ -1,13 +1,23 @@
-"""experiments/bench_loss.py: its table pairs each loss with kl prompt by prompt. Cheap
-(~0.05 s: two bootstraps over made-up counts)."""
+"""experiments/bench_loss.py: its table pairs each loss with kl prompt by prompt (~0.05 s: two
+bootstraps over made-up counts), and its command runs at its smallest size."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
-from bench_loss import paired_table
+from bench_loss import main, paired_table
 
 from eagle3.errors import Eagle3Error
 from eagle3.evaluation.statistics import paired_tau_difference
+from tests.experiments.commands import (
+    finished_arm,
+    rerun_in_process,
+    run_experiment,
+    table_rows,
+    tiny_recipe,
+)
 
 
 def per_prompt(accepted: list[int], steps: int = 10) -> list[dict]:
@@ -38,3 +48,38 @@ def test_the_table_gives_kl_its_tau_and_the_others_their_paired_difference():
     assert head == ["loss", "seed", "humaneval", "mt_bench"]
     assert table[0] == ["kl", "0", "1.400", "1.400"]
     assert table[1][:2] == ["lk-lambda", "0"] and table[1][2].startswith("+0.100 [+0.100, +0.100]")
+
+
+def test_the_bench_loss_command_trains_each_loss_and_pairs_it_with_kl(
+    tmp_path, tiny_shards, chat_target_dir, monkeypatch, capsys
+):
+    """~18 s (two training launches and two evaluations, mostly their imports; 20-27 s at
+    load 4): the command results/README.md prints (`bench_loss.py --shards S --gsm8k
+    PATH/gsm8k/test.jsonl --seeds 0 --epochs 8`) at its smallest size: 1 epoch over 8 tiny
+    shards, 1 prompt a benchmark (a made-up GSM8K file), 4 new tokens, against the tiny chat
+    target. kl and lk-lambda each train, both are decoded at T = 0 and T = 1, and each table has
+    kl's τ and lk-lambda's paired difference on the three benchmarks; a rerun (in process)
+    trains and decodes nothing again."""
+    gsm8k = tmp_path / "gsm8k" / "test.jsonl"
+    gsm8k.parent.mkdir()
+    gsm8k.write_text(json.dumps({"question": "what is 2 + 3 ?", "answer": "5"}) + "\n")
+    work = tmp_path / "bench-loss"
+    cmd = ["--shards", str(tiny_shards["a"]), "--gsm8k", str(gsm8k), "--seeds", "0",
+           "--epochs", "1", "--work", str(work), "--prompts", "1", "--max-new-tokens", "4",
+           "--target", str(chat_target_dir),
+           "--override", *tiny_recipe(chat_target_dir)]  # fmt: skip
+    proc = run_experiment("bench_loss.py", *cmd)
+    for arm in ("kl-seed0", "lk-lambda-seed0"):
+        assert finished_arm(work / arm)
+        assert f"loss: {arm.removesuffix('-seed0')}" in (work / arm / "config.yaml").read_text()
+    rows = table_rows(proc.stdout)
+    assert len(rows) == 8  # header, separator, kl, lk-lambda: at T = 0, then T = 1
+    for table in (rows[:4], rows[4:]):
+        assert table[0] == ["loss", "seed", "humaneval", "mt_bench", "gsm8k"]
+        assert table[2][:2] == ["kl", "0"] and all(float(c) >= 1 for c in table[2][2:])
+        assert table[3][:2] == ["lk-lambda", "0"]
+        assert all(re.fullmatch(r"[+-]\d\.\d{3}( \[.*\])?", c) for c in table[3][2:]), table[3]
+    assert "T = 0: " in proc.stdout and "T = 1: " in proc.stdout
+    assert "training time lk-lambda / kl: " in proc.stdout
+    assert {p.name for p in work.glob("eval-*.json")} == {"eval-t0.json", "eval-t1.json"}
+    assert table_rows(rerun_in_process(main, cmd, monkeypatch, capsys)) == rows

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from bench_mla_draft import draft_row, print_table
 
-from eagle3.model import DraftConfig
+from eagle3.methods import make_draft_config
 
-MLA = DraftConfig(
+MLA = make_draft_config(
     hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
     head_dim=48, vocab_size=1000, draft_vocab_size=200, target_hidden_size=64,
     aux_layer_ids=[1, 2, 3], attention="mla", q_lora_rank=64, kv_lora_rank=32,
     qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
 )  # fmt: skip
-GQA = DraftConfig(
+GQA = make_draft_config(
     hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, vocab_size=1000, draft_vocab_size=200, target_hidden_size=64,
     aux_layer_ids=[1, 2, 3],

@@ -6,11 +6,12 @@ import torch
 from bench_fp8_training import split
 from bench_rope_positions import base_id, hits, ttt_argmax
 
-from eagle3.model import DraftConfig, Eagle3Draft
+from eagle3.methods import make_draft_config
+from eagle3.model import Eagle3Draft
 
 
 def tiny_draft() -> Eagle3Draft:
-    cfg = DraftConfig(
+    cfg = make_draft_config(
         hidden_size=32,
         intermediate_size=64,
         num_attention_heads=4,

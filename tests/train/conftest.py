@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.captured_shards import write_captured_shards
 from tests.processes import descendants
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,18 +48,12 @@ def records_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def shard_dir(tmp_path_factory, tiny_llama_dir, records_file) -> Path:
     """The records captured through the tiny target into fp16 shards (eagle3.data.shards format)."""
-    from eagle3.data.shards import ShardWriter, target_meta
-    from eagle3.target import load_target
+    from eagle3.targets import load_target
 
     target = load_target(tiny_llama_dir, device="cpu")
+    records = [json.loads(line) for line in records_file.read_text().splitlines()]
     out = tmp_path_factory.mktemp("shards")
-    meta = {**target_meta(target), "max_length": 2048, "sources": ["test-records"]}
-    with ShardWriter(out, meta, dtype="fp16") as writer:
-        for line in records_file.read_text().splitlines():
-            r = json.loads(line)
-            aux, last = target.capture(torch.tensor([r["input_ids"]]))
-            writer.add(r["id"], r["input_ids"], r["loss_mask"], aux[0], last[0])
-    return out
+    return write_captured_shards(target, records, out, max_length=2048, sources=["test-records"])
 
 
 @pytest.fixture(scope="session")

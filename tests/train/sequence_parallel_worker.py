@@ -21,8 +21,9 @@ import torch.distributed as dist
 from eagle3.data.shards import ShardDataset, ShardWriter
 from eagle3.layers import DraftAttention
 from eagle3.loss import label_rows, target_probs, ttt_loss, valid_counts
+from eagle3.methods import make_draft_config
 from eagle3.methods.eagle3 import recomputed_ttt_loss
-from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
+from eagle3.model import Eagle3Draft, TTTModel
 from train.batching import collate
 from train.datasets import Windows
 from train.packing import PackedDataset
@@ -60,7 +61,7 @@ def draft(overrides: dict) -> Eagle3Draft:
         aux_layer_ids=[0, 1, 2],
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Eagle3Draft(DraftConfig(**{**values, **overrides}))
+    model = Eagle3Draft(make_draft_config(**{**values, **overrides}))
     model.embed_tokens.weight.data.normal_()
     return model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from train.config import load_config
-from train.memory_checks import read_launch_config, recipe_plan
+from train.memory_at_launch import read_launch_config, recipe_plan
 from train.memory_plan import GIB, Node
 
 REPO = Path(__file__).resolve().parents[2]

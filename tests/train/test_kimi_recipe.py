@@ -217,7 +217,7 @@ def test_fine_tune_recipe_from_the_published_mla_layout_keeps_its_own_embeddings
 
     from eagle3.checkpoint import load_draft
     from eagle3.published import read_tensors
-    from eagle3.target import load_embeddings
+    from eagle3.targets import load_embeddings
 
     config = json.loads((published / "config.json").read_text())
     assert set(config) == TORCHSPEC_MLA_KEYS

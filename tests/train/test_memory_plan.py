@@ -13,9 +13,9 @@ import pytest
 
 from eagle3.draft_shapes import draft_shape
 from eagle3.errors import Eagle3Error
-from eagle3.model import DraftConfig
+from eagle3.methods import make_draft_config
 from train.config import load_config
-from train.memory_checks import detect_node, read_launch_config, recipe_plan
+from train.memory_at_launch import detect_node, read_launch_config, recipe_plan
 from train.memory_plan import (
     GB,
     GIB,
@@ -56,11 +56,12 @@ import json, sys
 from pathlib import Path
 import torch
 from eagle3.loss import ttt_loss
-from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
+from eagle3.model import Eagle3Draft, TTTModel
+from eagle3.methods import make_draft_config
 from eagle3.methods.eagle3 import recomputed_ttt_loss
 torch.set_num_threads(1)
 spec = json.loads(sys.argv[1]); T = spec["T"]; recompute = spec.get("recompute", False)
-cfg = DraftConfig(**spec["cfg"]); torch.manual_seed(0)
+cfg = make_draft_config(**spec["cfg"]); torch.manual_seed(0)
 draft = Eagle3Draft(cfg); draft.midlayer.self_attn.ttt_impl = "chunked"
 model = TTTModel(draft, spec["K"], recompute=recompute)
 def rss(field):
@@ -121,7 +122,7 @@ def test_activation_term_within_15_percent_of_cpu_slope():
     below 1024 tokens the slope varies ~7% between runs, here ~2.5%) against the plan's fp32
     activation bytes a token at Kimi's MLA head layout (measured: plan +5% to +7%)."""
     slope = measured_slope()
-    planned = activation_bytes_per_token(DraftConfig(**SMALL_KIMI_MLA), TTT_STEPS, bf16=False)
+    planned = activation_bytes_per_token(make_draft_config(**SMALL_KIMI_MLA), TTT_STEPS, bf16=False)
     assert abs(planned / slope - 1) < 0.15, (planned / 2**20, slope / 2**20)
 
 
@@ -135,7 +136,7 @@ def test_recompute_term_within_15_percent_of_cpu_slope():
     against 3.09 and 3.46 without recompute. At 1-3 steps the plan is 23-60% high (conservative)."""
     steps = 5
     slope = measured_slope(steps, recompute=True)
-    planned = recompute_bytes_per_token(DraftConfig(**SMALL_KIMI_MLA), steps, bf16=False)
+    planned = recompute_bytes_per_token(make_draft_config(**SMALL_KIMI_MLA), steps, bf16=False)
     assert abs(planned / slope - 1) < 0.15, (planned / 2**20, slope / 2**20)
 
 
@@ -167,7 +168,7 @@ def test_plan_counts_flex_gradient_label_cache_and_gib_cards(capsys):
     line saying so; the table prints GiB."""
     flex = plan_of("offline", 96, ["train.recompute_ttt_steps=false"], path="flex")
     chunked = plan_of("offline", 96, ["train.recompute_ttt_steps=false"], path="chunked")
-    cfg = DraftConfig(**SMALL_KIMI_MLA)
+    cfg = make_draft_config(**SMALL_KIMI_MLA)
     assert flex_kv_bytes_per_token(cfg, 7, True) == (28 + 7) * kv_block_bytes(cfg, True)
     assert flex.parts["activations"] > chunked.parts["activations"]
     cached = plan_of("offline", 96, ["data.label_cache_gb=1"])
@@ -365,9 +366,9 @@ def test_peagle_plan_counts_its_layers_and_is_an_estimate_not_a_refusal(capsys):
         head_dim=16, vocab_size=100, draft_vocab_size=50, target_hidden_size=64,
         aux_layer_ids=[0, 1, 2],
     )  # fmt: skip
-    one = parameter_counts(DraftConfig(**base))[0]
+    one = parameter_counts(make_draft_config(**base))[0]
     three = parameter_counts(
-        DraftConfig(**base, method="p-eagle", num_layers=3, parallel_depth=4, mask_token_id=0)
+        make_draft_config(**base, method="p-eagle", num_layers=3, parallel_depth=4, mask_token_id=0)
     )[0]
     assert three > one + 2 * 64 * 64  # two more decoder layers and mask_hidden
     shape = RunShape(max_length=1024, batch_size=1, grad_accum=1, ttt_steps=4, bf16=True)

@@ -132,4 +132,4 @@ def test_peagle_recipe_trains_validates_and_exports(tmp_path, helpers, tiny_llam
         255,
     )
     draft = load_draft(out / "final")
-    assert isinstance(draft, PEagleDraft) and draft.config.parallel_depth == 4
+    assert isinstance(draft, PEagleDraft) and draft.config.options.parallel_depth == 4

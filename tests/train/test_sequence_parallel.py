@@ -192,7 +192,7 @@ def test_sequence_parallel_long_kimi_recipe_plan_fits_8x96():
     activations are a 32k recipe's; without sequence parallelism the same row is refused,
     naming the group size that fits."""
     from train.config import load_config
-    from train.memory_checks import read_launch_config, recipe_plan
+    from train.memory_at_launch import read_launch_config, recipe_plan
     from train.memory_plan import GIB, Node, check_fits
 
     long = REPO / "configs/train/kimi-k2.5-offline-long.yaml"

@@ -131,7 +131,7 @@ def test_validation_counts_every_masked_position_and_keeps_the_best(
     run, then the final validation pass recomputed here; measured on 2 xdist workers)."""
     from eagle3.checkpoint import load_draft
     from eagle3.loss import simulated_acceptance, target_probs
-    from eagle3.target import load_embeddings, load_lm_head
+    from eagle3.targets import load_embeddings, load_lm_head
     from train.datasets import load_shards, split_validation
 
     out = tmp_path / "run"

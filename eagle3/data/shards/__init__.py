@@ -57,7 +57,7 @@ computing during the disk write).
 
 meta.json carries what training checks before using the data (``target``, ``vocab_size``,
 ``target_hidden_size``, ``aux_layer_ids``, ``num_layers``, and ``tokenizer_fingerprint``: a
-hash of the ids the capture's tokenizer gives a probe text, eagle3.target.tokenizer; captures
+hash of the ids the capture's tokenizer gives a probe text, eagle3.targets.tokenizer; captures
 written before it only warn), provenance (``sources``,
 ``models``/``providers`` of the responses, token counts, the capture summary) and ``command``:
 the ``datagen.capture`` flags of the last run (less ``--out``), which error messages turn into

@@ -18,7 +18,7 @@ import torch
 from eagle3.errors import Eagle3Error
 
 if TYPE_CHECKING:
-    from eagle3.target import Target
+    from eagle3.targets import Target
 
 FORMAT_VERSION = 1
 FP8 = torch.float8_e4m3fn
@@ -46,7 +46,7 @@ IDENTITY_KEYS = (
     "num_layers",
     "dtype",
     "max_length",
-    "tokenizer_fingerprint",  # the ids' tokenizer (eagle3.target.tokenizer); older captures lack it
+    "tokenizer_fingerprint",  # the ids' tokenizer (eagle3.targets.tokenizer); older captures lack it
 )
 SHARD_RE = re.compile(r"^shard-(?P<part>[0-9A-Za-z]+)-(?P<n>\d+)\.safetensors$")
 INDEX = "index.jsonl"

@@ -3,13 +3,15 @@
 The package holds the whole method:
 
     __init__.py   the method object P_EAGLE, its training unroll and loss (this module)
-    draft.py      the draft and its maths next to vLLM's (PEagleDraft, ParallelModel)
+    draft.py      the draft and its maths next to vLLM's (PEagleDraft, ParallelModel), and its
+                  sub-config PEagleOptions (DraftConfig.options)
     decoding.py   the in-house drafter (ParallelDrafter), imported only when asked for
 
 What the method is to the rest of the project (eagle3/methods/__init__.py has the registry):
 
 - the draft: draft.PEagleDraft, the EAGLE-3 layer plus num_layers - 1 plain Llama layers and a
-  learned `mask_hidden`, GQA over aux features only (what vLLM 0.32 serves);
+  learned `mask_hidden`, GQA over aux features only (what vLLM 0.32 serves); its sub-config
+  draft.PEagleOptions: EAGLE-3.1's switches, num_layers, parallel_depth and mask_token_id;
 - training: every depth < parallel_depth in one pass over subsampled positions
   (draft.ParallelModel), scored by `parallel_loss` below;
 - export: config.json also carries method, num_layers, parallel_depth and mask_token_id, and
@@ -55,7 +57,7 @@ from torch import nn
 from eagle3.errors import Eagle3Error
 from eagle3.losses import KL, Objective, objective_named, position_loss
 from eagle3.methods.eagle3 import Eagle3Method, Need
-from eagle3.methods.p_eagle.draft import ParallelModel, PEagleDraft
+from eagle3.methods.p_eagle.draft import ParallelModel, PEagleDraft, PEagleOptions
 from eagle3.model import DraftConfig, Eagle3Draft
 
 DEFAULT_LAYERS = 3  # model.draft.num_layers null: the EAGLE-3 layer + 2 plain ones
@@ -72,25 +74,30 @@ class PEagleMethod(Eagle3Method):
     own_tensors = (MASK_KEY,)
     switches = None  # its own: fc_norm applies to mask_hidden too
     reads_each_aux = True  # fc fuses the 3 aux states, and mask_hidden stands in for them
-    config_fields = ("method", "num_layers", "parallel_depth", "mask_token_id")
+    options_type = PEagleOptions
+    writes_method_key = True
 
     # -- the draft ------------------------------------------------------------------------
     def check(self, cfg: DraftConfig) -> None:
         problems = []
+        own: PEagleOptions = cfg.options
         if cfg.attention != "gqa" or cfg.feature != "aux":
             problems.append("p-eagle needs attention gqa and feature aux (vLLM 0.32 serves it")
             problems[-1] += " for Llama-style drafts only)"
-        if cfg.num_layers < 1 or cfg.parallel_depth < 2:
+        if own.num_layers < 1 or own.parallel_depth < 2:
             problems.append(
                 f"p-eagle needs num_layers >= 1 and parallel_depth >= 2, got "
-                f"{cfg.num_layers} / {cfg.parallel_depth}"
+                f"{own.num_layers} / {own.parallel_depth}"
             )
-        if cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < cfg.vocab_size:
+        if own.mask_token_id is None or not 0 <= own.mask_token_id < cfg.vocab_size:
             problems.append(
-                f"p-eagle needs a mask_token_id in [0, {cfg.vocab_size}), got {cfg.mask_token_id}"
+                f"p-eagle needs a mask_token_id in [0, {cfg.vocab_size}), got {own.mask_token_id}"
             )
         if problems:
             raise Eagle3Error("; ".join(problems))
+
+    def decoder_layers(self, cfg: DraftConfig) -> int:
+        return cfg.options.num_layers
 
     def build(self, cfg: DraftConfig) -> Eagle3Draft:
         return PEagleDraft(cfg)
@@ -155,7 +162,7 @@ class PEagleMethod(Eagle3Method):
     def unroll(self, draft_cfg: DraftConfig, model: Any, train: Any) -> ParallelUnroll:
         shape = model.draft
         return ParallelUnroll(
-            draft_cfg.parallel_depth,
+            draft_cfg.options.parallel_depth,
             shape.keep_rate,
             shape.keep_floor,
             train.seed,
@@ -164,7 +171,7 @@ class PEagleMethod(Eagle3Method):
 
     # -- export ---------------------------------------------------------------------------
     def export_extra(self, draft_cfg: DraftConfig) -> dict[str, Any]:
-        return {"speculative_tokens": draft_cfg.parallel_depth}
+        return {"speculative_tokens": draft_cfg.options.parallel_depth}
 
     def served_extra(self) -> dict[str, Any]:
         return {"parallel_drafting": True}  # K drafts from one pass

@@ -59,7 +59,7 @@ class ParallelDrafter:
         rows = [self.last_logits[None]]
         if K > 1:
             dev = self.last_logits.device
-            ids = torch.full((1, K - 1), self.draft.config.mask_token_id, device=dev)
+            ids = torch.full((1, K - 1), self.draft.config.options.mask_token_id, device=dev)
             hidden = self.draft.mask_state().to(self.cache[0][0].dtype).expand(1, K - 1, -1)
             # the depth-0 slot is the last cached entry, at position length - 1
             pos = torch.arange(self.length, self.length + K - 1, device=dev)[None]

@@ -50,10 +50,13 @@ context slot <= L and to the depth 1..d-1 slots before it. `PEagleDraft.forward`
 slots incrementally (decoding: the context from the cache, then the K-1 mask slots in one call)
 and `PEagleDraft.parallel_forward` computes all depths of every position in one pass
 (training), so that each depth's training logits are exactly its decoding logits. The
-in-house decoder that drives it as vLLM does is eagle3/methods/p_eagle/decoding.py.
+in-house decoder that drives it as vLLM does is eagle3/methods/p_eagle/decoding.py. Its
+sub-config (DraftConfig.options, the fields that config.json carries flat) is `PEagleOptions`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +64,22 @@ from torch import nn
 
 from eagle3.errors import Eagle3Error
 from eagle3.layers import MLP, Attention, RMSNorm
+from eagle3.methods.eagle3 import Eagle3Options
 from eagle3.model import DraftConfig, Eagle3Draft
+
+
+@dataclass(frozen=True)
+class PEagleOptions(Eagle3Options):
+    """P-EAGLE's sub-config (DraftConfig.options): EAGLE-3.1's switches (off unless a config
+    sets them; fc_norm applies to mask_hidden too), then its own fields, each a top-level
+    config.json key: decoder layers (the EAGLE-3 layer + num_layers - 1 plain Llama layers),
+    the depths K it is trained to draft in one pass, and the token id depths >= 1 are fed (vLLM
+    reads it as the config's mask_token_id). The defaults are unset values the method's check
+    refuses (eagle3.methods.eagle3.P_EAGLE_UNSET)."""
+
+    num_layers: int = 1
+    parallel_depth: int = 0
+    mask_token_id: int | None = None
 
 
 class PlainLayer(nn.Module):
@@ -85,11 +103,12 @@ class PEagleDraft(Eagle3Draft):
     `layers.{i}.*` (i = 1..num_layers-1, vLLM's layer index) and `mask_hidden`."""
 
     def __init__(self, cfg: DraftConfig):
-        if cfg.parallel_depth < 2:  # set only by P-EAGLE's config (eagle3/methods/p_eagle/)
+        if not isinstance(cfg.options, PEagleOptions):  # made by P-EAGLE's method only
             raise Eagle3Error(f"PEagleDraft needs a P-EAGLE config, the config says {cfg.method!r}")
         super().__init__(cfg)
+        layers = cfg.options.num_layers
         # keys "1".."n-1": the state dict then names layer i as vLLM does (layers.{i}.*)
-        self.layers = nn.ModuleDict({str(i): PlainLayer(cfg) for i in range(1, cfg.num_layers)})
+        self.layers = nn.ModuleDict({str(i): PlainLayer(cfg) for i in range(1, layers)})
         self.layers.apply(self._init_weights)
         self.mask_hidden = nn.Parameter(torch.randn(1, cfg.feature_size) * 0.02)
 
@@ -169,7 +188,7 @@ class PEagleDraft(Eagle3Draft):
         pos = [position_ids]
         for d, at in enumerate(anchors, start=1):
             n = at.numel()
-            ids.append(torch.full((B, n), self.config.mask_token_id, device=dev))
+            ids.append(torch.full((B, n), self.config.options.mask_token_id, device=dev))
             hs.append(self.mask_state().to(h0.dtype).expand(B, n, -1))
             pos.append(position_ids[:, at] + d)
         # depth 0: causal within a record; depth d: the context s <= anchor in its record

@@ -184,7 +184,7 @@ def test_excluding_every_allowed_provider_stops_the_run(tmp_path, fake, cli, h, 
 def test_real_online_audit_logs_its_checks(tmp_path, fake, cli, h, monkeypatch):
     """make_audit wires OnlineAudit to DIR/audit.jsonl (target load and scoring stubbed)."""
     import datagen.online_audit
-    import eagle3.target
+    import eagle3.targets
 
     loaded = []
 
@@ -192,7 +192,7 @@ def test_real_online_audit_logs_its_checks(tmp_path, fake, cli, h, monkeypatch):
         loaded.append(name)
         return SimpleNamespace(name=name, tokenizer=object())
 
-    monkeypatch.setattr(eagle3.target, "load_target", load_target)
+    monkeypatch.setattr(eagle3.targets, "load_target", load_target)
     monkeypatch.setattr(datagen.online_audit, "score_records", lambda *a, **k: [])
     server = fake(latency=0.002)
     code, _, stderr, out = run_cli(

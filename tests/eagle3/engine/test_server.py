@@ -31,7 +31,7 @@ from eagle3.engine.server import (
 )
 from eagle3.engine.venv import engine_is_cpu_build
 from eagle3.errors import EXIT_UNAVAILABLE, Eagle3Error, RemoteError
-from eagle3.target import ResolvedTarget, match_registry, target_spec
+from eagle3.targets import ResolvedTarget, match_registry, target_spec
 
 TARGET = "smollm2-135m-q4"
 AUX = [1, 14, 26]  # the project's ids for SmolLM2 (its registry entry, smollm2-135m-q4.yaml)
@@ -172,7 +172,7 @@ def target_dir(embedded_target_dir):
 
 @pytest.fixture(scope="module")
 def hf_target():
-    from eagle3.target import load_target
+    from eagle3.targets import load_target
 
     return load_target(TARGET, dtype=torch.float32, device="cpu", aux_layer_ids=AUX)
 
@@ -183,11 +183,12 @@ def drafter_dir(tmp_path_factory, target_dir):
     from transformers import AutoConfig
 
     from eagle3.checkpoint import save_draft
-    from eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3.methods import from_target_config
+    from eagle3.model import Eagle3Draft
 
     hf = AutoConfig.from_pretrained(target_dir)
     assert (hf.hidden_size, hf.vocab_size, hf.num_hidden_layers) == (576, 49152, NUM_LAYERS)
-    cfg = DraftConfig.from_target_config(hf, 2048, AUX)
+    cfg = from_target_config(hf, 2048, AUX)
     torch.manual_seed(0)
     model = Eagle3Draft(cfg)
     model.set_vocab(torch.zeros(2048, dtype=torch.long), torch.arange(49152) < 2048)

@@ -1,4 +1,4 @@
-"""The target registry (eagle3/target/registry_entries/<name>.yaml, package data) and `resolve`: a registry
+"""The target registry (eagle3/targets/registry_entries/<name>.yaml, package data) and `resolve`: a registry
 name, a HF directory, a .gguf or a hub id -> ResolvedTarget, what every loader takes."""
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ from typing import Any
 import yaml
 
 from eagle3.errors import Eagle3Error
-from eagle3.target.gguf import find_gguf, gguf_to_hf, packaged_gguf
+from eagle3.targets.gguf import find_gguf, gguf_to_hf, packaged_gguf
 
-log = logging.getLogger("eagle3.target")
+log = logging.getLogger("eagle3.targets")
 
 TARGETS_DIR = Path(__file__).resolve().parent / "registry_entries"  # package data
 
 
 def registry_names() -> list[str]:
-    """Short target names with a eagle3/target/registry_entries/<name>.yaml."""
+    """Short target names with a eagle3/targets/registry_entries/<name>.yaml."""
     return sorted(p.stem for p in TARGETS_DIR.glob("*.yaml"))
 
 
 def target_spec(name: str) -> dict[str, Any]:
-    """The registry entry for `name` (eagle3/target/registry_entries/<name>.yaml) as a dict."""
+    """The registry entry for `name` (eagle3/targets/registry_entries/<name>.yaml) as a dict."""
     path = TARGETS_DIR / f"{name}.yaml"
     if not path.is_file():
         raise Eagle3Error(
@@ -36,7 +36,7 @@ def target_spec(name: str) -> dict[str, Any]:
     spec = yaml.safe_load(path.read_text())
     if not isinstance(spec, dict) or "source" not in spec:
         raise Eagle3Error(
-            f"{path} has no 'source' section; see eagle3/target/registry_entries/*.yaml for the format"
+            f"{path} has no 'source' section; see eagle3/targets/registry_entries/*.yaml for the format"
         )
     return spec
 

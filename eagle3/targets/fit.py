@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.target.loading import default_device
-from eagle3.target.registry import ResolvedTarget, resolve
+from eagle3.targets.loading import default_device
+from eagle3.targets.registry import ResolvedTarget, resolve
 
 
 def weight_file_bytes(target: str | os.PathLike | ResolvedTarget) -> int | None:

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.errors import Eagle3Error
-from eagle3.target.registry import ResolvedTarget, resolve
-from eagle3.target.tokenizer import load_tokenizer
+from eagle3.targets.registry import ResolvedTarget, resolve
+from eagle3.targets.tokenizer import load_tokenizer
 
 
 def load_hf_config(target: str | os.PathLike | ResolvedTarget):

@@ -23,6 +23,7 @@ from eagle3.losses import objective_named
 from eagle3.losses.chunks import CE_CHUNK_ELEMENTS
 from eagle3.methods import method_of
 from eagle3.model import DraftConfig
+from eagle3.targets import resolve
 from eagle3.ttt_attention import auto_impl
 from train.config import Config, DataConfig
 from train.draft import draft_config
@@ -147,8 +148,6 @@ def engine_fraction(engine_args: list[str]) -> float:
 # -- the plan of a recipe ---------------------------------------------------------------------
 def served_weights_gb(name: str) -> float:
     """The registry's `served_weights_gb` of a target (what an engine loads), 0 if unknown."""
-    from eagle3.target import resolve
-
     return float((resolve(name).spec or {}).get("served_weights_gb") or 0.0)
 
 

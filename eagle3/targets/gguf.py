@@ -15,7 +15,7 @@ from typing import Any
 
 from eagle3.errors import Eagle3Error
 
-log = logging.getLogger("eagle3.target")
+log = logging.getLogger("eagle3.targets")
 
 
 def packaged_gguf(source: dict[str, Any]) -> Path:

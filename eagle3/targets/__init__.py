@@ -1,6 +1,6 @@
 """The target model: loading (registry name, HF dir, GGUF) and aux hidden-state capture.
 
-The registry is eagle3/target/registry_entries/<name>.yaml, one entry per known target, shipped
+The registry is eagle3/targets/registry_entries/<name>.yaml, one entry per known target, shipped
 inside the package (an installed wheel resolves its targets by name too). `TargetModel` is what
 every user of a target relies on, whether its forwards run in this process (`Target`) or in a
 vLLM engine (eagle3.engine.served_target.ServedTarget): ask `target.served`, never the class.
@@ -22,24 +22,30 @@ embeddings and the final norm read alone), ``fit`` (weights against device memor
 ``generation`` (the KV cache across transformers versions, EOS ids).
 """
 
-from eagle3.target.facts import (
+from eagle3.targets.facts import (
     TargetFiles,
     describe_target,
     load_hf_config,
     target_facts,
 )
-from eagle3.target.fit import check_fits, device_memory_bytes, weight_file_bytes
-from eagle3.target.generation import (
+from eagle3.targets.fit import check_fits, device_memory_bytes, weight_file_bytes
+from eagle3.targets.generation import (
     cache_kwarg,
     eos_token_ids,
     keep_cache_entries,
     new_cache,
     output_cache,
 )
-from eagle3.target.gguf import cache_root, gguf_to_hf
-from eagle3.target.in_process import Target, TargetModel, capture_outputs, check_context, decoder_of
-from eagle3.target.loading import load_target
-from eagle3.target.registry import (
+from eagle3.targets.gguf import cache_root, gguf_to_hf
+from eagle3.targets.in_process import (
+    Target,
+    TargetModel,
+    capture_outputs,
+    check_context,
+    decoder_of,
+)
+from eagle3.targets.loading import load_target
+from eagle3.targets.registry import (
     TARGETS_DIR,
     ResolvedTarget,
     default_aux_layers,
@@ -48,7 +54,7 @@ from eagle3.target.registry import (
     resolve,
     target_spec,
 )
-from eagle3.target.tokenizer import (
+from eagle3.targets.tokenizer import (
     PROBE_TEXT,
     check_fingerprint,
     check_tokenizer_class,
@@ -56,7 +62,7 @@ from eagle3.target.tokenizer import (
     load_tokenizer,
     tokenizer_fingerprint,
 )
-from eagle3.target.weights import load_embeddings, load_final_norm, load_lm_head, rms_norm
+from eagle3.targets.weights import load_embeddings, load_final_norm, load_lm_head, rms_norm
 
 __all__ = [
     "PROBE_TEXT",

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.errors import Eagle3Error
-from eagle3.target import (
+from eagle3.targets import (
     ResolvedTarget,
     Target,
     check_fingerprint,
@@ -31,7 +31,7 @@ from eagle3.target import (
     tokenizer_fingerprint,
     weight_file_bytes,
 )
-from eagle3.target import gguf as target_mod  # _load_gguf, packaged_gguf live there
+from eagle3.targets import gguf as target_mod  # _load_gguf, packaged_gguf live there
 
 TINY = ["tiny_llama_target", "tiny_deepseek_target"]
 
@@ -148,7 +148,7 @@ def test_target_attributes(tiny_deepseek_target):
 
 
 def test_target_is_the_in_process_side_of_the_target_interface(tiny_llama_target):
-    """What datagen and training ask of any target (eagle3.target.TargetModel): not served,
+    """What datagen and training ask of any target (eagle3.targets.TargetModel): not served,
     the length checked against max_position_embeddings in one line, stop() a no-op."""
     t = tiny_llama_target
     assert t.served is False

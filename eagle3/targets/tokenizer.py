@@ -26,7 +26,7 @@ import os
 from typing import Any
 
 from eagle3.errors import Eagle3Error
-from eagle3.target.registry import ResolvedTarget, resolve
+from eagle3.targets.registry import ResolvedTarget, resolve
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def check_tokenizer_class(tokenizer: Any, target: str | os.PathLike | ResolvedTa
     raise Eagle3Error(
         f"the tokenizer loaded for {t.name} from {t.hf_dir} is a {type(tokenizer).__name__}, "
         f"not the registry's {want} (what vLLM serves): its token ids would not match the "
-        f"target's; load it with eagle3.target.load_tokenizer or AutoTokenizer with {flag}"
+        f"target's; load it with eagle3.targets.load_tokenizer or AutoTokenizer with {flag}"
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.target.registry import default_aux_layers
+from eagle3.targets.registry import default_aux_layers
 
 
 def _check_aux_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
@@ -115,7 +115,7 @@ class Target:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
-        self.spec = spec  # registry entry (eagle3/target/registry_entries/<name>.yaml) or None
+        self.spec = spec  # registry entry (eagle3/targets/registry_entries/<name>.yaml) or None
         self._decoder = decoder_of(model)
         text_config = getattr(model.config, "text_config", None) or model.config
         self.num_layers = int(

@@ -12,11 +12,11 @@ import torch
 
 from eagle3.compute import matmul_dtype
 from eagle3.errors import Eagle3Error
-from eagle3.target.in_process import Target
-from eagle3.target.registry import ResolvedTarget, resolve
-from eagle3.target.tokenizer import find_tokenizer
+from eagle3.targets.in_process import Target
+from eagle3.targets.registry import ResolvedTarget, resolve
+from eagle3.targets.tokenizer import find_tokenizer
 
-log = logging.getLogger("eagle3.target")
+log = logging.getLogger("eagle3.targets")
 
 
 def default_device() -> torch.device:
@@ -40,7 +40,7 @@ def _load_model(name_or_path: str | os.PathLike, hf_dir: str, kwargs: dict[str, 
 
     upgrade = (
         f"transformers {transformers.__version__} does not know it: upgrade transformers "
-        "(Kimi-K2.5 needs >= 5.24) or set trust_remote_code: true in its eagle3/target/registry_entries entry"
+        "(Kimi-K2.5 needs >= 5.24) or set trust_remote_code: true in its eagle3/targets/registry_entries entry"
     )
     if Path(hf_dir).is_dir() and not (Path(hf_dir) / "config.json").is_file():
         raise Eagle3Error(

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from eagle3.errors import Eagle3Error
-from eagle3.target.facts import target_facts
-from eagle3.target.registry import ResolvedTarget, resolve
+from eagle3.targets.facts import target_facts
+from eagle3.targets.registry import ResolvedTarget, resolve
 
 
 def _hf_file(hf_dir: str, filename: str) -> Path | None:
