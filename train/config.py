@@ -27,7 +27,7 @@ from eagle3.data.windows import MODES as WINDOW_MODES
 from eagle3.engine.kinds import ENGINES
 from eagle3.errors import Eagle3Error
 from eagle3.losses import DEFAULT_LOSS, LK_ETA, LOSSES
-from eagle3.methods import DEFAULT_METHOD, METHODS, method_named
+from eagle3.methods import DEFAULT_METHOD, METHODS, check_recipe
 from eagle3.model import ATTENTIONS, FEATURES, MLA_FIELDS
 from eagle3.rope import rope_scaling_for_engines
 
@@ -296,7 +296,7 @@ def _check_values(cfg: Config, problems: list[str], check_paths: bool) -> None:
     _check_optim(cfg.optim, need)
     _check_train(cfg.train, cfg.data.mode, cfg.model.init_from, need, check_paths)
     if cfg.model.draft.method in METHODS:  # its own keys and what its training cannot do
-        method_named(cfg.model.draft.method).check_recipe(cfg.model, cfg.train, need)
+        check_recipe(cfg.model, cfg.train, need)
     need(
         cfg.target.aux_layer_ids is None or len(cfg.target.aux_layer_ids) == 3,
         f"target.aux_layer_ids needs exactly 3 layer ids, got {cfg.target.aux_layer_ids}",

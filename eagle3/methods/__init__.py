@@ -25,12 +25,15 @@ keys beside DraftConfig's own: `make_draft_config(**flat)` routes them to the me
 sub-config, fills its defaults and checks the config (every DraftConfig made from outside data
 is made there: `from_target_config`, the training recipe's train/draft.py, the checkpoint and
 published-config loader eagle3.checkpoint.load_config), and DraftConfig.to_dict() flattens them
-back, in config.json's order.
+back, in config.json's order. Another method's fields are dropped at their unset values (a
+peer's config.json may carry them) and refused when set, here and in a training recipe
+(`check_recipe`), by asking the sub-configs, so no method names another's fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -49,6 +52,12 @@ DEFAULT_METHOD = EAGLE3.name  # what a config that names no method trains
 OPTION_FIELDS = tuple(
     dict.fromkeys(f.name for m in REGISTRY.values() for f in dataclasses.fields(m.options_type))
 )
+# each such field's unset value: its default in the first sub-config that holds it
+UNSET = {
+    f.name: f.default
+    for m in reversed(REGISTRY.values())
+    for f in dataclasses.fields(m.options_type)
+}
 
 
 def method_named(name: str) -> Eagle3Method:
@@ -70,9 +79,55 @@ def make_draft_config(**fields: Any) -> DraftConfig:
     the config; anything wrong is one line (Eagle3Error)."""
     method = method_named(fields.pop("method", None) or DEFAULT_METHOD)
     options = method.options(fields)  # takes its fields out of `fields`
+    foreign = foreign_settings(method, fields)
+    if foreign:  # a peer's config.json may carry other methods' keys at their unset values
+        said = ", ".join(f"{name} {value}" for name, value in foreign.items())
+        raise Eagle3Error(
+            f"{said}: {_settings_of(foreign)}; method {method.name!r} does not read "
+            f"{'it' if len(foreign) == 1 else 'them'}: use that method or drop "
+            f"{'it' if len(foreign) == 1 else 'them'}"
+        )
+    fields = {name: value for name, value in fields.items() if name not in OPTION_FIELDS}
     cfg = DraftConfig(**fields, method=method.name, options=options)
     method.check(cfg)
     return cfg
+
+
+def foreign_settings(method: Eagle3Method, values: dict[str, Any]) -> dict[str, Any]:
+    """The fields of other methods' sub-configs in `values` that `method`'s lacks, set away
+    from their unset values (None or UNSET's): name -> value."""
+    own = {f.name for f in dataclasses.fields(method.options_type)}
+    return {
+        name: values[name]
+        for name in OPTION_FIELDS
+        if name not in own and name in values and values[name] not in (None, UNSET[name])
+    }
+
+
+def _settings_of(names: dict[str, Any]) -> str:
+    """'a setting of method p-eagle' / 'settings of method p-eagle' for the names given."""
+    owners = [
+        m.name
+        for m in REGISTRY.values()
+        if any(name in {f.name for f in dataclasses.fields(m.options_type)} for name in names)
+    ]
+    noun = "a setting" if len(names) == 1 else "settings"
+    return f"{noun} of method {' or '.join(owners)}"
+
+
+def check_recipe(model: Any, train: Any, need: Callable[[bool, str], None]) -> None:
+    """A training config's problems with its draft method (train/config.py's collector `need`):
+    other methods' model.draft keys set (null or their unset value is fine), then what the
+    method itself refuses (its check_recipe)."""
+    method = method_named(model.draft.method)
+    values = {name: getattr(model.draft, name, None) for name in OPTION_FIELDS}
+    for name in foreign_settings(method, values):
+        need(
+            False,
+            f"model.draft.{name} is {_settings_of({name: 0})}; model.draft.method "
+            f"{method.name} does not read it: leave it null",
+        )
+    method.check_recipe(model, train, need)
 
 
 def from_target_config(

@@ -41,7 +41,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagle3.errors import Eagle3Error
 from eagle3.loss import step_loss, ttt_loss, valid_counts
 from eagle3.losses import KL, Objective, objective_named
 from eagle3.model import DraftConfig, Eagle3Draft, TTTModel
@@ -59,11 +58,6 @@ class Eagle3Options:
 
 # EAGLE-3.1's switches: Eagle3Options' fields and config.json keys
 SWITCHES = tuple(f.name for f in dataclasses.fields(Eagle3Options))
-# P-EAGLE's own fields (eagle3.methods.p_eagle.PEagleOptions) at their unset values: what a
-# one-layer method's flat fields (a peer's config.json) may carry and drop
-P_EAGLE_UNSET: dict[str, Any] = {"num_layers": 1, "parallel_depth": 0, "mask_token_id": None}
-# model.draft's keys (train/config.py) that only P-EAGLE reads
-PARALLEL_KEYS = ("parallel_depth", "mask_token_id")
 
 Need = Callable[[bool, str], None]  # train/config.py's problem collector
 
@@ -95,18 +89,11 @@ class Eagle3Method:
     def options(self, fields: dict[str, Any]) -> Eagle3Options:
         """This method's sub-config from flat fields (config.json's keys; the arguments of
         eagle3.methods.make_draft_config), taking its own out of `fields`: those absent or None
-        take its defaults (the switches: this method's). P-EAGLE's fields left in `fields` (this
-        draft has one layer) are dropped at their unset values, else refused in one line."""
+        take its defaults (the switches: this method's). Other methods' fields stay in `fields`
+        (the registry's make_draft_config drops or refuses them)."""
         own = {f.name: fields.pop(f.name, None) for f in dataclasses.fields(self.options_type)}
         given = {name: value for name, value in own.items() if value is not None}
         switches = {switch: bool(self.switches) for switch in SWITCHES}
-        got = {**P_EAGLE_UNSET, **{n: fields.pop(n) for n in P_EAGLE_UNSET if n in fields}}
-        if got["num_layers"] != 1 or got["parallel_depth"] or got["mask_token_id"] is not None:
-            raise Eagle3Error(
-                f"num_layers {got['num_layers']}, parallel_depth {got['parallel_depth']} and "
-                f"mask_token_id {got['mask_token_id']} are P-EAGLE settings; method "
-                f"{self.name!r} has one layer: use method p-eagle or drop them"
-            )
         return self.options_type(**{**switches, **given})
 
     def check(self, cfg: DraftConfig) -> None:
@@ -129,11 +116,8 @@ class Eagle3Method:
         return {"method": self.name}
 
     def check_recipe(self, model: Any, train: Any, need: Need) -> None:
-        """This method's problems in a training config's model and train sections."""
-        shape = model.draft
-        given = [name for name in PARALLEL_KEYS if getattr(shape, name) is not None]
-        given += ["num_layers"] if shape.num_layers not in (None, 1) else []
-        need(not given, f"model.draft.{(given or ['*'])[0]} is a p-eagle setting; leave it null")
+        """This method's problems in a training config's model and train sections (other
+        methods' model.draft keys: the registry's check_recipe)."""
         if self.reads_each_aux:
             need(
                 model.feature == "aux",

@@ -18,15 +18,20 @@ from eagle3.checkpoint import load_draft, save_draft
 from eagle3.errors import Eagle3Error
 from eagle3.methods import (
     EAGLE3,
+    OPTION_FIELDS,
     REGISTRY,
+    UNSET,
+    check_recipe,
     draft_for,
     make_draft_config,
     method_named,
     method_of,
     method_of_published,
 )
-from eagle3.methods.eagle3 import P_EAGLE_UNSET, SWITCHES
+from eagle3.methods.eagle3 import Eagle3Options
 from eagle3.methods.p_eagle import PEagleOptions
+
+EAGLE3_OPTIONS = Eagle3Options()
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = ("eagle3", "train", "datagen", "benchmarks", "experiments", "scripts")
@@ -66,16 +71,27 @@ def test_a_config_keeps_its_methods_fields_in_its_sub_config(name, tiny_config):
     assert names[names.index("method") + 1 : names.index("method") + 1 + len(own)] == own
 
 
-def test_a_one_layer_method_drops_unset_peagle_fields_and_refuses_set_ones(tiny_config):
-    """<0.1 s: a peer's config.json may carry P-EAGLE's keys at their unset values; set ones are
-    refused in one line. The unset values are PEagleOptions' defaults."""
-    defaults = {k: v for k, v in vars(PEagleOptions()).items() if k not in SWITCHES}
-    assert defaults == P_EAGLE_UNSET
-    assert tiny_config(**P_EAGLE_UNSET) == tiny_config()
+def test_a_method_drops_other_methods_unset_fields_and_refuses_set_ones(tiny_config):
+    """<0.1 s: a peer's config.json may carry other methods' keys at their unset values (each
+    sub-config's default), and a model.draft may leave them null; set ones are refused in one
+    line naming the method that reads them, in make_draft_config and in the recipe's check."""
+    peagle = {k: v for k, v in vars(PEagleOptions()).items() if k not in vars(EAGLE3_OPTIONS)}
+    assert set(peagle) == set(OPTION_FIELDS) - set(vars(EAGLE3_OPTIONS))
+    assert {k: UNSET[k] for k in peagle} == peagle
+    assert tiny_config(**peagle) == tiny_config()
     with pytest.raises(
-        Eagle3Error, match="mask_token_id 3 are P-EAGLE settings; method 'eagle3.1'"
+        Eagle3Error,
+        match="mask_token_id 3: a setting of method p-eagle; method 'eagle3.1' does not read it",
     ):
         tiny_config(method="eagle3.1", mask_token_id=3)
+    shape = SimpleNamespace(method="eagle3", num_layers=1, parallel_depth=4, mask_token_id=None)
+    problems = []
+    model = SimpleNamespace(draft=shape, feature="aux")
+    check_recipe(model, SimpleNamespace(), lambda ok, msg: ok or problems.append(msg))
+    assert problems == [
+        "model.draft.parallel_depth is a setting of method p-eagle; model.draft.method eagle3 "
+        "does not read it: leave it null"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -174,7 +174,7 @@ def test_peagle_config_refuses_what_vllm_would_not_serve():
             head_dim=8, vocab_size=V, draft_vocab_size=V, target_hidden_size=HT,
             aux_layer_ids=[0, 1, 2], method="p-eagle", num_layers=2, parallel_depth=4,
         )  # fmt: skip
-    with pytest.raises(Eagle3Error, match="P-EAGLE settings"):
+    with pytest.raises(Eagle3Error, match="num_layers 3: a setting of method p-eagle"):
         make_draft_config(
             hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=V, draft_vocab_size=V, target_hidden_size=HT,

@@ -74,8 +74,8 @@ class PEagleOptions(Eagle3Options):
     sets them; fc_norm applies to mask_hidden too), then its own fields, each a top-level
     config.json key: decoder layers (the EAGLE-3 layer + num_layers - 1 plain Llama layers),
     the depths K it is trained to draft in one pass, and the token id depths >= 1 are fed (vLLM
-    reads it as the config's mask_token_id). The defaults are unset values the method's check
-    refuses (eagle3.methods.eagle3.P_EAGLE_UNSET)."""
+    reads it as the config's mask_token_id). The defaults are unset values: the method's check
+    refuses them, and a one-layer method's config may carry them (eagle3.methods.UNSET)."""
 
     num_layers: int = 1
     parallel_depth: int = 0
