@@ -141,9 +141,9 @@ def capture_dtypes(target, records: list[dict], dirs: dict[str, Path], max_lengt
     return dict(stats)
 
 
-def prepare(work: Path, args, dtypes: tuple[str, ...] = ("bf16", "fp8")) -> dict[str, Path]:
+def prepare(work: Path, args, dtypes: tuple[str, ...]) -> dict[str, Path]:
     """Records and each of `dtypes`' shards under `work` (reused when present) -> the shard
-    dirs, "MODE/train" and "MODE/val" (the default: what bench_rope_positions reads)."""
+    dirs, "MODE/train" and "MODE/val" (bench_rope_positions reads bf16's only)."""
     dirs = {
         f"{dt}/{part}": work / "shards" / dt / part for dt in dtypes for part in ("train", "val")
     }

@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
     work = args.work
-    dirs = prepare(work, args)
+    dirs = prepare(work, args, ("bf16",))  # bench_fp8_training's bf16 capture, when present
     runs = {
         "new": train_command(dirs["bf16/train"], work / "runs" / "bf16", args),
         "old": train_command(dirs["bf16/train"], work / "runs" / "bf16-rope10k", args, OLD_ROPE),

@@ -1,12 +1,15 @@
-"""experiments/bench_fp8_training.py's τ table, read from an eagle3.evaluate JSON (no engine)."""
+"""experiments/bench_fp8_training.py's τ table, read from an eagle3.evaluate JSON (no engine), and
+its command with bench_rope_positions.py's, as results/README.md prints them, at their smallest."""
 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
+import re
 
 import pytest
 from bench_fp8_training import tau_table
+
+from tests.experiments.commands import run_experiment
 
 
 def row(drafter: str, bench: str, tau: float, ci: tuple[float, float]) -> dict:
@@ -33,27 +36,33 @@ def test_tau_table_reads_each_modes_vllm_row_and_says_whether_intervals_overlap(
 
 
 @pytest.mark.slow
-def test_prepare_captures_every_mode_once_and_reuses_it(tmp_path, monkeypatch, one_thread):
-    """~5 s (the embedded target's load; ShareGPT read until 4 short conversations): the
-    stage before training that the docstring's command (and bench_rope_positions.py's) runs,
-    at 4 conversations of at most 128 tokens: records split once, one capture into each
-    mode's shards, all complete; a rerun reads them back without loading the target.
-    (Training two drafters and vLLM's tau take minutes.)"""
-    import bench_fp8_training
-    from bench_fp8_training import prepare
+def test_the_documented_commands_share_one_capture_and_print_their_tables(tmp_path):
+    """~100 s (the embedded target: one capture of 6 short ShareGPT conversations, three
+    1-step trainings of its 49k-vocab drafter, each a process): `bench_fp8_training.py --work W
+    --dtypes bf16,fp8-aux` as results/README.md prints it, at its smallest, then
+    `bench_rope_positions.py --work W` over the same W. The first captures both modes once and
+    prints each mode's acc_k row and the 0.5-point verdict; the second reuses its records, its
+    bf16 capture and its bf16 drafter (the "new" RoPE), trains only the old-RoPE drafter and
+    scores one held-out text, its chunked unroll equal to ttt_forward. (vLLM's τ, --evaluate, is
+    the engine tests' and takes minutes.)"""
+    small = ["--work", str(tmp_path), "--conversations", "6", "--min-tokens", "32",
+             "--max-length", "256", "--steps", "1", "--warmup", "1", "--serial"]  # fmt: skip
+    fp8 = run_experiment("bench_fp8_training.py", *small, "--dtypes", "bf16,fp8-aux").stdout
+    assert fp8.count("captured ") == 2 and "training bf16" in fp8 and "training fp8-aux" in fp8
+    for row in ("bf16 all", "bf16 in-vocab", "fp8-aux all", "fp8-aux - bf16"):
+        assert re.search(rf"^{re.escape(row)} +[-+0-9.]+", fp8, re.M), (row, fp8)
+    assert re.search(r"^fp8-aux: \|acc_0 difference\| = [0-9.]+ pp: (NOT )?under", fp8, re.M)
 
-    from eagle3.data.shards import ShardDataset, read_meta
-
-    args = SimpleNamespace(conversations=4, min_tokens=16, max_length=128, val_fraction=0.25,
-                           seed=0)  # fmt: skip
-    dirs = prepare(tmp_path, args, ("bf16", "fp8-aux"))
-    assert set(dirs) == {f"{m}/{p}" for m in ("bf16", "fp8-aux") for p in ("train", "val")}
-    assert all(read_meta(d)["complete"] for d in dirs.values())
-    assert (len(ShardDataset(dirs["bf16/train"])), len(ShardDataset(dirs["bf16/val"]))) == (3, 1)
-    assert len(ShardDataset(dirs["fp8-aux/train"])) == 3
-
-    def no_target(*args, **kwargs):
-        raise AssertionError("prepare loaded the target again")
-
-    monkeypatch.setattr(bench_fp8_training, "load_target", no_target)
-    assert prepare(tmp_path, args, ("bf16", "fp8-aux")) == dirs
+    rope = run_experiment(
+        "bench_rope_positions.py", *small, "--docs", "1", "--doc-tokens", "512", "--skip", "10"
+    ).stdout
+    assert "captured " not in rope and "training new" not in rope and "training old" in rope
+    assert "rope_theta 100000.0" in rope and "rope_theta 10000.0" in rope
+    agree = re.search(r"argmax agreement: ([0-9.]+)%", rope)
+    assert agree and float(agree.group(1)) == 100.0, rope
+    first = re.search(r"^ +0-1024 +([0-9.]+) +([0-9.]+) +([0-9]+) +1 ", rope, re.M)
+    assert (
+        first
+        and int(first.group(3)) > 0
+        and all(1.0 <= float(first.group(i)) <= 5.0 for i in (1, 2))
+    ), rope
