@@ -33,7 +33,7 @@ peer's config.json may carry them) and refused when set, here and in a training 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 import torch
@@ -57,6 +57,15 @@ UNSET = {
     f.name: f.default
     for m in reversed(REGISTRY.values())
     for f in dataclasses.fields(m.options_type)
+}
+# each such field's methods: those whose sub-config holds it
+OWNERS = {
+    name: tuple(
+        m.name
+        for m in REGISTRY.values()
+        if name in {f.name for f in dataclasses.fields(m.options_type)}
+    )
+    for name in OPTION_FIELDS
 }
 
 
@@ -104,13 +113,9 @@ def foreign_settings(method: Eagle3Method, values: dict[str, Any]) -> dict[str, 
     }
 
 
-def _settings_of(names: dict[str, Any]) -> str:
-    """'a setting of method p-eagle' / 'settings of method p-eagle' for the names given."""
-    owners = [
-        m.name
-        for m in REGISTRY.values()
-        if any(name in {f.name for f in dataclasses.fields(m.options_type)} for name in names)
-    ]
+def _settings_of(names: Collection[str]) -> str:
+    """'a setting of method p-eagle' / 'settings of method p-eagle' for the option fields named."""
+    owners = dict.fromkeys(owner for name in names for owner in OWNERS[name])
     noun = "a setting" if len(names) == 1 else "settings"
     return f"{noun} of method {' or '.join(owners)}"
 
@@ -124,7 +129,7 @@ def check_recipe(model: Any, train: Any, need: Callable[[bool, str], None]) -> N
     for name in foreign_settings(method, values):
         need(
             False,
-            f"model.draft.{name} is {_settings_of({name: 0})}; model.draft.method "
+            f"model.draft.{name} is {_settings_of([name])}; model.draft.method "
             f"{method.name} does not read it: leave it null",
         )
     method.check_recipe(model, train, need)
