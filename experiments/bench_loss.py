@@ -44,9 +44,12 @@ def arm_name(loss: str, seed: int) -> str:
     return f"{loss}-seed{seed}"
 
 
-def evaluate(work: Path, arms: list[str], benches: str, args, temperature: float) -> Path:
-    """Every arm's final drafter in one in-house evaluation at `temperature` -> its JSON."""
-    out = work / f"eval-t{temperature:g}.json"
+def evaluate(
+    work: Path, arms: list[str], benches: str, args, temperature: float, seed: int
+) -> Path:
+    """One seed's arms (every loss) in one in-house evaluation at `temperature` -> its JSON.
+    One file a seed, so a rerun with more --seeds decodes only the new seeds' drafters."""
+    out = work / f"eval-t{temperature:g}-seed{seed}.json"
     if out.is_file():
         return out
     drafts = [a for arm in arms for a in ("--draft", str(work / arm / "final"))]
@@ -55,7 +58,7 @@ def evaluate(work: Path, arms: list[str], benches: str, args, temperature: float
            "--max-new-tokens", str(args.max_new_tokens),
            "--steps", "4", "--temperature", f"{temperature:g}", "--context-buckets", "0",
            "--json", str(out)]  # fmt: skip
-    log = work / f"eval-t{temperature:g}.log"
+    log = out.with_suffix(".log")
     print(f"$ {' '.join(cmd)}  (log: {log})", flush=True)
     with open(log, "a") as f:
         if subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode:
@@ -108,17 +111,20 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     shards = ",".join(str(Path(s).resolve()) for s in args.shards)
     seconds = {}
-    for loss in losses:
-        for seed in seeds:
+    for seed in seeds:  # seed by seed: a killed or partial run has whole pairs to compare
+        for loss in losses:
             overrides = [f"target.name={args.target}", f"data.shard_dirs=[{shards}]",
                          f"train.epochs={args.epochs}", f"train.loss={loss}",
                          f"train.seed={seed}", *args.override]  # fmt: skip
             arm = arm_name(loss, seed)
             seconds[arm] = train_arm(work / arm, CONFIG, overrides, "bench_loss")
-    arms = [arm_name(loss, seed) for loss in losses for seed in seeds]
     benches = "humaneval,mt_bench" + (f",gsm8k={args.gsm8k}" if args.gsm8k else "")
     for temperature in (float(t) for t in args.temperatures.split(",")):
-        report = json.loads(evaluate(work, arms, benches, args, temperature).read_text())
+        report = {"results": []}
+        for seed in seeds:
+            arms = [arm_name(loss, seed) for loss in losses]
+            out = evaluate(work, arms, benches, args, temperature, seed)
+            report["results"] += json.loads(out.read_text())["results"]
         print(f"\nT = {temperature:g}: kl's tau, and each loss's paired difference from kl")
         print(markdown_table(*paired_table(report, losses, seeds)))
     base = [seconds[arm_name(BASE, s)] for s in seeds]

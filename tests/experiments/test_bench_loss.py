@@ -81,5 +81,8 @@ def test_the_bench_loss_command_trains_each_loss_and_pairs_it_with_kl(
         assert all(re.fullmatch(r"[+-]\d\.\d{3}( \[.*\])?", c) for c in table[3][2:]), table[3]
     assert "T = 0: " in proc.stdout and "T = 1: " in proc.stdout
     assert "training time lk-lambda / kl: " in proc.stdout
-    assert {p.name for p in work.glob("eval-*.json")} == {"eval-t0.json", "eval-t1.json"}
+    assert {p.name for p in work.glob("eval-*.json")} == {
+        "eval-t0-seed0.json",
+        "eval-t1-seed0.json",
+    }
     assert table_rows(rerun_in_process(main, cmd, monkeypatch, capsys)) == rows

