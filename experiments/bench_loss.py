@@ -19,7 +19,8 @@ trained), --prompts prompts of HumanEval, MT-bench and GSM8K, 64 new tokens a tu
 The table compares each loss with kl, seed by seed, over the same prompts: tau(loss) - tau(kl)
 with the 95% interval of that difference bootstrapped over the prompts drawn together
 (eagle3.evaluation.statistics.paired_tau_difference), so the prompts' own difficulty, which
-moves both drafters alike, is not counted as a difference. Every stage is skipped when its
+moves both drafters alike, is not counted as a difference. With several seeds, a row "all"
+pools each prompt's counts over the seeds (each loss's drafters as one sample of it). Every stage is skipped when its
 output exists: a killed run is rerun with the same command.
 """
 
@@ -66,24 +67,40 @@ def evaluate(
     return out
 
 
+def pooled(rows: dict, loss: str, seeds: list[int], bench: str) -> list[dict]:
+    """One loss's per-prompt counts on `bench`, each prompt's summed over `seeds`: the seeds'
+    drafters as one sample of the loss, still paired prompt by prompt with kl's."""
+    prompts: dict[str, dict] = {}
+    for seed in seeds:
+        for p in rows[(f"{arm_name(loss, seed)}/final", bench)]["per_prompt"]:
+            mine = prompts.setdefault(p["id"], {"id": p["id"], "accepted": 0, "steps": 0})
+            mine["accepted"] += p["accepted"]
+            mine["steps"] += p["steps"]
+    return list(prompts.values())
+
+
 def paired_table(
     report: dict, losses: list[str], seeds: list[int]
 ) -> tuple[list[str], list[list[str]]]:
-    """Rows: each loss (kl's own tau, the others' paired difference from kl) and seed;
-    columns: the benchmarks, "tau" or "+d [lo, hi]"."""
+    """Rows: each loss (kl's own tau, the others' paired difference from kl) and seed, then,
+    with several seeds, "all": the seeds' counts pooled prompt by prompt (the interval is
+    still over the prompts); columns: the benchmarks, "tau" or "+d [lo, hi]"."""
     rows = {(r["drafter"], r["bench"]): r for r in report["results"]}
     benches = sorted({bench for _, bench in rows}, key=["humaneval", "mt_bench", "gsm8k"].index)
+    groups = [(str(s), [s]) for s in seeds] + ([("all", seeds)] if len(seeds) > 1 else [])
     table = []
     for loss in losses:
-        for seed in seeds:
-            cells = [loss, str(seed)]
+        for name, group in groups:
+            cells = [loss, name]
             for bench in benches:
-                mine = rows[(f"{arm_name(loss, seed)}/final", bench)]
+                mine = pooled(rows, loss, group, bench)
                 if loss == BASE:
-                    cells.append(f"{mine['tau']:.3f}")
+                    tau = sum(p["accepted"] + p["steps"] for p in mine) / sum(
+                        p["steps"] for p in mine
+                    )
+                    cells.append(f"{tau:.3f}")
                     continue
-                base = rows[(f"{arm_name(BASE, seed)}/final", bench)]
-                diff, ci = paired_tau_difference(base["per_prompt"], mine["per_prompt"])
+                diff, ci = paired_tau_difference(pooled(rows, BASE, group, bench), mine)
                 cells.append(f"{diff:+.3f}" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else ""))
             table.append(cells)
     return ["loss", "seed", *benches], table

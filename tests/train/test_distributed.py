@@ -65,8 +65,8 @@ def master_update_error(accum_dtype: str, port: int) -> float:
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 def test_fp32_accum_under_zero2_with_bf16_weights_matches_an_fp32_reference():
-    """~12 s (5 s a process; the first DeepSpeed process on a machine JIT-builds DeepSpeed's CPU
-    shared-memory collective first, ~100 s in a fresh CI run, whichever test that is): with the
+    """~12 s (5 s a process; DeepSpeed's CPU shared-memory collective is built by
+    scripts/install.sh: without it the first DeepSpeed process JIT-builds it, ~100 s): with the
     shipped config the step's update is the fp64 sum of the micro-batches' gradients to 3.7e-7
     (measured); accumulating in bf16 instead misses it by 7.6e-3."""
     assert master_update_error("fp32", free_port()) < 1e-5
