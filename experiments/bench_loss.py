@@ -20,8 +20,8 @@ The table compares each loss with kl, seed by seed, over the same prompts: tau(l
 with the 95% interval of that difference bootstrapped over the prompts drawn together
 (eagle3.evaluation.statistics.paired_tau_difference), so the prompts' own difficulty, which
 moves both drafters alike, is not counted as a difference. With several seeds, a row "all"
-pools each prompt's counts over the seeds (each loss's drafters as one sample of it). Every stage is skipped when its
-output exists: a killed run is rerun with the same command.
+pools each prompt's counts over the seeds (each loss's drafters as one sample of it). Every
+stage is skipped when its output exists: a killed run is rerun with the same command.
 """
 
 from __future__ import annotations

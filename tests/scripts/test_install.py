@@ -34,7 +34,9 @@ def install(tmp_path: Path, failures: list[str]) -> tuple[subprocess.CompletedPr
         "#!/usr/bin/env bash\n"
         f'cd "{tmp_path}"\n'
         'echo "$*" >> calls\n'
-        'case "$*" in *build_shm_op*) [ -f build_fails ] && { echo "c++: not found"; exit 1; } ;; esac\n'
+        'case "$*" in *build_shm_op*)\n'
+        '    [ -f build_fails ] && { echo "c++: not found"; exit 1; } ;;\n'
+        "esac\n"
         "n=$(wc -l < calls); f=failure$((n - 1))\n"
         'if [ -f "$f" ]; then cat "$f"; exit 1; fi\n'
     )
