@@ -24,11 +24,11 @@ source as the answer, cut at a line end to --record-tokens, so the loss covers n
 position from 0 to --record-tokens. A module sharing a 13-word run with the benchmark's
 documents or tasks is left out (eagle3.data.decontaminate), so no benchmark prompt is trained.
 
-Both drafters are then served by vLLM-CPU (`eagle3.evaluate --engine vllm --engine-only`:
-vLLM's per-request step counts) on `--bench long_context`, prompts log-spaced from 256 to
---longest tokens, --prompts a doubling (+5), T=0, chains of 4, 64 new tokens. Printed: τ per
-context bucket (the context before each verification step) for both, 95% intervals over the
-prompts with steps in it. Every stage is skipped when its output exists, so a killed run is
+Both drafters are then served by vLLM-CPU (`eagle3.evaluate --engine vllm --engine-only
+--engine-passes single`: vLLM's per-request step counts, one request at a time) on `--bench
+long_context`, prompts log-spaced from 256 to --longest tokens, --prompts a doubling (+5),
+T=0, chains of 4, 64 new tokens. Printed: τ per context bucket (the context before each
+verification step) for both, 95% intervals over the prompts with steps in it. Every stage is skipped when its output exists, so a killed run is
 rerun with the same command.
 """
 
@@ -185,8 +185,8 @@ def main() -> None:
              "--long-context-min", str(SHORTEST), "--long-context-max", str(args.longest),
              "--max-new-tokens", str(NEW_TOKENS), "--steps", "4", "--temperature", "0",
              "--context-buckets", ",".join(map(str, BUCKETS)),
-             "--engine", "vllm", "--engine-only", "--engine-arg=--enforce-eager",
-             "--json", str(out)],
+             "--engine", "vllm", "--engine-only", "--engine-passes", "single",
+             "--engine-arg=--enforce-eager", "--json", str(out)],
             work / "eval-long_context.log",
         )  # fmt: skip
     print_table(work, seconds)
@@ -201,7 +201,7 @@ def _tau(bucket: dict) -> str:
 
 def print_table(work: Path, seconds: dict[str, float]) -> None:
     data = json.loads((work / "eval-long_context.json").read_text())
-    buckets = {}  # arm -> its one-request-at-a-time row's buckets (the xN rows are the same steps)
+    buckets = {}  # arm -> its one-request-at-a-time row's buckets
     for result in data["results"]:
         if result["drafter"].endswith("[vllm]"):
             arm = "windows" if "windows" in result["drafter"] else "whole"

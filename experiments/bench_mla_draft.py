@@ -106,6 +106,7 @@ def train_both(work: Path, args: argparse.Namespace) -> Path:
                 "data.val_fraction=0", "train.save_every=100000", "train.progress=false",
                 "wandb.mode=disabled", "model.ttt_steps=3", "data.max_length=1000",
                 "model.draft.intermediate_size=null",  # the miniature's (Kimi's: 18432)
+                "model.draft_vocab_size=256",  # of the miniature's 576 tokens (Kimi's 32,000)
                 f"model.draft.attention={kind}")  # fmt: skip
     return plain
 
