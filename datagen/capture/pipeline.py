@@ -184,4 +184,7 @@ def capture(s: CaptureSettings) -> int:
         stats, final = merge_provenance(out, gathered, sources, world, served_by, command)
         print(summary_text(stats, final))
         print(produced_line(out, final), flush=True)
+    # a process that exits with its gloo group alive can abort in the group's destructor
+    # ("terminate called without an active exception"): exit code -6 after a complete capture
+    state.destroy_process_group()
     return 0
