@@ -21,7 +21,8 @@ with the 95% interval of that difference bootstrapped over the prompts drawn tog
 (eagle3.evaluation.statistics.paired_tau_difference), so the prompts' own difficulty, which
 moves both drafters alike, is not counted as a difference. With several seeds, a row "all"
 pools each prompt's counts over the seeds (each loss's drafters as one sample of it). Every
-stage is skipped when its output exists: a killed run is rerun with the same command.
+stage is skipped when its output exists: a killed run is rerun with the same command, and a
+rerun with another loss added to --losses trains and decodes only that loss's arms.
 """
 
 from __future__ import annotations
@@ -45,15 +46,29 @@ def arm_name(loss: str, seed: int) -> str:
     return f"{loss}-seed{seed}"
 
 
+def evaluated(path: Path) -> set[str]:
+    """The arms an evaluation JSON decoded (its rows' drafters are `<arm>/final`)."""
+    return {Path(r["drafter"]).parent.name for r in json.loads(path.read_text())["results"]}
+
+
 def evaluate(
     work: Path, arms: list[str], benches: str, args, temperature: float, seed: int
-) -> Path:
-    """One seed's arms (every loss) in one in-house evaluation at `temperature` -> its JSON.
-    One file a seed, so a rerun with more --seeds decodes only the new seeds' drafters."""
-    out = work / f"eval-t{temperature:g}-seed{seed}.json"
-    if out.is_file():
-        return out
-    drafts = [a for arm in arms for a in ("--draft", str(work / arm / "final"))]
+) -> list[Path]:
+    """One seed's arms (every loss) by the in-house decoder at `temperature` -> the JSONs that
+    hold them. The first run of a seed writes eval-t{T}-seed{s}.json; a rerun with more
+    --losses decodes only the new arms, into eval-t{T}-seed{s}+{arm}.json: each turn's sampling
+    is seeded by the prompt and turn (eagle3.evaluation.measure.run_benchmark), so the rows of
+    separate runs pair prompt by prompt. A rerun with more --seeds decodes only the new seeds."""
+    files = sorted(work.glob(f"eval-t{temperature:g}-seed{seed}.json")) + sorted(
+        work.glob(f"eval-t{temperature:g}-seed{seed}+*.json")
+    )
+    done = set().union(*(evaluated(f) for f in files))
+    todo = [arm for arm in arms if arm not in done]
+    if not todo:
+        return files
+    name = f"seed{seed}" + ("" if not files else "+" + "+".join(todo))
+    out = work / f"eval-t{temperature:g}-{name}.json"
+    drafts = [a for arm in todo for a in ("--draft", str(work / arm / "final"))]
     cmd = [sys.executable, "-m", "eagle3.evaluate", "--target", args.target, "--device", "cpu",
            *drafts, "--bench", benches, "--limit", str(args.prompts),
            "--max-new-tokens", str(args.max_new_tokens),
@@ -64,7 +79,7 @@ def evaluate(
     with open(log, "a") as f:
         if subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode:
             sys.exit(f"bench_loss: evaluation failed, see {log}")
-    return out
+    return [*files, out]
 
 
 def pooled(rows: dict, loss: str, seeds: list[int], bench: str) -> list[dict]:
@@ -140,8 +155,8 @@ def main(argv: list[str] | None = None) -> None:
         report = {"results": []}
         for seed in seeds:
             arms = [arm_name(loss, seed) for loss in losses]
-            out = evaluate(work, arms, benches, args, temperature, seed)
-            report["results"] += json.loads(out.read_text())["results"]
+            for out in evaluate(work, arms, benches, args, temperature, seed):
+                report["results"] += json.loads(out.read_text())["results"]
         print(f"\nT = {temperature:g}: kl's tau, and each loss's paired difference from kl")
         print(markdown_table(*paired_table(report, losses, seeds)))
     base = [seconds[arm_name(BASE, s)] for s in seeds]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from bench_loss import main, paired_table
@@ -71,13 +72,14 @@ def test_two_seeds_get_a_row_each_and_one_pooled_prompt_by_prompt():
 def test_the_bench_loss_command_trains_each_loss_and_pairs_it_with_kl(
     tmp_path, tiny_shards, chat_target_dir, monkeypatch, capsys
 ):
-    """~18 s (two training launches and two evaluations, mostly their imports; 20-27 s at
-    load 4): the command results/README.md prints (`bench_loss.py --shards S --gsm8k
+    """~25 s (three training launches and three evaluations, mostly their imports; 42 s at
+    load 3): the command results/README.md prints (`bench_loss.py --shards S --gsm8k
     PATH/gsm8k/test.jsonl --seeds 0 --epochs 8`) at its smallest size: 1 epoch over 8 tiny
     shards, 1 prompt a benchmark (a made-up GSM8K file), 4 new tokens, against the tiny chat
     target. kl and lk-lambda each train, both are decoded at T = 0 and T = 1, and each table has
     kl's τ and lk-lambda's paired difference on the three benchmarks; a rerun (in process)
-    trains and decodes nothing again."""
+    trains and decodes nothing again; one with a third loss at T = 0 trains and decodes that
+    loss only, paired with the first run's kl."""
     gsm8k = tmp_path / "gsm8k" / "test.jsonl"
     gsm8k.parent.mkdir()
     gsm8k.write_text(json.dumps({"question": "what is 2 + 3 ?", "answer": "5"}) + "\n")
@@ -104,3 +106,12 @@ def test_the_bench_loss_command_trains_each_loss_and_pairs_it_with_kl(
         "eval-t1-seed0.json",
     }
     assert table_rows(rerun_in_process(main, cmd, monkeypatch, capsys)) == rows
+    monkeypatch.undo()
+    more = run_experiment("bench_loss.py", *cmd, "--losses", "kl,lk-lambda,lk-alpha",
+                          "--temperatures", "0")  # fmt: skip
+    added = work / "eval-t0-seed0+lk-alpha-seed0.json"  # only the new loss decoded
+    assert {Path(r["drafter"]).parent.name for r in json.loads(added.read_text())["results"]} == {
+        "lk-alpha-seed0"
+    }
+    table = table_rows(more.stdout)
+    assert table[:4] == rows[:4] and table[4][:2] == ["lk-alpha", "0"]  # kl's rows as before
