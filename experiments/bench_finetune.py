@@ -17,8 +17,8 @@ otherwise):
 - **the targeted budget**: the target's own answers (datagen.local, in-process, T=0, at most
   --answer-tokens new tokens) to --domain code prompts: "write this function" for public
   standard-library functions, by name, signature and docstring (none shares a 13-word run
-  with HumanEval: eagle3.data.decontaminate). The benchmark of the domain is HumanEval; MT-bench and GSM8K measure
-  forgetting. With --budget mixed the same number of prompts is a third each of chat (first
+  with HumanEval: eagle3.data.decontaminate). The benchmark of the domain is HumanEval;
+  MT-bench and GSM8K measure forgetting. With --budget mixed the same number of prompts is a third each of chat (first
   user turns of ShareGPT conversations the start never saw), code (the head of the same
   sample) and math (GSM8K's train questions), as the user's dataset mix spreads its budget;
   none shares a 13-word run with any benchmark.

