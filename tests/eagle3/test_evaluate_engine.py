@@ -39,10 +39,13 @@ def test_engine_flags_parse():
 def test_engine_tau_agrees_with_in_house_eagle3_eagle3_1_and_peagle(
     engine, embedded_drafters, tmp_path, capsys, monkeypatch
 ):
-    """The three methods in one evaluate (one plain server, one per drafter): ~4 min here with
-    the three drafters' training (embedded_drafters: ~1.5 min on an idle 2-core CPU). Each is
-    served as its method, as vLLM's log shows: the EAGLE-3.1 drafter's fc_norm weights loaded (not silently
-    plain EAGLE-3), P-EAGLE's server asked for parallel drafting of STEPS tokens a pass."""
+    """The three methods in one evaluate (one plain server, one per drafter), the batched pass
+    only (6 requests in flight; one request at a time is the MLA drafters' test in
+    tests/train/test_kimi_recipe.py, and both passes in one run are the runbook's step 4):
+    ~3 min here with the three drafters' training (embedded_drafters: ~1.5 min on an idle
+    2-core CPU). Each is served as its method, as vLLM's log shows: the EAGLE-3.1 drafter's
+    fc_norm weights loaded (not silently plain EAGLE-3), P-EAGLE's server asked for parallel
+    drafting of STEPS tokens a pass."""
     drafters, bench = embedded_drafters
     ckpt, ckpt31, peagle = drafters["eagle3"], drafters["eagle3.1"], drafters["p-eagle"]
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")  # the engine logs every weight it loads
@@ -53,36 +56,31 @@ def test_engine_tau_agrees_with_in_house_eagle3_eagle3_1_and_peagle(
         "--bench", f"mt_bench={bench}", "--max-new-tokens", "48", "--steps", str(STEPS),
         "--temperature", "0", "--json", str(out),
         "--engine", "vllm", "--engine-arg=--enforce-eager", "--engine-batch", "6",
-        "--engine-log", str(engine_log),
+        "--engine-passes", "batched", "--engine-log", str(engine_log),
     ]  # fmt: skip
     assert main(argv) == 0
     table = capsys.readouterr().out
     print("\n" + table)
     rows = {r["drafter"]: r for r in json.loads(out.read_text())["results"]}
     names = ("train/final", "eagle3.1/final", "train-peagle/final")
-    assert set(rows) == {f"{n}{s}" for n in names for s in ("", " [vllm]", " [vllm x6]")}
-    assert "| train/final [vllm] | mt_bench |" in table
+    assert set(rows) == {f"{n}{s}" for n in names for s in ("", " [vllm x6]")}
+    assert "| train/final [vllm x6] | mt_bench |" in table
     for name in names:
-        house, vllm, batched = (rows[name], rows[f"{name} [vllm]"], rows[f"{name} [vllm x6]"])
+        house, vllm = rows[name], rows[f"{name} [vllm x6]"]
         assert house["tau"] > 1.5, name  # the drafter learned these answers: a real test
         assert vllm["tau"] == pytest.approx(house["tau"], rel=TAU_RTOL), name
-        assert batched["tau"] == pytest.approx(house["tau"], rel=TAU_RTOL), name
         assert len(vllm["alpha"]) == STEPS
         assert all(0 <= a <= 1 for a in vllm["alpha"] if a is not None)
-        assert vllm["tokens"] == vllm["plain_tokens"] == house["tokens"]  # T=0: same answers
         assert vllm["engine"]["num_draft_tokens"] == STEPS * vllm["engine"]["num_drafts"]
-        assert vllm["speedup"] > 0 and batched["speedup"] > 0
+        assert vllm["speedup"] > 0
         # tau by context position from each response's per-step counts: the counters' steps
-        for row in (vllm, batched):
-            buckets, drafts = row["by_context"], row["engine"]["num_drafts"]
-            assert sum(b["steps"] for b in buckets) == row["engine"]["per_step_steps"] == drafts
-            assert row["engine"]["per_step_unaccounted_tokens"] == 0
-            total = sum(b["tau"] * b["steps"] for b in buckets)
-            assert total / drafts == pytest.approx(row["tau"])
-            lo, hi = row["tau_ci95"]  # the main table's interval, from the same per-step counts
-            assert lo <= row["tau"] <= hi
-        # T=0, the same answers: the steps fall in the same buckets as in-house
-        assert [b["label"] for b in vllm["by_context"]] == [b["label"] for b in house["by_context"]]
+        buckets, drafts = vllm["by_context"], vllm["engine"]["num_drafts"]
+        assert sum(b["steps"] for b in buckets) == vllm["engine"]["per_step_steps"] == drafts
+        assert vllm["engine"]["per_step_unaccounted_tokens"] == 0
+        total = sum(b["tau"] * b["steps"] for b in buckets)
+        assert total / drafts == pytest.approx(vllm["tau"])
+        lo, hi = vllm["tau_ci95"]  # the main table's interval, from the same per-step counts
+        assert lo <= vllm["tau"] <= hi
     assert rows["train-peagle/final"]["alpha"][1] > 0.2  # depths >= 1 drafted from the mask too
     text = engine_log.read_text()
     loaded = re.findall(r"Loaded weight (\S*fc_norm\.\d\.weight)", text)
