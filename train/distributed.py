@@ -47,10 +47,10 @@ def cpu_deepspeed(on_gpu: bool) -> None:
     if on_gpu:
         return
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    tools = str(Path(sys.executable).parent)
-    path = os.environ.get("PATH", "").split(os.pathsep)
-    if (Path(tools) / "ninja").is_file() and path[:1] != [tools]:
-        os.environ["PATH"] = os.pathsep.join([tools, *(p for p in path if p != tools)])
+    tools = Path(sys.executable).parent
+    path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p]  # "" would be the cwd
+    if (tools / "ninja").is_file() and path[:1] != [str(tools)]:
+        os.environ["PATH"] = os.pathsep.join([str(tools), *(p for p in path if p != str(tools))])
 
 
 def make_accelerator(cfg: Config) -> tuple[Accelerator, torch.dtype]:

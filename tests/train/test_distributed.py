@@ -124,6 +124,9 @@ def test_a_gpu_less_process_builds_with_its_own_venvs_ninja(monkeypatch, tmp_pat
     cpu_deepspeed(on_gpu=False)
     cpu_deepspeed(on_gpu=False)
     assert os.environ["PATH"] == os.pathsep.join([str(bin_dir), "/usr/bin", "/bin"])
+    monkeypatch.delenv("PATH")  # no PATH: the venv's bin alone, no empty entry (the cwd)
+    cpu_deepspeed(on_gpu=False)
+    assert os.environ["PATH"] == str(bin_dir)
 
 
 def test_the_start_line_names_a_single_process_in_words():
