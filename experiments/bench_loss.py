@@ -3,6 +3,7 @@
     python experiments/bench_loss.py --shards runs/quickstart/shards --gsm8k PATH/gsm8k/test.jsonl
         [--work runs/bench-loss] [--losses kl,lk-lambda] [--seeds 0,1] [--epochs 2]
         [--prompts 20] [--temperatures 0,1] [--max-new-tokens 64]
+        [--held-out RECORDS_DIR ...] [--held-out-prompts 20]
         [--target smollm2-135m-q4] [--override KEY=VALUE ...]
 
 Every arm trains configs/train/smollm2-q4-cpu.yaml on the same shards (the embedded target's
@@ -14,7 +15,10 @@ same 4-bit target (`--target`: another one, the shards' own, for training and de
 in-house (its tau equals vLLM's at T = 0, tests/eagle3/test_evaluate_engine.py; at T = 1 with
 proper rejection sampling, which vLLM 0.32 does not do for drafts), chains of 4 (the depth
 trained), --prompts prompts of HumanEval, MT-bench and GSM8K, 64 new tokens a turn
-(--max-new-tokens).
+(--max-new-tokens). `--held-out DIR` (the datagen records the shards were captured from) adds a
+general held-out set: --held-out-prompts of the conversations every arm's training holds out
+(the arms' data.val_fraction / val_seed split), a column held_out/<dataset> per dataset,
+decoded into its own eval-t{T}-seed{s}-held-out.json.
 
 The table compares each loss with kl, seed by seed, over the same prompts: tau(loss) - tau(kl)
 with the 95% interval of that difference bootstrapped over the prompts drawn together
@@ -46,28 +50,43 @@ def arm_name(loss: str, seed: int) -> str:
     return f"{loss}-seed{seed}"
 
 
+def held_out_args(args: argparse.Namespace) -> list[str]:
+    """eagle3.evaluate's arguments for the --held-out set alone, at the arms' split (the recipe's
+    data.val_fraction / val_seed are evaluate's defaults; an --override of them is passed on)."""
+    flags = {"data.val_fraction=": "--val-fraction", "data.val_seed=": "--val-seed"}
+    split = [
+        arg
+        for override in args.override
+        for key, flag in flags.items()
+        if override.startswith(key)
+        for arg in (flag, override.removeprefix(key))
+    ]
+    return ["--bench", "", "--held-out", *args.held_out,
+            "--held-out-prompts", str(args.held_out_prompts), *split]  # fmt: skip
+
+
 def evaluate(
-    work: Path, arms: list[str], benches: str, args, temperature: float, seed: int
-) -> list[dict]:
-    """One seed's arms (every loss) by the in-house decoder at `temperature` -> their result
-    rows, from the JSONs that hold them. The first run of a seed writes eval-t{T}-seed{s}.json; a rerun with more
-    --losses decodes only the new arms, into eval-t{T}-seed{s}+{arm}.json: each turn's sampling
-    is seeded by the prompt and turn (eagle3.evaluation.measure.run_benchmark), so the rows of
-    separate runs pair prompt by prompt. A rerun with more --seeds decodes only the new seeds."""
-    files = sorted(work.glob(f"eval-t{temperature:g}-seed{seed}.json")) + sorted(
-        work.glob(f"eval-t{temperature:g}-seed{seed}+*.json")
-    )
+    work: Path, arms: list[str], benches: list[str], args, temperature: float, seed: int,
+    tag: str = "",
+) -> list[dict]:  # fmt: skip
+    """One seed's arms (every loss) by the in-house decoder at `temperature` on `benches` (the
+    benchmark or held-out arguments; `tag` names the latter's files) -> their result rows, from
+    the JSONs that hold them. The first run of a seed writes eval-t{T}-seed{s}{tag}.json; a
+    rerun with more --losses decodes only the new arms, into eval-t{T}-seed{s}{tag}+{arm}.json:
+    each turn's sampling is seeded by the prompt and turn
+    (eagle3.evaluation.measure.run_benchmark), so the rows of separate runs pair prompt by
+    prompt. A rerun with more --seeds decodes only the new seeds."""
+    stem = f"eval-t{temperature:g}-seed{seed}{tag}"
+    files = sorted(work.glob(f"{stem}.json")) + sorted(work.glob(f"{stem}+*.json"))
     rows = [row for f in files for row in json.loads(f.read_text())["results"]]
     done = {Path(row["drafter"]).parent.name for row in rows}  # drafters are `<arm>/final`
     todo = [arm for arm in arms if arm not in done]
     if not todo:
         return rows
-    name = f"seed{seed}" + ("" if not files else "+" + "+".join(todo))
-    out = work / f"eval-t{temperature:g}-{name}.json"
+    out = work / (stem + ("" if not files else "+" + "+".join(todo)) + ".json")
     drafts = [a for arm in todo for a in ("--draft", str(work / arm / "final"))]
     cmd = [sys.executable, "-m", "eagle3.evaluate", "--target", args.target, "--device", "cpu",
-           *drafts, "--bench", benches, "--limit", str(args.prompts),
-           "--max-new-tokens", str(args.max_new_tokens),
+           *drafts, *benches, "--max-new-tokens", str(args.max_new_tokens),
            "--steps", "4", "--temperature", f"{temperature:g}", "--context-buckets", "0",
            "--json", str(out)]  # fmt: skip
     log = out.with_suffix(".log")
@@ -97,7 +116,8 @@ def paired_table(
     with several seeds, "all": the seeds' counts pooled prompt by prompt (the interval is
     still over the prompts); columns: the benchmarks, "tau" or "+d [lo, hi]"."""
     rows = {(r["drafter"], r["bench"]): r for r in report["results"]}
-    benches = sorted({bench for _, bench in rows}, key=["humaneval", "mt_bench", "gsm8k"].index)
+    order = ["humaneval", "mt_bench", "gsm8k"]  # then the held-out sets, by name
+    benches = sorted({b for _, b in rows}, key=lambda b: (order.index(b) if b in order else 3, b))
     groups = [(str(s), [s]) for s in seeds] + ([("all", seeds)] if len(seeds) > 1 else [])
     table = []
     for loss in losses:
@@ -128,6 +148,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--gsm8k", help="GSM8K's test.jsonl (no embedded copy): without it, no GSM8K")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="new tokens a turn")
+    ap.add_argument(
+        "--held-out", nargs="+", default=[], metavar="DIR",
+        help="the shards' datagen records: their conversations every arm holds out, measured",
+    )  # fmt: skip
+    ap.add_argument("--held-out-prompts", type=int, default=20, help="held-out prompts a dataset")
     ap.add_argument("--target", default=TARGET, help="the target trained for and decoded with")
     ap.add_argument("--override", nargs="*", default=[], help="more key=value for every arm")
     args = ap.parse_args(argv)
@@ -146,12 +171,17 @@ def main(argv: list[str] | None = None) -> None:
                          f"train.seed={seed}", *args.override]  # fmt: skip
             arm = arm_name(loss, seed)
             seconds[arm] = train_arm(work / arm, CONFIG, overrides, "bench_loss")
-    benches = "humaneval,mt_bench" + (f",gsm8k={args.gsm8k}" if args.gsm8k else "")
+    names = "humaneval,mt_bench" + (f",gsm8k={args.gsm8k}" if args.gsm8k else "")
+    benches, held = ["--bench", names, "--limit", str(args.prompts)], held_out_args(args)
     for temperature in (float(t) for t in args.temperatures.split(",")):
         report = {"results": []}
         for seed in seeds:
             arms = [arm_name(loss, seed) for loss in losses]
             report["results"] += evaluate(work, arms, benches, args, temperature, seed)
+            if args.held_out:
+                report["results"] += evaluate(
+                    work, arms, held, args, temperature, seed, "-held-out"
+                )
         print(f"\nT = {temperature:g}: kl's tau, and each loss's paired difference from kl")
         print(markdown_table(*paired_table(report, losses, seeds)))
     base = [seconds[arm_name(BASE, s)] for s in seeds]
