@@ -52,7 +52,10 @@ def arm_name(loss: str, seed: int) -> str:
 
 def held_out_args(args: argparse.Namespace) -> list[str]:
     """eagle3.evaluate's arguments for the --held-out set alone, at the arms' split (the recipe's
-    data.val_fraction / val_seed are evaluate's defaults; an --override of them is passed on)."""
+    data.val_fraction / val_seed are evaluate's defaults; an --override of them is passed on);
+    none without --held-out."""
+    if not args.held_out:
+        return []
     flags = {"data.val_fraction=": "--val-fraction", "data.val_seed=": "--val-seed"}
     split = [
         arg
@@ -117,7 +120,9 @@ def paired_table(
     still over the prompts); columns: the benchmarks, "tau" or "+d [lo, hi]"."""
     rows = {(r["drafter"], r["bench"]): r for r in report["results"]}
     order = ["humaneval", "mt_bench", "gsm8k"]  # then the held-out sets, by name
-    benches = sorted({b for _, b in rows}, key=lambda b: (order.index(b) if b in order else 3, b))
+    benches = sorted(
+        {b for _, b in rows}, key=lambda b: (order.index(b) if b in order else len(order), b)
+    )
     groups = [(str(s), [s]) for s in seeds] + ([("all", seeds)] if len(seeds) > 1 else [])
     table = []
     for loss in losses:
@@ -178,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         for seed in seeds:
             arms = [arm_name(loss, seed) for loss in losses]
             report["results"] += evaluate(work, arms, benches, args, temperature, seed)
-            if args.held_out:
+            if held:
                 report["results"] += evaluate(
                     work, arms, held, args, temperature, seed, "-held-out"
                 )

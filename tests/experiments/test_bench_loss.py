@@ -72,12 +72,15 @@ def test_two_seeds_get_a_row_each_and_one_pooled_prompt_by_prompt():
 
 def test_the_held_out_set_is_asked_at_the_arms_split():
     """<0.01 s: the held-out evaluation asks for the records' held-out conversations alone, at
-    evaluate's default split (the recipe's) or at the one --override gives every arm."""
+    evaluate's default split (the recipe's) or at the one --override gives every arm; nothing
+    without --held-out."""
     args = argparse.Namespace(held_out=["r1", "r2"], held_out_prompts=20, override=["a.b=1"])
     want = ["--bench", "", "--held-out", "r1", "r2", "--held-out-prompts", "20"]
     assert held_out_args(args) == want
     args.override = ["data.val_fraction=0.5", "train.seed=3", "data.val_seed=2"]
     assert held_out_args(args) == [*want, "--val-fraction", "0.5", "--val-seed", "2"]
+    args.held_out = []
+    assert held_out_args(args) == []
 
 
 def held_out_records(out: Path) -> Path:
