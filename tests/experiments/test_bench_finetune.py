@@ -8,6 +8,7 @@ import argparse
 import json
 
 import pytest
+import yaml
 from bench_finetune import ARMS, arm_overrides, function_prompts, write_domain_prompts
 
 from eagle3.data.decontaminate import BenchmarkIndex
@@ -80,7 +81,9 @@ def test_a_mixed_budget_is_a_third_each_of_unseen_chat_code_and_math(tmp_path):
 def test_the_arms_share_the_targeted_shards_and_epochs_and_differ_by_one_setting(tmp_path):
     """scratch / finetune / anchor / replay: the same shards and epochs; finetune adds the
     start and its lr, anchor adds the anchor, replay adds the generic shards' fraction."""
-    args = argparse.Namespace(start_epochs=2, epochs=4, lr_ratio=4.0, anchor=0.01, replay=0.25)
+    args = argparse.Namespace(
+        start_epochs=2, epochs=4, lr_ratio=4.0, anchor=0.01, replay=0.25, lk="lk-alpha"
+    )
     arms = {arm: arm_overrides(arm, tmp_path, args) for arm in ARMS}
     assert f"data.shard_dirs=[{tmp_path / 'shards-generic'}]" in arms["start"]
     for arm in ARMS[1:5]:
@@ -99,12 +102,12 @@ def test_the_arms_share_the_targeted_shards_and_epochs_and_differ_by_one_setting
         "data.replay_fraction=0.25",
     }
     # the new arms: replay with one change each (the loss, the rollout's shards) or both
-    assert set(arms["replay-lk"]) ^ set(arms["replay"]) == {"train.loss=lk-lambda"}
+    assert set(arms["replay-lk"]) ^ set(arms["replay"]) == {"train.loss=lk-alpha"}
     domain, rollout = (
         f"data.shard_dirs=[{tmp_path / d}]" for d in ("shards-domain", "rollout-start")
     )
     assert set(arms["onpolicy"]) ^ set(arms["replay"]) == {domain, rollout}
-    assert set(arms["onpolicy-lk"]) ^ set(arms["onpolicy"]) == {"train.loss=lk-lambda"}
+    assert set(arms["onpolicy-lk"]) ^ set(arms["onpolicy"]) == {"train.loss=lk-alpha"}
 
 
 def test_tau_table_reads_each_arms_batched_vllm_row(tmp_path):
@@ -206,6 +209,9 @@ def test_the_documented_command_with_a_mixed_budget_and_an_onpolicy_arm(engine, 
     )  # fmt: skip
     for arm in ("start", "onpolicy-lk"):
         assert finished_arm(work / arm)
+    assert yaml.safe_load((work / "onpolicy-lk" / "config.yaml").read_text())["train"]["loss"] == (
+        "lk-alpha"  # --lk's default
+    )
     prompts = (work / "domain-prompts.jsonl").read_text().splitlines()
     assert len(prompts) == 3 and (work / "rollout-start" / "index.jsonl").is_file()
     taus, _, *rows = table_rows(proc.stdout)[:4]
