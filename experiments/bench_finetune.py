@@ -61,12 +61,14 @@ from train_arms import ENGINE_BATCH, REPO, markdown_table, train_arm
 
 from eagle3.evaluation.report import engine_row_name
 from eagle3.evaluation.statistics import paired_tau_difference
-from eagle3.losses import DEFAULT_LOSS, LOSSES
 
 TARGET = "smollm2-135m-q4"
 CONFIG = "configs/train/smollm2-q4-cpu.yaml"
 BENCHES = ["humaneval", "mt_bench", "gsm8k"]
 ARMS = ["start", "scratch", "finetune", "anchor", "replay", "replay-lk", "onpolicy", "onpolicy-lk"]
+# --lk's choices: eagle3.losses' LK names, spelled out because importing it loads torch (~2 s a
+# launch); tests/experiments/test_bench_finetune.py keeps them equal
+LK_LOSSES = ("lk-alpha", "lk-lambda")
 ROLLOUT_STEPS = 4  # the rollout's chain: the depth every arm trains and is measured at
 CHAT_CHARS = 1500  # a chat prompt's first turn at most: ~400 tokens, the answer's 192 fit 1024
 ASK = "Write the Python function `{name}({args})` of the standard library's `{module}` module.\n\n{doc}"
@@ -230,7 +232,7 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--replay", type=float, default=0.25, help="data.replay_fraction of replay")
     ap.add_argument(
-        "--lk", choices=[name for name in LOSSES if name != DEFAULT_LOSS], default="lk-alpha",
+        "--lk", choices=LK_LOSSES, default="lk-alpha",
         help="train.loss of the -lk arms",
     )  # fmt: skip
     ap.add_argument("--prompts", type=int, default=20, help="prompts a benchmark")

