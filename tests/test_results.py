@@ -21,8 +21,9 @@ def _strings(value: object) -> Iterator[str]:
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
-        for v in value.values():
-            yield from _strings(v)
+        for k, v in value.items():
+            if k != "rule":  # a held-out set's selection rule: eagle3.evaluate's prose, no prompt
+                yield from _strings(v)
     elif isinstance(value, list):
         for v in value:
             yield from _strings(v)
