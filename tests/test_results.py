@@ -17,13 +17,14 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 MAX_WORDS = 20
 
 
-def _strings(value: object) -> Iterator[str]:
+def _strings(value: object, key: str = "") -> Iterator[str]:
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
         for k, v in value.items():
-            if k != "rule":  # a held-out set's selection rule: eagle3.evaluate's prose, no prompt
-                yield from _strings(v)
+            # the held-out set's selection rule, eagle3.evaluate's own prose (no prompt text)
+            if not (key == "held_out" and k == "rule"):
+                yield from _strings(v, k)
     elif isinstance(value, list):
         for v in value:
             yield from _strings(v)
