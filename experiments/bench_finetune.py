@@ -46,7 +46,9 @@ eagle3.evaluate's defaults), asked up to their last user turn, the row held_out/
 none); τ with 95% intervals bootstrapped over the prompts (one context bucket), and each arm's
 paired difference from the start and from replay over the same prompts (the 95% interval of the
 per-prompt difference, eagle3.evaluation.statistics.paired_tau_difference). Every stage is
-skipped when its output exists, so a killed run is rerun with the same command.
+skipped when its output exists, so a killed run is rerun with the same command. Another budget
+reuses the same start from its own work directory: link generic, shards-generic and start
+there from the first one's (the arms name those by their real paths).
 """
 
 from __future__ import annotations
@@ -193,21 +195,24 @@ def run(cmd: list[str], log: Path, done: Path | None = None) -> None:
 def arm_overrides(arm: str, work: Path, args: argparse.Namespace) -> list[str]:
     """What each arm changes in the recipe (the same targeted shards and epochs for all but
     the start). An arm's directory keeps its name whatever --lk is: train_arm refuses a
-    finished -lk arm that trained with another loss."""
+    finished -lk arm that trained with another loss. The generic shards and the start are named
+    by their real paths: another work directory (another --budget) that links to them reuses
+    the same start instead of being refused for a different path."""
+    generic = (work / "shards-generic").resolve()
     if arm == "start":
-        return [f"data.shard_dirs=[{work / 'shards-generic'}]", f"train.epochs={args.start_epochs}"]
+        return [f"data.shard_dirs=[{generic}]", f"train.epochs={args.start_epochs}"]
     common = [f"data.shard_dirs=[{work / 'shards-domain'}]", f"train.epochs={args.epochs}"]
     if arm == "scratch":
         return common
     lr = 2.0e-3 / args.lr_ratio  # the recipe's lr (configs/train/smollm2-q4-cpu.yaml)
-    tune = [*common, f"model.init_from={work / 'start' / 'final'}", f"optim.lr={lr:g}",
+    tune = [*common, f"model.init_from={(work / 'start').resolve() / 'final'}", f"optim.lr={lr:g}",
             "optim.warmup_steps=0"]  # fmt: skip
     if arm == "finetune":
         return tune
     anchored = [*tune, f"train.anchor_l2={args.anchor:g}"]
     if arm == "anchor":
         return anchored
-    replay = [*anchored, f"data.replay_shard_dirs=[{work / 'shards-generic'}]",
+    replay = [*anchored, f"data.replay_shard_dirs=[{generic}]",
               f"data.replay_fraction={args.replay:g}"]  # fmt: skip
     if arm.startswith("onpolicy"):  # the same prompts' tokens, with the start's rejection log
         replay = [o for o in replay if not o.startswith("data.shard_dirs=")]

@@ -115,6 +115,24 @@ def test_the_arms_share_the_targeted_shards_and_epochs_and_differ_by_one_setting
     assert set(LK_LOSSES) == set(LOSSES) - {DEFAULT_LOSS}  # --lk's choices: every LK loss
 
 
+def test_another_budget_links_to_the_same_start_and_generic_shards(tmp_path):
+    """A second work directory whose generic shards and start are links to the first's: every
+    arm names the first's real paths, so train_arm finds the linked start trained with the same
+    settings instead of refusing it for another path. (~0 s.)"""
+    first, second = tmp_path / "mixed", tmp_path / "code"
+    for name in ("shards-generic", "start"):
+        (first / name).mkdir(parents=True)
+        (second / name).parent.mkdir(exist_ok=True)
+        (second / name).symlink_to(first / name)
+    args = argparse.Namespace(
+        start_epochs=1, epochs=2, lr_ratio=4.0, anchor=0.01, replay=0.25, lk="lk-alpha"
+    )
+    assert arm_overrides("start", second, args) == arm_overrides("start", first, args)
+    real = {f"data.replay_shard_dirs=[{first / 'shards-generic'}]",
+            f"model.init_from={first / 'start' / 'final'}"}  # fmt: skip
+    assert real <= set(arm_overrides("onpolicy-lk", second, args))
+
+
 def test_jobs_train_the_fine_tune_arms_at_once_on_a_share_of_the_cores(tmp_path, monkeypatch):
     """--jobs 2: two arms train at the same time (each waits on the other at a barrier, which
     times out if they ran in turn), each with cores / 2 threads; --jobs 1: in turn, in this
